@@ -1,0 +1,40 @@
+# specdec: `make run` (demo stack + a generation), `make test` (the suite).
+# Everything sets itself up on a fresh machine: a .venv with the project.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU wheel by default (the plain `torch` from PyPI pulls several GB of CUDA
+# wheels); override for GPUs, e.g. `make TORCH_SPEC='torch==2.13.0' ...`
+# with your own index, or TORCH_SPEC= to keep an existing install.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specdec-installed
+
+.PHONY: setup run test bench protos protos-check clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+protos: setup
+	$(PY) -m specdec.protos_build
+
+protos-check: setup
+	$(PY) -m specdec.protos_build --check
+
+run: setup
+	$(VENV)/bin/specdec up --demo-generation
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m pytest -q -m slow
+	$(VENV)/bin/specdec bench --prompts specdec/bench/prompts.jsonl --json bench-results.json --report bench-report
+
+clean-venv:
+	rm -rf $(VENV)

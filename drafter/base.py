@@ -1,0 +1,155 @@
+"""The drafter interface and the KV-cached tree expansion shared by model drafters.
+
+A drafter session mirrors the committed tokens. Its model has consumed a
+prefix of them (``fed``); the rest are *pending* and are fed at the start of
+the next draft, whose last output gives the root's children. Tree expansion
+then appends draft-only KV slots, each visible to its tree descendants only,
+and drops them when the tree is built: the drafter's cache never holds a token
+that was not committed.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec import kv
+from specdec.errors import InvalidArgument
+from specdec.sessions import SessionTable
+from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree
+
+
+@dataclass
+class DraftSession:
+    tokens: list[int]                      # committed tokens (last = root)
+    features: list[torch.Tensor] = field(default_factory=list)  # [H] preceding tokens[i+1]
+    cache: object = None
+    fed: int = 0                           # inputs already in `cache`
+    state: object = None                   # drafter-specific (the n-gram index)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Drafter(ABC):
+    """prefill -> (draft -> commit)* -> release, per session id."""
+
+    needs_features = False
+    name = "drafter"
+
+    def __init__(self, vocab_size: int, max_sessions: int = 64, ttl_s: float = 600.0):
+        self.vocab_size = vocab_size
+        self.sessions: SessionTable[DraftSession] = SessionTable(max_sessions, ttl_s)
+
+    def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
+        """tokens: prompt + first generated token; features: [len(tokens) - 1, H]
+        target hidden states at the prompt positions (EAGLE only)."""
+        if not tokens:
+            raise InvalidArgument("drafter prefill needs at least one token")
+        sess = DraftSession(tokens=[])
+        self._append(sess, tokens, features, first=True)
+        self.sessions.add(sid, sess, replace=True)
+
+    def commit(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
+        """tokens newly committed (accepted + bonus); features: [len(tokens), H]."""
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            self._append(sess, tokens, features, first=False)
+
+    def rollback(self, sid: str, length: int) -> None:
+        """Keep the first ``length`` committed tokens."""
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            if not 1 <= length <= len(sess.tokens):
+                raise InvalidArgument(f"rollback length must be in [1, {len(sess.tokens)}], got {length}")
+            del sess.tokens[length:]
+            del sess.features[length - 1:]
+            sess.state = None
+            if sess.cache is not None and sess.fed > self._inputs_for(length):
+                sess.fed = self._inputs_for(length)
+                kv.truncate(sess.cache, sess.fed)
+
+    def release(self, sid: str) -> bool:
+        return self.sessions.pop(sid) is not None
+
+    def draft(self, sid: str, cfg: TreeConfig) -> DraftTree:
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            return self._draft(sess, cfg)
+
+    # -- for subclasses ----------------------------------------------------------
+    @abstractmethod
+    def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree: ...
+
+    def _inputs_for(self, n_tokens: int) -> int:
+        """How many model inputs ``n_tokens`` committed tokens make."""
+        return n_tokens
+
+    def _append(self, sess: DraftSession, tokens: list[int], features, first: bool) -> None:
+        bad = next((t for t in tokens if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the drafter vocabulary [0, {self.vocab_size})")
+        if self.needs_features:
+            want = len(tokens) - 1 if first else len(tokens)
+            if features is None or features.ndim != 2 or features.shape[0] != want:
+                got = None if features is None else tuple(features.shape)
+                raise InvalidArgument(f"EAGLE drafter needs features of shape [{want}, H], got {got}")
+            sess.features.extend(features.float().unbind(0))
+        sess.tokens.extend(int(t) for t in tokens)
+
+
+class CachedTreeDrafter(Drafter):
+    """A drafter whose model runs over a KV cache (EAGLE head or small LM)."""
+
+    @abstractmethod
+    def _new_cache(self): ...
+
+    @abstractmethod
+    def _feed_pending(self, sess: DraftSession) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed inputs [fed, total) into the cache; return (last hidden [H], log-probs [V])."""
+
+    @abstractmethod
+    def _step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,
+              positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tree level: tokens [k], parent_hidden [k, H], positions [k], additive
+        mask [1, 1, k, cache + k]. Returns hidden [k, H], log-probs [k, V]."""
+
+    @torch.inference_mode()
+    def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree:
+        if sess.cache is None:
+            sess.cache = self._new_cache()
+        root_hidden, root_logp = self._feed_pending(sess)
+        committed = kv.seq_len(sess.cache)
+        root_pos = committed - 1
+        hidden = {0: root_hidden}          # pool id -> model output at that node
+        slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
+        parent_of: dict[int, int] = {0: -1}
+
+        def expand(frontier: Frontier) -> torch.Tensor:
+            if frontier.depth == 0:
+                return root_logp[None]
+            nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
+            k, used = len(nodes), len(slot)
+            allowed = torch.zeros(k, used + k, dtype=torch.bool)
+            for row, (node, parent) in enumerate(zip(nodes, parents)):
+                parent_of[node] = parent
+                a = parent
+                while a > 0:               # the root's input is committed, not a draft slot
+                    allowed[row, slot[a]] = True
+                    a = parent_of[a]
+                allowed[row, used + row] = True
+            mask = torch.zeros(k, committed + used + k)
+            mask[:, committed:].masked_fill_(~allowed, torch.finfo(torch.float32).min)
+            positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
+            parent_h = torch.stack([hidden[p] for p in parents])
+            out_h, logp = self._step(sess, frontier.tokens, parent_h, positions, mask[None, None])
+            for row, node in enumerate(nodes):
+                slot[node] = used + row
+                hidden[node] = out_h[row]
+            return logp
+
+        try:
+            return build_tree(sess.tokens[-1], expand, cfg)
+        finally:
+            kv.truncate(sess.cache, committed)

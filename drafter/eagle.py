@@ -1,0 +1,58 @@
+"""EAGLE-2 drafter: a feature-level head over the target's features.
+
+Input t of the head is the pair (f_t, x_{t+1}); committed pairs live in the
+head's KV cache. A tree node at depth d takes its parent's head output as its
+feature (the head predicts the target's next feature) and sits at position
+root_pos + d.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drafter.base import CachedTreeDrafter, DraftSession
+from drafter.eagle_head import load_head, load_target_embeddings
+
+
+class EagleDrafter(CachedTreeDrafter):
+    needs_features = True
+    name = "eagle"
+
+    def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
+                 max_sessions: int = 64, ttl_s: float = 600.0, head=None, embed=None, lm_head=None):
+        if head is None:
+            head = load_head(head_dir, dtype)
+        if embed is None or lm_head is None:
+            embed, lm_head = load_target_embeddings(target_dir, dtype)
+        if embed.shape[1] != head.config.hidden_size:
+            raise ValueError(f"EAGLE head hidden size {head.config.hidden_size} does not match the "
+                             f"target's {embed.shape[1]}")
+        super().__init__(vocab_size=embed.shape[0], max_sessions=max_sessions, ttl_s=ttl_s)
+        self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.hidden_size = embed.shape[1]
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.head.config)
+
+    def _inputs_for(self, n_tokens: int) -> int:
+        return n_tokens - 1
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((hidden @ self.lm_head.T).float(), dim=-1)
+
+    def _feed_pending(self, sess: DraftSession):
+        start, end = sess.fed, len(sess.tokens) - 1          # pairs (f_t, x_{t+1})
+        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long)
+        feats = torch.stack(sess.features[start:end])
+        positions = torch.arange(start, end)
+        out = self.head(self.embed[tokens][None], feats[None], positions[None], None, sess.cache)[0]
+        sess.fed = end
+        return out[-1], self._logprobs(out[-1])
+
+    def _step(self, sess, tokens, parent_hidden, positions, mask):
+        out = self.head(self.embed[tokens][None], parent_hidden[None], positions[None], mask, sess.cache)[0]
+        return out, self._logprobs(out)

@@ -1,0 +1,152 @@
+"""``specdec generate``: run prompts in-process (``--local``) or through a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec.decoding import StopCriteria
+from specdec.sampling import SamplingParams
+from specdec.tree import METHODS, TreeConfig
+
+DEFAULT_TREE = TreeConfig()
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (default: the bundled demo family)")
+    g.add_argument("--target", help="target model directory (HF causal LM)")
+    d = g.add_mutually_exclusive_group()
+    d.add_argument("--eagle", help="EAGLE-1/2 head directory (EAGLE checkpoint layout)")
+    d.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
+    d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
+    g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+
+
+def add_decoding_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="eagle2", choices=("vanilla",) + METHODS)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE.total_tokens,
+                   help="draft tree size incl. the root")
+    p.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="deepest draft level")
+    p.add_argument("--expand-k", type=int, default=DEFAULT_TREE.expand_k, help="top-k per expansion")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for a prompt or a JSONL file of prompts")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true", help="run drafter and verifier in this process (default)")
+    where.add_argument("--server", metavar="HOST:PORT", help="an orchestrator to call")
+    add_model_flags(p)
+    add_decoding_flags(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    p.add_argument("--prompt-file", help="JSONL file, one {\"prompt\": ...} per line")
+    p.add_argument("prompt", nargs="?", help="the prompt text")
+    p.set_defaults(run=run)
+
+
+def read_prompts(args) -> list[str]:
+    from specdec.cli.main import CliError
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise CliError("give exactly one of PROMPT or --prompt-file")
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise CliError(f"prompt file not found: {path}")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise CliError(f"{path}:{lineno}: expected an object with a string \"prompt\"")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise CliError(f"prompt file {path} has no prompts")
+    return prompts
+
+
+def sampling_from(args) -> SamplingParams:
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params.validate()
+    return params
+
+
+def tree_from(args) -> TreeConfig | None:
+    if args.method == "vanilla":
+        return None
+    return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
+
+
+def resolve_models(args):
+    """Model flags -> (ModelSpec, DrafterChoice), defaulting to the demo family."""
+    from specdec.cli.main import CliError
+    from specdec.local import DrafterChoice, default_paths
+    from specdec.models import ModelSpec
+
+    demo = default_paths()
+    target = args.target or str(demo["target"])
+    if not Path(target, "config.json").is_file():
+        hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
+        raise CliError(f"target model directory {target} has no config.json{hint}")
+    spec = ModelSpec(path=target, dtype=args.dtype)
+    if args.method == "vanilla":
+        return spec, DrafterChoice("none")
+    if args.ngram:
+        return spec, DrafterChoice("ngram")
+    if args.draft_lm:
+        return spec, DrafterChoice("draft-lm", args.draft_lm)
+    eagle = args.eagle or str(demo["eagle"])
+    if not Path(eagle, "config.json").is_file():
+        raise CliError(f"EAGLE head directory {eagle} has no config.json")
+    return spec, DrafterChoice("eagle", eagle)
+
+
+def result_record(tokens: list[int], text: str, stats) -> dict:
+    return {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
+            "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
+
+
+def run(args) -> int:
+    from specdec.cli.main import CliError
+
+    prompts = read_prompts(args)
+    params = sampling_from(args)
+    tree_cfg = tree_from(args)
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.server:
+        from specdec.cli.remote import run_remote
+
+        return run_remote(args, prompts, params, tree_cfg)
+    from specdec.local import build_local, generate
+
+    spec, choice = resolve_models(args)
+    stack = build_local(spec, choice)
+    tok = stack.tokenizer
+    eos = {i for i in [tok.eos_token_id] if i is not None}
+    for prompt in prompts:
+        if not prompt:
+            raise CliError("prompt must not be empty")
+        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
+        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg)
+        text = tok.decode(dec.tokens, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps(result_record(dec.tokens, text, dec.stats)), flush=True)
+        else:
+            print(prompt + text, flush=True)
+            s = dec.stats
+            print(f"[{len(dec.tokens)} tokens, {s.cycles} cycles, tau {s.tau:.2f}, "
+                  f"{len(dec.tokens) / max(s.wall_s, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0

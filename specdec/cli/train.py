@@ -1,0 +1,138 @@
+"""``specdec train tokenizer|target|draft-lm|eagle``.
+
+Each command is resumable: it checkpoints into ``--workdir`` every
+``--ckpt-every`` steps and on SIGTERM/Ctrl-C, and a rerun with the same flags
+continues where it stopped. With no ``--data`` the corpus is the Python
+standard library of this interpreter (see specdec/train/corpus.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdec.models import demo_path
+from specdec.train.lm import LmShape
+
+TARGET_SHAPE = LmShape(hidden=192, layers=20, heads=3, intermediate=512)
+DRAFT_LM_SHAPE = LmShape(hidden=128, layers=2, heads=2, intermediate=384)
+
+
+def _corpus(args) -> tuple[list[str], list[str]]:
+    from specdec.cli.main import CliError
+    from specdec.train.corpus import is_heldout, read_texts, stdlib_split
+
+    if not args.data:
+        split = stdlib_split()
+        return read_texts(split.train), read_texts(split.heldout)
+    paths = [Path(p) for p in args.data]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise CliError(f"data file not found: {missing[0]}")
+    held = [p for p in paths if is_heldout(p.name)] or paths[-1:]
+    train = [p for p in paths if p not in held] or held
+    return read_texts(train), read_texts(held)
+
+
+def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+    p.add_argument("--data", nargs="+", help="text files (default: the stdlib corpus)")
+    p.add_argument("--workdir", help="checkpoint directory (default: ~/.cache/specdec/train/<name>)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _shape(p: argparse.ArgumentParser, shape: LmShape) -> None:
+    p.add_argument("--hidden", type=int, default=shape.hidden)
+    p.add_argument("--layers", type=int, default=shape.layers)
+    p.add_argument("--heads", type=int, default=shape.heads)
+    p.add_argument("--intermediate", type=int, default=shape.intermediate)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train the demo family or an EAGLE head for your target")
+    tsub = p.add_subparsers(dest="what", required=True)
+
+    t = tsub.add_parser("tokenizer", help="byte-level BPE tokenizer")
+    t.add_argument("--data", nargs="+")
+    t.add_argument("--out", default=str(demo_path("tokenizer")))
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.set_defaults(run=run_tokenizer)
+
+    for name, shape, steps, lr in (("target", TARGET_SHAPE, 1600, 2e-3), ("draft-lm", DRAFT_LM_SHAPE, 800, 3e-3)):
+        t = tsub.add_parser(name, help=f"Llama causal LM ({name})")
+        t.add_argument("--tokenizer", default=str(demo_path("tokenizer")))
+        t.add_argument("--out", default=str(demo_path(name)))
+        _common(t, steps=steps, batch=16, lr=lr)
+        _shape(t, shape)
+        t.set_defaults(run=run_lm, name=name)
+
+    t = tsub.add_parser("eagle", help="EAGLE-1/2 head for any local Llama-family target")
+    t.add_argument("--target", default=str(demo_path("target")))
+    t.add_argument("--out", default=str(demo_path("eagle")))
+    t.add_argument("--w-reg", type=float, default=1.0)
+    t.add_argument("--w-cls", type=float, default=0.1)
+    t.add_argument("--noise", type=float, default=0.2)
+    _common(t, steps=800, batch=16, lr=1e-3)
+    t.set_defaults(run=run_eagle, name="eagle")
+
+
+def _config(args):
+    from specdec.train.loop import TrainConfig
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    warmup = args.warmup if args.warmup is not None else min(150, max(1, args.steps // 10))
+    return TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
+                       seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                       threads=args.threads)
+
+
+def _workdir(args) -> Path:
+    return Path(args.workdir) if args.workdir else Path.home() / ".cache" / "specdec" / "train" / args.name
+
+
+def run_tokenizer(args) -> int:
+    from specdec.train.tokenizer import train_tokenizer
+
+    args.name = "tokenizer"
+    texts, _ = _corpus(args)
+    out = train_tokenizer(texts, args.out, args.vocab_size)
+    print(f"tokenizer saved to {out}")
+    return 0
+
+
+def run_lm(args) -> int:
+    from specdec.train.lm import train_lm
+
+    train_texts, heldout = _corpus(args)
+    shape = LmShape(hidden=args.hidden, layers=args.layers, heads=args.heads, intermediate=args.intermediate)
+    log = train_lm(Path(args.tokenizer), train_texts, heldout, Path(args.out), _workdir(args), shape,
+                   _config(args), progress=not args.no_progress)
+    _report(log, args.out)
+    return 0
+
+
+def run_eagle(args) -> int:
+    from specdec.models import require_model_dir
+    from specdec.train.eagle import EagleLoss, train_eagle
+
+    require_model_dir(args.target, "target")
+    train_texts, heldout = _corpus(args)
+    log = train_eagle(Path(args.target), train_texts, heldout, Path(args.out), _workdir(args), _config(args),
+                      EagleLoss(args.w_reg, args.w_cls, args.noise), progress=not args.no_progress)
+    _report(log, args.out)
+    return 0
+
+
+def _report(log: dict, out: str) -> None:
+    last = log["evals"][-1] if log.get("evals") else {}
+    state = "finished" if log.get("finished") else "stopped early (rerun to resume)"
+    print(f"{state}: saved to {out}; last eval {last}")

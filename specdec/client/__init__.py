@@ -1,0 +1,25 @@
+"""Python client of the specdec orchestrator (no torch needed); see ``specdec.client.sdk``."""
+
+from specdec.client.sdk import (
+    AsyncGenerationStream,
+    AsyncSpecdecClient,
+    Chunk,
+    Completion,
+    GenerationStats,
+    GenerationStream,
+    SpecdecCancelled,
+    SpecdecClient,
+    SpecdecClientError,
+    SpecdecDeadlineExceeded,
+    SpecdecInvalidArgument,
+    SpecdecNotFound,
+    SpecdecResourceExhausted,
+    SpecdecUnauthenticated,
+    SpecdecUnavailable,
+)
+
+__all__ = [
+    "AsyncGenerationStream", "AsyncSpecdecClient", "Chunk", "Completion", "GenerationStats", "GenerationStream",
+    "SpecdecCancelled", "SpecdecClient", "SpecdecClientError", "SpecdecDeadlineExceeded", "SpecdecInvalidArgument",
+    "SpecdecNotFound", "SpecdecResourceExhausted", "SpecdecUnauthenticated", "SpecdecUnavailable",
+]

@@ -1,0 +1,453 @@
+"""Client SDK for the specdec orchestrator (``specdec.v1.OrchestratorService``).
+
+Needs only grpcio and the generated messages (no torch)::
+
+    with SpecdecClient("127.0.0.1:50051") as client:
+        stream = client.generate("def fib(n):", max_new_tokens=64)
+        for chunk in stream:            # leaving the loop early cancels the call
+            print(chunk.text, end="")
+        print(stream.stats.tau)
+
+        result = client.complete("def fib(n):", max_new_tokens=64, timeout=10)
+
+``AsyncSpecdecClient`` is the same API for asyncio (``async with``,
+``async for``, ``await client.complete(...)``).
+
+Errors arrive as ``SpecdecClientError`` subclasses chosen by status code, each
+with ``.code`` (a ``grpc.StatusCode``) and ``.details``. A call that fails
+with UNAVAILABLE before the server sent anything is retried (``retries``
+times, exponential backoff from ``backoff_s``, within the deadline); once a
+stream has delivered a message it is never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterable
+
+import grpc
+
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank", "vanilla")
+_METHOD_ENUM = {
+    "eagle2": common_pb2.TREE_METHOD_EAGLE2,
+    "static": common_pb2.TREE_METHOD_STATIC,
+    "chain": common_pb2.TREE_METHOD_CHAIN,
+    "no-value": common_pb2.TREE_METHOD_NO_VALUE,
+    "no-rerank": common_pb2.TREE_METHOD_NO_RERANK,
+    "vanilla": common_pb2.TREE_METHOD_VANILLA,
+}
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_MAX_BACKOFF_S = 2.0
+
+
+# -- errors --------------------------------------------------------------------
+class SpecdecClientError(Exception):
+    """A failed call: ``code`` is the gRPC status code, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}" if details else code.name)
+        self.code = code
+        self.details = details
+
+
+class SpecdecInvalidArgument(SpecdecClientError): ...
+class SpecdecNotFound(SpecdecClientError): ...
+class SpecdecResourceExhausted(SpecdecClientError): ...
+class SpecdecUnavailable(SpecdecClientError): ...
+class SpecdecUnauthenticated(SpecdecClientError): ...
+class SpecdecDeadlineExceeded(SpecdecClientError): ...
+class SpecdecCancelled(SpecdecClientError): ...
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: SpecdecInvalidArgument,
+    grpc.StatusCode.NOT_FOUND: SpecdecNotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: SpecdecResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: SpecdecUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: SpecdecUnauthenticated,
+    grpc.StatusCode.DEADLINE_EXCEEDED: SpecdecDeadlineExceeded,
+    grpc.StatusCode.CANCELLED: SpecdecCancelled,
+}
+
+
+def error_from(exc: grpc.RpcError) -> SpecdecClientError:
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    code = code or grpc.StatusCode.UNKNOWN
+    return _ERRORS.get(code, SpecdecClientError)(code, details or "")
+
+
+# -- results -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Per-request figures: tau counts the bonus token (tokens per cycle);
+    the time split draft_s + verify_s + network_s + other_s = wall_s."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cycles: int = 0
+    tau: float = 0.0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    network_s: float = 0.0
+    other_s: float = 0.0
+    ttft_s: float = 0.0
+    wall_s: float = 0.0
+    finish_reason: str = ""
+    request_id: str = ""
+
+    @classmethod
+    def from_proto(cls, msg: orchestrator_pb2.GenerationStats) -> GenerationStats:
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        values["accepted_per_position"] = list(msg.accepted_per_position)
+        return cls(**values)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+# -- requests ------------------------------------------------------------------
+def build_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+                  top_k: int = 0, seed: int | None = None, stop: Iterable[str] = (), method: str | None = None,
+                  total_tokens: int = 0, depth: int = 0, expand_k: int = 0,
+                  request_id: str = "") -> orchestrator_pb2.GenerateRequest:
+    """The request message; 0 / None leave a knob to the server's default.
+    Values are checked by the server, which names the offending field."""
+    if method is not None and method not in _METHOD_ENUM:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is not None:
+        sampling.seed = seed
+    tree = common_pb2.TreeParams(method=_METHOD_ENUM.get(method, common_pb2.TREE_METHOD_UNSPECIFIED),
+                                 total_tokens=total_tokens, depth=depth, expand_k=expand_k)
+    if isinstance(stop, str):
+        stop = [stop]
+    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                                            stop=list(stop), tree=tree, request_id=request_id)
+
+
+def channel_credentials(tls: Any) -> grpc.ChannelCredentials | None:
+    """``tls``: None/False (plaintext), True (system roots), a CA bundle path,
+    an object with ``ca``/``cert``/``key`` PEM paths (mutual TLS when cert and
+    key are set; e.g. ``specdec.server.ClientTls``) or ready credentials."""
+    if tls is None or tls is False:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    if isinstance(tls, str):
+        return grpc.ssl_channel_credentials(root_certificates=_read(tls))
+    ca, cert, key = (getattr(tls, name, None) for name in ("ca", "cert", "key"))
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key),
+                                        certificate_chain=_read(cert))
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class _Deadline:
+    def __init__(self, timeout: float | None):
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+
+def _retry_delay(attempt: int, backoff_s: float, deadline: _Deadline) -> float | None:
+    """Seconds to wait before retry ``attempt`` (1-based), None when there is no time left."""
+    delay = min(backoff_s * 2 ** (attempt - 1), _MAX_BACKOFF_S)
+    left = deadline.remaining()
+    if left is not None and left <= delay:
+        return None
+    return delay
+
+
+class _ClientBase:
+    def __init__(self, target: str, token: str | None, tls: Any, timeout: float | None, retries: int,
+                 backoff_s: float):
+        self.target = target
+        self.timeout = timeout
+        self.retries = max(0, retries)
+        self.backoff_s = backoff_s
+        self._token = token
+        self._credentials = channel_credentials(tls)
+        self._channel_options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+    def _metadata(self, request: orchestrator_pb2.GenerateRequest) -> list[tuple[str, str]]:
+        md = []
+        if self._token:
+            md.append(("authorization", f"Bearer {self._token}"))
+        if request.request_id:
+            md.append(("x-request-id", request.request_id))
+        return md
+
+    def _deadline(self, timeout: float | None) -> _Deadline:
+        return _Deadline(self.timeout if timeout is None else timeout)
+
+    def _retryable(self, exc: grpc.RpcError, attempt: int, deadline: _Deadline) -> float | None:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt > self.retries:
+            return None
+        return _retry_delay(attempt, self.backoff_s, deadline)
+
+
+# -- sync ----------------------------------------------------------------------
+class GenerationStream:
+    """Iterator of ``Chunk``; ``stats`` is set once it is exhausted. ``close()``
+    (or leaving a ``with`` block / dropping the iterator) cancels the call."""
+
+    def __init__(self, start: Callable[[float | None], Any], deadline: _Deadline,
+                 retryable: Callable[[grpc.RpcError, int, _Deadline], float | None]):
+        self._start = start
+        self._deadline = deadline
+        self._retryable = retryable
+        self._call = None
+        self._attempt = 0
+        self._received = False
+        self._closed = False
+        self.stats: GenerationStats | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> Chunk:
+        while not self._closed:
+            if self._call is None:
+                self._attempt += 1
+                self._call = self._start(self._deadline.remaining())
+            try:
+                msg = next(self._call)
+            except StopIteration:
+                self._closed = True
+                if self.stats is None:
+                    raise SpecdecClientError(grpc.StatusCode.INTERNAL, "stream ended without final stats") from None
+                raise
+            except grpc.RpcError as exc:
+                delay = None if self._received else self._retryable(exc, self._attempt, self._deadline)
+                if delay is None:
+                    self._closed = True
+                    raise error_from(exc) from None
+                self._call = None
+                time.sleep(delay)
+                continue
+            self._received = True
+            if msg.HasField("final"):
+                self.stats = GenerationStats.from_proto(msg.final)
+                continue
+            chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
+            self.token_ids.extend(chunk.token_ids)
+            self.text += chunk.text
+            return chunk
+        raise StopIteration
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._call is not None:
+                self._call.cancel()
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class SpecdecClient(_ClientBase):
+    """Blocking client; ``timeout`` is the default deadline (seconds) of each call."""
+
+    def __init__(self, target: str, token: str | None = None, tls: Any = None, timeout: float | None = None,
+                 retries: int = 3, backoff_s: float = 0.1):
+        super().__init__(target, token, tls, timeout, retries, backoff_s)
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(target, options=self._channel_options)
+        else:
+            self._channel = grpc.secure_channel(target, self._credentials, options=self._channel_options)
+        self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None, **params) -> GenerationStream:
+        request = build_request(prompt, **params)
+        metadata = self._metadata(request)
+
+        def start(remaining: float | None):
+            return self._stub.Generate(request, timeout=remaining, metadata=metadata)
+
+        return GenerationStream(start, self._deadline(timeout), self._retryable)
+
+    def complete(self, prompt: str, *, timeout: float | None = None, **params) -> Completion:
+        request = orchestrator_pb2.CompleteRequest(request=build_request(prompt, **params))
+        metadata = self._metadata(request.request)
+        deadline = self._deadline(timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resp = self._stub.Complete(request, timeout=deadline.remaining(), metadata=metadata)
+            except grpc.RpcError as exc:
+                delay = self._retryable(exc, attempt, deadline)
+                if delay is None:
+                    raise error_from(exc) from None
+                time.sleep(delay)
+                continue
+            return Completion(resp.text, list(resp.token_ids), GenerationStats.from_proto(resp.stats))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SpecdecClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- asyncio -------------------------------------------------------------------
+class AsyncGenerationStream:
+    """Async iterator of ``Chunk``; ``stats`` is set once it is exhausted.
+    ``await aclose()`` (or leaving an ``async with`` block) cancels the call."""
+
+    def __init__(self, start: Callable[[float | None], Any], deadline: _Deadline,
+                 retryable: Callable[[grpc.RpcError, int, _Deadline], float | None]):
+        self._start = start
+        self._deadline = deadline
+        self._retryable = retryable
+        self._call = None
+        self._attempt = 0
+        self._received = False
+        self._closed = False
+        self.stats: GenerationStats | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def __aiter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        while not self._closed:
+            if self._call is None:
+                self._attempt += 1
+                self._call = self._start(self._deadline.remaining())
+            try:
+                msg = await self._call.read()
+            except grpc.RpcError as exc:
+                delay = None if self._received else self._retryable(exc, self._attempt, self._deadline)
+                if delay is None:
+                    self._closed = True
+                    raise error_from(exc) from None
+                self._call = None
+                await asyncio.sleep(delay)
+                continue
+            except asyncio.CancelledError:
+                self.close()
+                raise
+            if msg is grpc.aio.EOF:
+                self._closed = True
+                if self.stats is None:
+                    raise SpecdecClientError(grpc.StatusCode.INTERNAL, "stream ended without final stats")
+                break
+            self._received = True
+            if msg.HasField("final"):
+                self.stats = GenerationStats.from_proto(msg.final)
+                continue
+            chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
+            self.token_ids.extend(chunk.token_ids)
+            self.text += chunk.text
+            return chunk
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._call is not None:
+                self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncSpecdecClient(_ClientBase):
+    """asyncio client; ``timeout`` is the default deadline (seconds) of each call."""
+
+    def __init__(self, target: str, token: str | None = None, tls: Any = None, timeout: float | None = None,
+                 retries: int = 3, backoff_s: float = 0.1):
+        super().__init__(target, token, tls, timeout, retries, backoff_s)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=self._channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, self._credentials, options=self._channel_options)
+        self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None, **params) -> AsyncGenerationStream:
+        request = build_request(prompt, **params)
+        metadata = self._metadata(request)
+
+        def start(remaining: float | None):
+            return self._stub.Generate(request, timeout=remaining, metadata=metadata)
+
+        return AsyncGenerationStream(start, self._deadline(timeout), self._retryable)
+
+    async def complete(self, prompt: str, *, timeout: float | None = None, **params) -> Completion:
+        request = orchestrator_pb2.CompleteRequest(request=build_request(prompt, **params))
+        metadata = self._metadata(request.request)
+        deadline = self._deadline(timeout)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resp = await self._stub.Complete(request, timeout=deadline.remaining(), metadata=metadata)
+            except grpc.RpcError as exc:
+                delay = self._retryable(exc, attempt, deadline)
+                if delay is None:
+                    raise error_from(exc) from None
+                await asyncio.sleep(delay)
+                continue
+            return Completion(resp.text, list(resp.token_ids), GenerationStats.from_proto(resp.stats))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncSpecdecClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

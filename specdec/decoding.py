@@ -1,0 +1,105 @@
+"""Bookkeeping of one generation: committed tokens, stop conditions, statistics.
+
+Pure Python (no torch): the in-process loop (``specdec.local``) and the
+orchestrator's async loop both drive a ``Decoding`` with what their verifier
+and drafter return, so stop rules and the figures they report are the same
+code. Vocabulary: per cycle the verifier *accepts* some draft tokens and adds
+one *bonus* token (the target's own choice at the last accepted node);
+tau = mean tokens committed per draft/verify cycle, bonus included (vLLM's
+"mean acceptance length"). Vanilla decoding has tau = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    max_new_tokens: int = 128
+    eos_ids: frozenset[int] = frozenset()
+    # Called with all generated tokens; returns how many to keep when a stop
+    # string completed (the orchestrator's detokenizer implements it), else None.
+    stop_check: Callable[[list[int]], int | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class DecodeStats:
+    cycles: int = 0
+    drafted: int = 0                              # draft tokens proposed (tree nodes minus roots)
+    accepted: int = 0                             # draft tokens accepted
+    committed_per_cycle: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: cycles with >= j+1 accepted
+    time_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
+                                                               "commit": 0.0, "network": 0.0})
+    ttft_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.committed_per_cycle) / self.cycles if self.cycles else 0.0
+
+    def record_cycle(self, tree_size: int, accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += max(0, tree_size - 1)
+        self.accepted += accepted
+        self.committed_per_cycle.append(accepted + 1)
+        if len(self.accepted_per_position) < accepted:
+            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def as_dict(self) -> dict:
+        return {"cycles": self.cycles, "tau": round(self.tau, 4), "draft_tokens": self.drafted,
+                "accepted_tokens": self.accepted, "accepted_per_position": list(self.accepted_per_position),
+                "time_split_s": {k: round(v, 6) for k, v in self.time_s.items()},
+                "ttft_s": round(self.ttft_s, 6), "wall_s": round(self.wall_s, 6)}
+
+
+class Decoding:
+    """Committed output of one request; decides when to stop."""
+
+    def __init__(self, stop: StopCriteria):
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.stats = DecodeStats()
+        self.finish_reason: str | None = None
+        self._t0 = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, new_tokens: list[int]) -> list[int]:
+        """Append tokens committed by prefill or a cycle; returns the ones the
+        caller may emit (cut at EOS, max_new_tokens or a stop string)."""
+        if self.done:
+            return []
+        if not self.tokens:
+            self.stats.ttft_s = time.perf_counter() - self._t0
+        start = len(self.tokens)
+        for tok in new_tokens:
+            self.tokens.append(tok)
+            if tok in self.stop.eos_ids:
+                self.finish_reason = "eos"
+                break
+            if len(self.tokens) >= self.stop.max_new_tokens:
+                self.finish_reason = "length"
+                break
+        if self.stop.stop_check is not None:
+            keep = self.stop.stop_check(self.tokens)
+            if keep is not None:
+                del self.tokens[keep:]
+                self.finish_reason = "stop"
+        self.stats.wall_s = time.perf_counter() - self._t0
+        return self.tokens[start:]
+
+    def finish(self) -> DecodeStats:
+        self.stats.wall_s = time.perf_counter() - self._t0
+        return self.stats

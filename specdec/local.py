@@ -1,0 +1,105 @@
+"""In-process speculative generation: drafter and verifier engines in one process.
+
+The loop (DESIGN.md §1) per request: prefill the verifier (first token and
+features), prefill the drafter, then draft -> verify (which commits the
+accepted path) -> commit to the drafter, until a stop condition. With no
+drafter every tree is the root alone: plain autoregressive decoding through
+the very same verifier code, the baseline every method is compared with.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specdec.decoding import Decoding, StopCriteria
+from specdec.models import ModelSpec, demo_path, load_tokenizer
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeConfig, tree_from_lists
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    kind: str                     # "none" | "eagle" | "draft-lm" | "ngram"
+    path: str | None = None
+
+
+@dataclass
+class LocalStack:
+    verifier: object              # verifier.engine.VerifierEngine
+    drafter: object | None        # drafter.base.Drafter
+    tokenizer: object
+
+
+def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None) -> LocalStack:
+    from verifier.engine import TargetModel, VerifierEngine
+
+    tok = load_tokenizer(tokenizer_dir or target.path)
+    verifier = VerifierEngine(TargetModel(target))
+    drafter = None
+    if choice.kind == "eagle":
+        from drafter.eagle import EagleDrafter
+
+        drafter = EagleDrafter(choice.path, target.path)
+    elif choice.kind == "draft-lm":
+        from drafter.draft_lm import DraftLmDrafter
+
+        drafter = DraftLmDrafter(replace(target, path=choice.path))
+    elif choice.kind == "ngram":
+        from drafter.ngram import NgramDrafter
+
+        drafter = NgramDrafter(verifier.target.vocab_size)
+    elif choice.kind != "none":
+        raise ValueError(f"unknown drafter {choice.kind!r}")
+    return LocalStack(verifier, drafter, tok)
+
+
+def cycle_config(cfg: TreeConfig, remaining: int) -> TreeConfig | None:
+    """Never draft deeper than the tokens still wanted; None: root-only."""
+    if remaining <= 1:
+        return None
+    return cfg if cfg.depth < remaining else replace(cfg, depth=remaining - 1)
+
+
+def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
+             tree_cfg: TreeConfig | None) -> Decoding:
+    """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla."""
+    sid = uuid.uuid4().hex
+    dec = Decoding(stop)
+    times = dec.stats.time_s
+    use_drafter = drafter is not None and tree_cfg is not None
+    try:
+        t = time.perf_counter()
+        first = verifier.prefill(sid, prompt, params, stop.max_new_tokens)
+        times["prefill"] += time.perf_counter() - t
+        dec.add([first.token])
+        if use_drafter and not dec.done:
+            t = time.perf_counter()
+            drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None)
+            times["commit"] += time.perf_counter() - t
+        while not dec.done:
+            t = time.perf_counter()
+            cfg = cycle_config(tree_cfg, stop.max_new_tokens - len(dec.tokens)) if use_drafter else None
+            tree = drafter.draft(sid, cfg) if cfg is not None else tree_from_lists([dec.tokens[-1]], [-1])
+            t2 = time.perf_counter()
+            result = verifier.verify(sid, tree)
+            t3 = time.perf_counter()
+            times["draft"] += t2 - t
+            times["verify"] += t3 - t2
+            dec.stats.record_cycle(tree.size, len(result.accepted))
+            dec.add(result.tokens)
+            if use_drafter and not dec.done:
+                drafter.commit(sid, result.tokens, result.features if drafter.needs_features else None)
+                times["commit"] += time.perf_counter() - t3
+    finally:
+        verifier.release(sid)
+        if drafter is not None:
+            drafter.release(sid)
+    dec.finish()
+    return dec
+
+
+def default_paths() -> dict[str, Path]:
+    return {name: demo_path(name) for name in ("target", "eagle", "draft-lm", "tokenizer")}

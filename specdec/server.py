@@ -1,0 +1,578 @@
+"""What every specdec gRPC server shares (DESIGN.md §7), for the verifier,
+drafter and orchestrator alike.
+
+- ``start_server``: a grpc.aio server with the role's services, grpc.health.v1
+  ("liveness" SERVING at once; "readiness", "" and each hosted service
+  NOT_SERVING until ``set_ready(True)``), server reflection, optional TLS /
+  mutual TLS, an optional bearer token, and Prometheus on its own HTTP port.
+- One interceptor per server: request ids (``x-request-id`` metadata or a fresh
+  one, into ``specdec.logs.request_id_var``), the token check (health checks
+  are exempt so probes work), RPC duration / count metrics and the in-flight
+  count that autoscaling reads.
+- Drain: readiness goes NOT_SERVING, servicers refuse new sessions, open
+  sessions and in-flight RPCs get up to ``drain_s`` to finish, then the server
+  stops. SIGTERM / SIGINT start it (``install_signal_drain``); a second signal
+  stops at once.
+- ``open_channel`` for calls between services (TLS, token and the request id
+  passed on), ``abort_from`` / ``status_code_of`` mapping errors to statuses.
+- ``EngineServicer``: what the verifier and drafter servicers share: one
+  worker thread per model, the idle-session sweeper, session metrics, and the
+  loading -> ready -> draining ``Lifecycle``.
+
+No torch here: the orchestrator imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hmac
+import inspect
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, NoReturn
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec import metrics
+from specdec.errors import SpecdecError, Unavailable
+from specdec.logs import configure_logging, request_id_var
+
+__all__ = ["ServerConfig", "ClientTls", "Lifecycle", "EngineServicer", "RunningServer", "start_server", "run_server",
+           "install_signal_drain", "open_channel", "abort_from", "status_code_of", "configure_logging",
+           "request_id_var"]
+
+log = logging.getLogger("specdec.server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
+_REFLECTION_PREFIX = "/grpc.reflection."
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0                      # 0 = pick a free port
+    metrics_port: int | None = 0       # Prometheus HTTP port; 0 = free port; None = disabled
+    tls_cert: str | None = None        # server cert/key (PEM paths) -> TLS
+    tls_key: str | None = None
+    tls_client_ca: str | None = None   # set -> mutual TLS (client certificates required)
+    auth_token: str | None = None      # bearer token required on every RPC but health checks
+    drain_s: float = 20.0              # drain: time given to open sessions and in-flight RPCs
+    max_message_mb: int = 64
+
+    def __post_init__(self):
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name.replace('_', '-')} must be in [0, 65535], got {value}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key (--tls-cert and --tls-key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("mutual TLS (--tls-client-ca) needs the server's --tls-cert and --tls-key")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth token must not be empty")
+        if self.drain_s < 0:
+            raise ValueError(f"drain time must be >= 0, got {self.drain_s}")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        size = self.max_message_mb * 1024 * 1024
+        return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+@dataclass(frozen=True)
+class ClientTls:                       # for channels between services
+    ca: str | None = None              # CA that signed the server's certificate (None: system roots)
+    cert: str | None = None            # client certificate + key, for mutual TLS
+    key: str | None = None
+    server_name: str | None = None     # expected name in the server's certificate, if not the host
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} file not found: {p}")
+    return p.read_bytes()
+
+
+# -- readiness ---------------------------------------------------------------------------
+class Lifecycle:
+    """loading -> ready -> draining, as a servicer sees it.
+
+    ``RunningServer.set_ready`` and ``stop`` drive it for every servicer that
+    has a ``lifecycle`` attribute; servicers call ``check`` first thing."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.draining = False
+        self.busy: Callable[[], bool] = lambda: False   # drain waits while True (open sessions)
+
+    def check(self, opens_session: bool = False) -> None:
+        if self.draining:
+            if opens_session:
+                raise Unavailable("server is draining: it takes no new sessions")
+        elif not self.ready:
+            raise Unavailable("server is loading its model")
+
+
+class _Health(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 with a synchronous ``set`` (readiness flips from any code)."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}
+        self._changed = asyncio.Event()
+        self._final = False
+
+    def set(self, service: str, status: int) -> None:
+        if self._final:
+            return
+        self._status[service] = status
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def shutdown(self) -> None:
+        for service in self._status:
+            self.set(service, NOT_SERVING)
+        self._final = True
+
+    async def Check(self, request, context):
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            await changed.wait()
+
+    async def List(self, request, context):
+        return health_pb2.HealthListResponse(
+            statuses={s: health_pb2.HealthCheckResponse(status=v) for s, v in self._status.items()})
+
+
+class EngineServicer:
+    """Base of the verifier and drafter servicers.
+
+    Engine calls are CPU/GPU-bound and not reentrant per model, so they run one
+    at a time on a dedicated worker thread (the event loop keeps answering
+    health checks). A call cancelled before it starts is skipped; one that has
+    started runs to completion, so a cancelled RPC never leaves a session half
+    updated. Idle sessions are evicted by a periodic sweep on the same thread.
+    Subclasses set ``role`` and ``self.sessions`` (a SessionTable) when loaded,
+    and may override ``_kv_bytes``.
+    """
+
+    role = "engine"
+
+    def __init__(self) -> None:
+        self.lifecycle = Lifecycle()
+        self.lifecycle.busy = lambda: self.stats.active > 0
+        self.stats = metrics.SessionStats(self.role)
+        self.sessions = None                # SessionTable, once loaded
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-engine")
+        self._sweeper: asyncio.Task | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self.sessions is not None
+
+    def check(self, opens_session: bool = False) -> None:
+        if not self.loaded:
+            raise Unavailable("server is loading its model")
+        self.lifecycle.check(opens_session)
+
+    async def run(self, fn: Callable, *args, shield: bool = False):
+        """``fn(*args)`` on the worker thread -> (result, seconds it ran)."""
+        ctx = contextvars.copy_context()       # keeps the request id in worker-thread logs
+        future = asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, self._timed, fn, args)
+        return await (asyncio.shield(future) if shield else future)
+
+    def _timed(self, fn: Callable, args: tuple):
+        start = time.perf_counter()
+        try:
+            return fn(*args), time.perf_counter() - start
+        finally:
+            self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        if self.sessions is not None:
+            self.stats.update(len(self.sessions), self._kv_bytes())
+
+    def _kv_bytes(self) -> int:
+        return 0
+
+    def start_sweeper(self) -> None:
+        ttl = self.sessions.ttl_s
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(min(max(ttl / 4, 0.02), 30.0)))
+
+    def _evict_idle(self) -> list[str]:
+        evicted = self.sessions.evict_idle()
+        if evicted:
+            metrics.SESSIONS_EVICTED.labels(self.role).inc(len(evicted))
+            log.info("evicted idle sessions", extra={"role": self.role, "sessions": evicted})
+        return evicted
+
+    async def _sweep(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.run(self._evict_idle)
+            except RuntimeError:                # executor shut down under us
+                return
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.stats.close()
+
+
+# -- the interceptor -------------------------------------------------------------------------
+def _token_ok(header: str | None, token: str) -> bool:
+    scheme, _, value = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+def _wrap(handler: grpc.RpcMethodHandler, around) -> grpc.RpcMethodHandler:
+    """The same handler with each call run inside ``around(context)`` (an async
+    context manager); handles both response styles (value / async generator)."""
+
+    def unary_response(inner):
+        async def behavior(request, context):
+            async with around(context):
+                result = inner(request, context)
+                return await result if inspect.isawaitable(result) else result
+        return behavior
+
+    def stream_response(inner):
+        if inspect.isasyncgenfunction(inner):
+            async def behavior(request, context):
+                async with around(context):
+                    async for item in inner(request, context):
+                        yield item
+            return behavior
+        return unary_response(inner)
+
+    kinds = (("unary_unary", unary_response, grpc.unary_unary_rpc_method_handler),
+             ("unary_stream", stream_response, grpc.unary_stream_rpc_method_handler),
+             ("stream_unary", unary_response, grpc.stream_unary_rpc_method_handler),
+             ("stream_stream", stream_response, grpc.stream_stream_rpc_method_handler))
+    for attr, wrapper, make in kinds:
+        inner = getattr(handler, attr)
+        if inner is not None:
+            return make(wrapper(inner), request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler
+
+
+class _Interceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, role: str, token: str | None, in_flight: list[int]):
+        self.role = role
+        self.token = token
+        self.in_flight = in_flight          # one-element list shared with RunningServer
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or method.startswith(_HEALTH_PREFIX):
+            return handler
+        md = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
+        if self.token is not None and not _token_ok(md.get("authorization"), self.token):
+            @asynccontextmanager
+            async def deny(context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+                yield
+            return _wrap(handler, deny)
+        if method.startswith(_REFLECTION_PREFIX):
+            return handler
+        service, _, name = method.lstrip("/").rpartition("/")
+        rid = md.get("x-request-id") or uuid.uuid4().hex[:16]
+        return _wrap(handler, lambda context: self._observe(context, service, name, rid))
+
+    @asynccontextmanager
+    async def _observe(self, context, service: str, name: str, rid: str):
+        token = request_id_var.set(rid)
+        depth = metrics.QUEUE_DEPTH.labels(self.role)
+        depth.inc()
+        self.in_flight[0] += 1
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            yield
+            code = context.code() or grpc.StatusCode.OK
+        except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN
+            log.exception("unhandled error in %s/%s", service, name)
+            raise
+        finally:
+            elapsed = time.perf_counter() - start
+            self.in_flight[0] -= 1
+            depth.dec()
+            code_name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+            metrics.RPC_DURATION.labels(service, name).observe(elapsed)
+            metrics.RPCS.labels(service, name, code_name).inc()
+            log.log(logging.DEBUG if code_name == "OK" else logging.INFO, "rpc",
+                    extra={"method": f"{service}/{name}", "code": code_name, "ms": round(elapsed * 1e3, 3)})
+            request_id_var.reset(token)
+
+
+# -- the server ------------------------------------------------------------------------------
+class RunningServer:
+    def __init__(self, server: grpc.aio.Server, health: _Health, port: int, metrics_http,
+                 services: list[tuple[Callable, object, str]], name: str, in_flight: list[int]):
+        self.name = name
+        self.port = port
+        self.metrics_port = None if metrics_http is None else int(metrics_http.server_port)
+        self._server = server
+        self._health = health
+        self._metrics_http = metrics_http
+        self._servicers = [s for _, s, _ in services]
+        self._service_names = [n for _, _, n in services]
+        self._lifecycles = [s.lifecycle for s in self._servicers if isinstance(getattr(s, "lifecycle", None), Lifecycle)]
+        self._in_flight = in_flight
+        self._stopping = False
+        self._hurry = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.ready = False
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def set_ready(self, ready: bool) -> None:
+        """Health "readiness" (and "" and each hosted service) SERVING / NOT_SERVING."""
+        self.ready = ready and not self._stopping
+        for lc in self._lifecycles:
+            lc.ready = self.ready
+        status = SERVING if self.ready else NOT_SERVING
+        for service in ["readiness", "", *self._service_names]:
+            self._health.set(service, status)
+
+    def listening_record(self) -> dict:
+        return {"event": "listening", "port": self.port, "metrics_port": self.metrics_port}
+
+    def _idle(self) -> bool:
+        return self._in_flight[0] == 0 and not any(lc.busy() for lc in self._lifecycles)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain for up to ``grace`` seconds (None: stop now), then stop."""
+        if self._stopping:
+            if grace is None:
+                self._hurry.set()
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        self.set_ready(False)
+        for lc in self._lifecycles:
+            lc.draining = True
+        remaining = None
+        if grace:
+            log.info("draining", extra={"server": self.name, "grace_s": grace})
+            deadline = time.monotonic() + grace
+            while not self._idle() and not self._hurry.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            remaining = None if self._hurry.is_set() else max(0.0, deadline - time.monotonic())
+        self._health.shutdown()
+        await self._server.stop(remaining)
+        for servicer in self._servicers:
+            close = getattr(servicer, "aclose", None)
+            if close is not None:
+                await close()
+        if self._metrics_http is not None:
+            # shutdown() blocks for up to the server's poll interval: not on the loop
+            http = self._metrics_http
+            threading.Thread(target=lambda: (http.shutdown(), http.server_close()), daemon=True).start()
+        log.info("stopped", extra={"server": self.name})
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _server_credentials(cfg: ServerConfig):
+    if cfg.tls_cert is None:
+        return None
+    key, cert = _read(cfg.tls_key, "TLS key"), _read(cfg.tls_cert, "TLS certificate")
+    ca = _read(cfg.tls_client_ca, "TLS client CA")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def start_server(cfg: ServerConfig, services: list[tuple[Callable, object, str]], name: str) -> RunningServer:
+    """services: (add_XServicer_to_server, servicer, "specdec.v1.XService") triples."""
+    in_flight = [0]
+    server = grpc.aio.server(interceptors=[_Interceptor(name, cfg.auth_token, in_flight)],
+                             options=cfg.grpc_options())
+    health = _Health()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for add, servicer, _ in services:
+        add(servicer, server)
+    reflection.enable_server_reflection([n for _, _, n in services] + [HEALTH_SERVICE, reflection.SERVICE_NAME],
+                                        server)
+    creds = _server_credentials(cfg)
+    address = _address(cfg.host, cfg.port)
+    try:
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    metrics_http = None
+    if cfg.metrics_port is not None:
+        try:
+            metrics_http = metrics.start_metrics_server(cfg.metrics_port, cfg.host)
+        except OSError as exc:
+            await server.stop(None)
+            raise OSError(f"cannot serve metrics on {_address(cfg.host, cfg.metrics_port)}: {exc}") from None
+    running = RunningServer(server, health, port, metrics_http, services, name, in_flight)
+    health.set("liveness", SERVING)
+    running.set_ready(False)
+    log.info("listening", extra={"server": name, "port": port, "metrics_port": running.metrics_port,
+                                 "tls": creds is not None, "mtls": cfg.tls_client_ca is not None,
+                                 "auth": cfg.auth_token is not None})
+    return running
+
+
+def install_signal_drain(server: RunningServer, drain_s: float) -> None:
+    """SIGTERM/SIGINT -> drain for up to ``drain_s``; a second signal stops at once."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        grace = None if server.stopping else drain_s
+        log.info("signal", extra={"signal": sig.name, "action": "stop now" if grace is None else "drain"})
+        task = loop.create_task(server.stop(grace))
+        server._tasks.add(task)
+        task.add_done_callback(server._tasks.discard)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def run_server(cfg: ServerConfig, services: list[tuple[Callable, object, str]], name: str,
+                     load: Callable[[], Awaitable[None]] | None = None, ready_file: str | None = None) -> None:
+    """Start, print the listening line on stdout, load and warm up (``load``),
+    go ready (and write ``ready_file``), serve until drained."""
+    server = await start_server(cfg, services, name)
+    record = server.listening_record()
+    print(json.dumps(record), flush=True)
+    install_signal_drain(server, cfg.drain_s)
+    try:
+        if load is not None:
+            await load()
+    except BaseException:
+        await server.stop(None)
+        raise
+    if not server.stopping:
+        server.set_ready(True)
+        log.info("ready", extra={"server": name})
+        if ready_file:
+            tmp = Path(f"{ready_file}.tmp")
+            tmp.write_text(json.dumps(record) + "\n")
+            tmp.replace(ready_file)
+    await server.wait()
+
+
+# -- channels between services -------------------------------------------------------------
+class _OutgoingMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                        grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Adds the bearer token and the current request id to every call."""
+
+    def __init__(self, token: str | None):
+        self._auth = None if token is None else f"Bearer {token}"
+
+    def _details(self, details):
+        md = grpc.aio.Metadata(*tuple(details.metadata or ()))
+        if self._auth is not None and "authorization" not in md:
+            md.add("authorization", self._auth)
+        rid = request_id_var.get()
+        if rid and "x-request-id" not in md:
+            md.add("x-request-id", rid)
+        return details._replace(metadata=md)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+def open_channel(target: str, tls: ClientTls | None = None, token: str | None = None,
+                 max_message_mb: int = 64) -> grpc.aio.Channel:
+    size = max_message_mb * 1024 * 1024
+    options = [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+    interceptors = [_OutgoingMetadata(token)]
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    if (tls.cert is None) != (tls.key is None):
+        raise ValueError("a client certificate needs its key (and the other way round)")
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    creds = grpc.ssl_channel_credentials(root_certificates=_read(tls.ca, "TLS CA"),
+                                         private_key=_read(tls.key, "TLS client key"),
+                                         certificate_chain=_read(tls.cert, "TLS client certificate"))
+    return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
+
+
+# -- errors ----------------------------------------------------------------------------------
+def status_code_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code()
+    if isinstance(exc, SpecdecError):
+        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_from(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """End the RPC with the status ``exc`` stands for; unexpected errors are logged."""
+    code = status_code_of(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        message = exc.details() or code.name
+    elif code == grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    else:
+        message = str(exc) or type(exc).__name__
+    await context.abort(code, message)

@@ -1,0 +1,97 @@
+"""Train an EAGLE-1/2 head for any local Llama-family target.
+
+Per window of corpus tokens the frozen target gives features F (final-norm
+hidden states) and next-token distributions. The head sees
+(embed(x_{t+1}), F_t + noise) and is trained to predict F_{t+1}
+(smooth-L1 regression) and the target's distribution at t+1 through the
+frozen lm_head (soft cross-entropy), as in EAGLE (arXiv:2401.15077, §4.2):
+loss = w_reg * L_reg + w_cls * L_cls, uniform feature noise for robustness to
+the head's own errors when it drafts several steps ahead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from drafter.eagle_head import EagleHead, head_config, save_head
+from specdec.train.data import eval_windows, sample_batch, tokenize_stream
+from specdec.train.loop import TrainConfig, train
+
+
+@dataclass(frozen=True)
+class EagleLoss:
+    w_reg: float = 1.0
+    w_cls: float = 0.1
+    noise: float = 0.2           # uniform noise in [-noise/2, noise/2] added to input features
+
+
+def head_from_target(target) -> EagleHead:
+    cfg = head_config(target.config.to_dict())
+    head = EagleHead(cfg, bias=True)
+    # Start the decoder layer from the target's last layer: same width, a far
+    # better start than random for a feature regressor.
+    last = target.get_decoder().layers[-1].state_dict()
+    head.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("input_layernorm")},
+                                   strict=False)
+    return head.float()
+
+
+def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLoss, noise_gen=None):
+    """batch: [B, L+1] token windows. Returns (loss, metrics)."""
+    tokens = batch[:, :-1]
+    with torch.no_grad():
+        feats = target.get_decoder()(input_ids=tokens).last_hidden_state.float()      # [B, L, H]
+        target_logp = torch.log_softmax(target.get_output_embeddings()(feats).float(), -1)
+        embed = target.get_input_embeddings()(tokens[:, 1:]).float()                  # x_{t+1}
+    inp = feats[:, :-1]
+    if loss_cfg.noise:
+        noise = torch.rand(inp.shape, generator=noise_gen) - 0.5
+        inp = inp + loss_cfg.noise * noise
+    positions = torch.arange(inp.shape[1])[None].expand(inp.shape[0], -1)
+    out = head(embed, inp, positions)                                                  # [B, L-1, H]
+    want = feats[:, 1:]
+    reg = F.smooth_l1_loss(out, want)
+    logp = torch.log_softmax(target.get_output_embeddings()(out).float(), -1)
+    p = target_logp[:, 1:].exp()
+    cls = -(p * logp).sum(-1).mean()
+    top1 = (logp.argmax(-1) == target_logp[:, 1:].argmax(-1)).float().mean()
+    return loss_cfg.w_reg * reg + loss_cfg.w_cls * cls, {"reg": float(reg), "cls": float(cls), "top1": float(top1)}
+
+
+def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
+                workdir: Path, cfg: TrainConfig, loss_cfg: EagleLoss = EagleLoss(), progress: bool = True) -> dict:
+    from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
+
+    torch.manual_seed(cfg.seed)
+    target = load_causal_lm(ModelSpec(str(target_dir)))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tokenizer = load_tokenizer(target_dir)
+    train_stream = tokenize_stream(train_texts, tokenizer, cache=workdir)
+    heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
+    head = head_from_target(target)
+    heldout = eval_windows(heldout_stream, cfg.seq_len, max_windows=16)
+    noise_gen = torch.Generator().manual_seed(cfg.seed)
+
+    def loss_fn(step: int):
+        noise_gen.manual_seed(cfg.seed * 7919 + step)
+        return eagle_losses(head, target, sample_batch(train_stream, cfg.batch, cfg.seq_len, cfg.seed, step),
+                            loss_cfg, noise_gen)
+
+    def eval_fn():
+        _, metrics = eagle_losses(head, target, heldout, EagleLoss(loss_cfg.w_reg, loss_cfg.w_cls, 0.0))
+        return {f"heldout_{k}": v for k, v in metrics.items()}
+
+    log = train(cfg, [p for p in head.parameters() if p.requires_grad], {"head": head}, loss_fn, eval_fn,
+                workdir, progress)
+    head.eval()
+    save_head(head, out_dir)
+    (Path(out_dir) / "training_log.json").write_text(json.dumps(
+        {k: v for k, v in log.items() if k != "history"} | {"history_tail": log["history"][-20:],
+                                                            "target": str(target_dir)}, indent=1))
+    return log

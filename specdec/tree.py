@@ -1,0 +1,359 @@
+"""Draft trees for speculative decoding: EAGLE-2 dynamic trees and their baselines.
+
+Reference: Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic
+Draft Trees" (2024), §4 and Figure 7, https://arxiv.org/abs/2406.16858.
+
+Vocabulary:
+- root: node 0, the last committed token (the previous cycle's bonus token). The
+  verifier has not computed its KV yet, so it is verified along with the draft.
+- depth (level): distance from the root; the root is at depth 0.
+- value: log of the product of draft confidences on the root->node path, kept as
+  an fp32 sum of log-probs. EAGLE-2 uses it to estimate that a node is accepted.
+- expand: one draft-model call over a frontier (the nodes being extended),
+  returning next-token log-probs for each of them.
+- pool: every child created while expanding (the candidates). Pool ids number
+  the nodes in creation order, 0 being the root.
+- rerank: keep the total_tokens - 1 candidates of highest value.
+
+Layout (also the wire format): tokens[n] and parents[n] with parents[0] == -1 and
+0 <= parents[i] < i for i >= 1; nodes sorted by (depth, creation index).
+
+Methods (the paper's Table 3 ablations are the project's baselines):
+- "eagle2": expand the expand_k nodes of highest value per level, then rerank.
+- "no-value": expand the nodes of highest local draft confidence, then rerank.
+- "no-rerank": the draft is the expanded frontiers themselves, level by level.
+- "chain": one path of greedy draft tokens (classic speculative sampling).
+- "static": a fixed shape of rank paths (EAGLE-1 / Medusa style trees).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specdec.tree_shapes import Shape, check_shape, default_static_shape
+
+METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank")
+
+# Rounding in a renormalised distribution can put a log-prob a hair above 0; such
+# values count as 0. Anything larger is taken to be logits passed by mistake.
+_LOGP_SLACK = 1e-3
+
+
+class TreeError(ValueError):
+    """A draft tree that breaks the layout rules above."""
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    method: str = "eagle2"
+    total_tokens: int = 16  # nodes in the draft incl. the root
+    depth: int = 5  # deepest draft level (root is level 0); at most this many expand() calls
+    expand_k: int = 4  # children per expanded node and frontier width
+    static_shape: Shape | None = None  # "static": rank paths, e.g. ((0,), (1,), (0, 0)); None = default
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        for name in ("total_tokens", "depth", "expand_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.static_shape is not None:
+            try:
+                shape = tuple(tuple(path) for path in self.static_shape)
+            except TypeError as e:
+                raise ValueError(f"static_shape must be a sequence of rank paths: {e}") from None
+            check_shape(shape)
+            object.__setattr__(self, "static_shape", shape)
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """What the builder asks the draft model to expand (CPU tensors)."""
+
+    nodes: torch.Tensor  # [f] int64 pool ids
+    tokens: torch.Tensor  # [f] int64 token at each node
+    parents: torch.Tensor  # [f] int64 pool id of each node's parent (-1 for the root)
+    depth: int  # depth of these nodes (0 for the root-only first call)
+
+
+# -> log-probs [f, V] over the next token of each frontier node
+ExpandFn = Callable[[Frontier], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [n] int64
+    parents: torch.Tensor  # [n] int64, -1 at the root
+    depths: torch.Tensor  # [n] int64
+    values: torch.Tensor  # [n] float32 log-values, 0 at the root
+
+    def __post_init__(self):
+        validate_tree(self.tokens, self.parents)
+        n = self.size
+        for name, dtype in (("tokens", torch.int64), ("parents", torch.int64),
+                            ("depths", torch.int64), ("values", torch.float32)):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != (n,):
+                raise TreeError(f"{name} must be a {dtype} tensor of shape [{n}]")
+        if self.depths.tolist() != _depths(self.parents.tolist()):
+            raise TreeError("depths do not match parents")
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [n, n]: row i is True at i and at each of its ancestors."""
+        n = self.size
+        mask = torch.eye(n, dtype=torch.bool)  # [n, n]
+        rows = torch.arange(n)
+        up = self.parents.clamp(min=0)  # [n], the root points at itself
+        node = rows
+        for _ in range(int(self.depths.max())):
+            node = up[node]
+            mask[rows, node] = True
+        return mask
+
+    def position_ids(self, prefix_len: int) -> torch.Tensor:
+        """[n] int64: each node sits after the prefix, at its own depth."""
+        return prefix_len + self.depths
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+            kids[p].append(i)
+        return kids
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node lists, one per leaf, leaves in index order."""
+        parents = self.parents.tolist()
+        out = []
+        for leaf, kids in enumerate(self.children()):
+            if kids:
+                continue
+            path = [leaf]
+            while path[-1] != 0:
+                path.append(parents[path[-1]])
+            out.append(path[::-1])
+        return out
+
+    def expected_accepted(self) -> float:
+        """Expected accepted draft tokens (EAGLE-2): the sum of node probabilities."""
+        return float(self.values[1:].exp().sum())
+
+    def to_lists(self) -> tuple[list[int], list[int]]:
+        return self.tokens.tolist(), self.parents.tolist()
+
+
+def _int_list(x, name: str) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1:
+            raise TreeError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TreeError(f"{name} must hold integers, got dtype {x.dtype}")
+        return x.tolist()
+    if isinstance(x, (str, bytes)):
+        raise TreeError(f"{name} must be a list or 1-D tensor of integers")
+    try:
+        items = list(x)
+    except TypeError:
+        raise TreeError(f"{name} must be a list or 1-D tensor of integers") from None
+    out = []
+    for i, v in enumerate(items):
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            out.append(operator.index(v))
+        except TypeError:
+            raise TreeError(f"{name}[{i}] = {v!r} is not an integer") from None
+    return out
+
+
+def _checked(tokens, parents, vocab_size: int | None) -> tuple[list[int], list[int]]:
+    toks, pars = _int_list(tokens, "tokens"), _int_list(parents, "parents")
+    if len(toks) != len(pars):
+        raise TreeError(f"tokens and parents differ in length ({len(toks)} vs {len(pars)})")
+    if not toks:
+        raise TreeError("tree is empty: it needs at least the root")
+    if pars[0] != -1:
+        raise TreeError(f"parents[0] = {pars[0]}: node 0 is the root and must have parent -1")
+    for i, p in enumerate(pars[1:], start=1):
+        if not 0 <= p < i:
+            raise TreeError(f"parents[{i}] = {p} is not in [0, {i}): "
+                            "node 0 is the only root and parents come before their children")
+    for i, t in enumerate(toks):
+        if t < 0:
+            raise TreeError(f"tokens[{i}] = {t} is negative")
+        if vocab_size is not None and t >= vocab_size:
+            raise TreeError(f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    return toks, pars
+
+
+def validate_tree(tokens, parents, vocab_size: int | None = None) -> None:
+    """Raise TreeError naming the first problem with the (tokens, parents) tree."""
+    _checked(tokens, parents, vocab_size)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def tree_from_lists(tokens, parents, vocab_size: int | None = None) -> DraftTree:
+    """A validated DraftTree from the wire form; values are zeros (unknown)."""
+    toks, pars = _checked(tokens, parents, vocab_size)
+    return DraftTree(
+        tokens=torch.tensor(toks, dtype=torch.int64),
+        parents=torch.tensor(pars, dtype=torch.int64),
+        depths=torch.tensor(_depths(pars), dtype=torch.int64),
+        values=torch.zeros(len(toks), dtype=torch.float32),
+    )
+
+
+def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely next tokens of each row, best first; ties go to the lower id.
+
+    logp: [f, V] -> (log-probs [f, k'] fp32, tokens [f, k'] int64) on CPU, k' = min(k, V).
+    """
+    k = min(k, logp.shape[-1])
+    lp, tok = torch.topk(logp, k, dim=-1)  # [f, k]
+    # NaNs and positives rank first, so checking the top entries is enough
+    if torch.isnan(lp).any():
+        raise ValueError("expand() returned NaN log-probs")
+    if (lp[:, 0] > _LOGP_SLACK).any():
+        raise ValueError(f"expand() must return log-probabilities (<= 0), got {lp.max().item():.4g}")
+    kth = lp[:, -1:]  # [f, 1]
+    if not bool(((logp >= kth).sum(-1) == k).all()):
+        # a tie straddles the k-th place and topk may keep any of the tied tokens:
+        # keep everything above the k-th value, then the lowest ids among the ties
+        above, tied = logp > kth, logp == kth  # [f, V]
+        room = k - above.sum(-1, keepdim=True)  # [f, 1]
+        take = above | (tied & (tied.cumsum(-1) <= room))  # [f, V], k per row
+        tok = take.nonzero()[:, 1].view(-1, k)  # [f, k]
+        lp = logp.gather(-1, tok)
+    # best first, equal log-probs by token id: two stable sorts
+    tok, order = tok.sort(dim=-1, stable=True)
+    lp, order = lp.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return lp.float().clamp(max=0.0).cpu(), tok.gather(-1, order).cpu()
+
+
+class _Pool:
+    """Every node created while drafting, in creation order (pool id = position)."""
+
+    def __init__(self, root_token: int, expand: ExpandFn):
+        self.expand = expand
+        self.vocab: int | None = None
+        self.tokens = torch.tensor([root_token], dtype=torch.int64)  # [P]
+        self.parents = torch.tensor([-1], dtype=torch.int64)  # [P]
+        self.depths = torch.zeros(1, dtype=torch.int64)  # [P]
+        self.values = torch.zeros(1, dtype=torch.float32)  # [P] path log-value
+        self.logp = torch.zeros(1, dtype=torch.float32)  # [P] log-prob given the parent
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def top_children(self, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expand the nodes ids [f] in one call -> their top-k (log-probs, tokens), [f, k']."""
+        frontier = Frontier(ids, self.tokens[ids], self.parents[ids], int(self.depths[ids[0]]))
+        logp = self.expand(frontier)
+        f = len(ids)
+        if not isinstance(logp, torch.Tensor) or logp.dim() != 2 or logp.shape[0] != f:
+            got = tuple(logp.shape) if isinstance(logp, torch.Tensor) else type(logp).__name__
+            raise ValueError(f"expand() must return log-probs of shape [{f}, V], got {got}")
+        if self.vocab is None:
+            self.vocab = logp.shape[1]
+        if logp.shape[1] != self.vocab or self.vocab == 0:
+            raise ValueError(f"expand() returned vocab {logp.shape[1]}, expected {self.vocab} (> 0)")
+        return _top_tokens(logp, k)
+
+    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Append nodes (parents, tokens, logp all [m]) and return their pool ids [m]."""
+        ids = torch.arange(len(self), len(self) + len(parents))
+        self.tokens = torch.cat([self.tokens, tokens])
+        self.parents = torch.cat([self.parents, parents])
+        self.depths = torch.cat([self.depths, self.depths[parents] + 1])
+        self.values = torch.cat([self.values, self.values[parents] + logp])  # fp32 sums
+        self.logp = torch.cat([self.logp, logp])
+        return ids
+
+    def add_children(self, ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Give each node in ids [f] its top-k children -> their pool ids [f * k']:
+        node 0's children first, best first, then node 1's, ..."""
+        lp, tok = self.top_children(ids, k)  # [f, k']
+        return self.add(ids.repeat_interleave(tok.shape[1]), tok.flatten(), lp.flatten())
+
+    def tree(self, keep: torch.Tensor) -> DraftTree:
+        """The root plus the pool ids in keep [m] (ascending, parents included)."""
+        ids = torch.cat([torch.zeros(1, dtype=torch.int64), keep])  # [n]
+        where = torch.full((len(self),), -1, dtype=torch.int64)  # pool id -> tree index
+        where[ids] = torch.arange(len(ids))
+        parents = where[self.parents[ids].clamp(min=0)]
+        parents[0] = -1
+        # a parent missing from keep maps to -1 and DraftTree's validation rejects it
+        return DraftTree(self.tokens[ids], parents, self.depths[ids], self.values[ids])
+
+
+def _best(key: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest keys (ties: earlier first), in ascending order."""
+    return torch.sort(key, descending=True, stable=True).indices[:k].sort().values
+
+
+def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
+    """Draft a tree under the root token by calling expand() once per level."""
+    if isinstance(root_token, bool) or operator.index(root_token) < 0:
+        raise TreeError(f"root_token must be a token id >= 0, got {root_token!r}")
+    if cfg.method == "static":
+        return _build_static(root_token, expand, cfg)
+    pool = _Pool(root_token, expand)
+    width = 1 if cfg.method == "chain" else cfg.expand_k
+    frontier = torch.zeros(1, dtype=torch.int64)  # [f] pool ids, the root to start
+    chosen = []  # the frontier picked at each level
+    # A node at depth d brings its d - 1 ancestors with it, so levels deeper than
+    # total_tokens - 1 can never be kept: they are not drafted.
+    for _ in range(min(cfg.depth, cfg.total_tokens - 1)):
+        kids = pool.add_children(frontier, width)  # [f * k']
+        key = pool.logp[kids] if cfg.method == "no-value" else pool.values[kids]
+        frontier = kids[_best(key, width)]  # [k]
+        chosen.append(frontier)
+    if cfg.method in ("eagle2", "no-value"):
+        # Pool ids run level by level, so a stable sort by value ranks candidates by
+        # (value desc, depth asc, creation asc). A child's value is its parent's plus
+        # a log-prob <= 0, so never above it, and on a tie the shallower parent comes
+        # first: every kept node's parent is kept and the tree is connected.
+        keep = _best(pool.values[1:], cfg.total_tokens - 1) + 1
+    else:
+        keep = torch.cat([torch.zeros(0, dtype=torch.int64), *chosen])[: cfg.total_tokens - 1]
+    return pool.tree(keep)
+
+
+def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
+    """Grow a fixed shape level by level: each node that has children in the shape
+    is expanded, and its children are the tokens at the requested ranks."""
+    shape = cfg.static_shape if cfg.static_shape is not None else default_static_shape()
+    # prefixes of a shape are connected trees, and dropping deep paths keeps that true
+    paths = [p for p in shape if len(p) <= cfg.depth][: cfg.total_tokens - 1]
+    pool = _Pool(root_token, expand)
+    index = {(): 0}  # rank path -> pool id
+    for depth in range(1, max(map(len, paths), default=0) + 1):
+        # a path whose parent needed a rank beyond the vocabulary is dropped too
+        level = sorted((p for p in paths if len(p) == depth and p[:-1] in index),
+                       key=lambda p: (index[p[:-1]], p[-1]))
+        if not level:
+            break
+        heads = sorted({index[p[:-1]] for p in level})
+        lp, tok = pool.top_children(torch.tensor(heads), max(p[-1] for p in level) + 1)  # [f, r]
+        row = {h: j for j, h in enumerate(heads)}
+        level = [p for p in level if p[-1] < tok.shape[1]]
+        rows = torch.tensor([row[index[p[:-1]]] for p in level], dtype=torch.int64)
+        ranks = torch.tensor([p[-1] for p in level], dtype=torch.int64)
+        parents = torch.tensor([index[p[:-1]] for p in level], dtype=torch.int64)
+        ids = pool.add(parents, tok[rows, ranks], lp[rows, ranks])
+        index.update(zip(level, ids.tolist()))
+    return pool.tree(torch.arange(1, len(pool)))

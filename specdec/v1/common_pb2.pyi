@@ -1,0 +1,69 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TreeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TREE_METHOD_UNSPECIFIED: _ClassVar[TreeMethod]
+    TREE_METHOD_EAGLE2: _ClassVar[TreeMethod]
+    TREE_METHOD_STATIC: _ClassVar[TreeMethod]
+    TREE_METHOD_CHAIN: _ClassVar[TreeMethod]
+    TREE_METHOD_NO_VALUE: _ClassVar[TreeMethod]
+    TREE_METHOD_NO_RERANK: _ClassVar[TreeMethod]
+    TREE_METHOD_VANILLA: _ClassVar[TreeMethod]
+TREE_METHOD_UNSPECIFIED: TreeMethod
+TREE_METHOD_EAGLE2: TreeMethod
+TREE_METHOD_STATIC: TreeMethod
+TREE_METHOD_CHAIN: TreeMethod
+TREE_METHOD_NO_VALUE: TreeMethod
+TREE_METHOD_NO_RERANK: TreeMethod
+TREE_METHOD_VANILLA: TreeMethod
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TreeParams(_message.Message):
+    __slots__ = ("method", "total_tokens", "depth", "expand_k")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    EXPAND_K_FIELD_NUMBER: _ClassVar[int]
+    method: TreeMethod
+    total_tokens: int
+    depth: int
+    expand_k: int
+    def __init__(self, method: _Optional[_Union[TreeMethod, str]] = ..., total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., expand_k: _Optional[int] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("tokens", "parents", "values")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,0 +1,79 @@
+"""``specdec generate --local``: JSON output and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.cli.main import main
+
+
+def model_flags(family, drafter="eagle"):
+    flags = ["--target", str(family["target"])]
+    return flags + {"eagle": ["--eagle", str(family["eagle"])], "draft-lm": ["--draft-lm", str(family["draft-lm"])],
+                    "ngram": ["--ngram"], "none": []}[drafter]
+
+
+def run_cli(capsys, args):
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("drafter,method", [("none", "vanilla"), ("eagle", "eagle2"), ("draft-lm", "chain"),
+                                            ("ngram", "static")])
+def test_json_lines_match_vanilla(tiny_family, tmp_path, capsys, drafter, method):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in
+                                 enumerate(["def add(a, b):", "for i in range(3):", "import os"])))
+    common = ["generate", "--local", "--json", "--max-new-tokens", "24", "--prompt-file", str(prompts)]
+    code, out, _ = run_cli(capsys, common + model_flags(tiny_family, drafter) + ["--method", method])
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    code, ref_out, _ = run_cli(capsys, common + model_flags(tiny_family, "none") + ["--method", "vanilla"])
+    ref = [json.loads(line) for line in ref_out.splitlines()]
+    assert len(rows) == 3
+    for row, want in zip(rows, ref):
+        assert set(row) == {"token_ids", "text", "cycles", "tau", "accepted_per_position", "wall_s"}
+        assert row["token_ids"] == want["token_ids"]
+        generated_in_cycles = len(row["token_ids"]) - 1       # the first token comes from prefill
+        if method == "vanilla":
+            assert row["tau"] == 1.0 and row["cycles"] == generated_in_cycles
+        else:  # the last cycle may be cut by max_new_tokens
+            assert row["tau"] * row["cycles"] >= generated_in_cycles - 1e-3
+            assert sum(row["accepted_per_position"][:1]) <= row["cycles"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "-1", "hi"], "temperature must be >= 0"),
+    (["--top-p", "0", "hi"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5", "hi"], "top_p must be in (0, 1]"),
+    ([""], "prompt must not be empty"),
+    (["--max-new-tokens", "0", "hi"], "max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "100000", "hi"], "exceeds the model's context"),
+    (["--total-tokens", "0", "hi"], "total_tokens must be an integer >= 1"),
+    (["--prompt-file", "/nonexistent.jsonl"], "prompt file not found"),
+])
+def test_bad_input_is_one_line_and_nonzero(tiny_family, capsys, args, needle):
+    code, out, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family), *args])
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdec: error:") and needle in lines[0], err
+
+
+def test_malformed_prompt_file_names_the_line(tiny_family, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    code, _, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family), "--prompt-file", str(bad)])
+    assert code == 2 and f"{bad}:2: not valid JSON" in err
+
+
+def test_console_script_exit_status(tiny_family):
+    """The installed entry point, as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli.main", "generate", "--local",
+                           *model_flags(tiny_family), "--temperature", "-0.5", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("specdec:")]
+    assert len(lines) == 1 and "temperature must be >= 0" in lines[0], proc.stderr

@@ -1,0 +1,16 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    from tiny import build_family
+
+    return build_family(tmp_path_factory.mktemp("family"))

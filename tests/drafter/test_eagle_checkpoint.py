@@ -1,0 +1,75 @@
+"""EAGLE heads in the released checkpoint layout: load, draft, clear errors."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafter.eagle import EagleDrafter
+from drafter.eagle_head import load_head
+from specdec.errors import InvalidArgument
+from specdec.tree import TreeConfig
+
+LAYOUT = {
+    "fc.weight", "fc.bias",
+    "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+    "layers.0.post_attention_layernorm.weight",
+}
+
+
+def test_saved_head_has_exactly_the_eagle_layout(tiny_family):
+    keys = set(load_file(tiny_family["eagle"] / "model.safetensors"))
+    assert keys == LAYOUT
+    config = json.loads((tiny_family["eagle"] / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+
+
+def test_head_loads_and_drafts(tiny_family):
+    drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
+    h = drafter.hidden_size
+    drafter.prefill("s", [3, 4, 5, 6], torch.randn(3, h))
+    tree = drafter.draft("s", TreeConfig(total_tokens=8, depth=3, expand_k=2))
+    assert tree.size == 8 and int(tree.tokens[0]) == 6
+    drafter.commit("s", [int(tree.tokens[1]), 9], torch.randn(2, h))
+    assert int(drafter.draft("s", TreeConfig(total_tokens=4)).tokens[0]) == 9
+
+
+def test_bias_free_head_and_extra_embedding_copy_load(tiny_family, tmp_path):
+    state = load_file(tiny_family["eagle"] / "model.safetensors")
+    del state["fc.bias"]
+    state["embed_tokens.weight"] = torch.zeros(10, 4)          # some released heads carry it
+    config = json.loads((tiny_family["eagle"] / "config.json").read_text()) | {"bias": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(state, tmp_path / "model.safetensors")
+    head = load_head(tmp_path)
+    assert head.fc.bias is None
+
+
+def test_pytorch_bin_checkpoint_loads(tiny_family, tmp_path):
+    state = load_file(tiny_family["eagle"] / "model.safetensors")
+    (tmp_path / "config.json").write_text((tiny_family["eagle"] / "config.json").read_text())
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    assert load_head(tmp_path).fc.weight.shape == state["fc.weight"].shape
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s.pop("layers.0.mlp.up_proj.weight"), "missing keys: layers.0.mlp.up_proj.weight"),
+    (lambda s: s.update({"layers.1.mlp.up_proj.weight": torch.zeros(1)}), "unexpected keys: layers.1.mlp.up_proj.weight"),
+    (lambda s: s.update({"fc.weight": torch.zeros(3, 3)}), "fc.weight has shape (3, 3)"),
+])
+def test_bad_checkpoints_name_the_problem(tiny_family, tmp_path, edit, needle):
+    state = load_file(tiny_family["eagle"] / "model.safetensors")
+    edit(state)
+    (tmp_path / "config.json").write_text((tiny_family["eagle"] / "config.json").read_text())
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(InvalidArgument, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_head(tmp_path)
+
+
+def test_directory_without_weights(tmp_path, tiny_family):
+    (tmp_path / "config.json").write_text((tiny_family["eagle"] / "config.json").read_text())
+    with pytest.raises(InvalidArgument, match="has none of"):
+        load_head(tmp_path)

@@ -1,0 +1,61 @@
+"""After a verify commits a path, the KV cache equals a fresh prefill of the committed tokens."""
+
+import torch
+
+from specdec import kv
+from specdec.models import ModelSpec
+from specdec.tree import tree_from_lists
+from verifier.engine import TargetModel
+
+
+def test_commit_path_matches_fresh_prefill(tiny_family):
+    target = TargetModel(ModelSpec(str(tiny_family["target"])))
+    gen = torch.Generator().manual_seed(3)
+    v = target.vocab_size
+    for trial in range(25):
+        n = int(torch.randint(1, 14, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        tree = tree_from_lists(torch.randint(0, v, (n,), generator=gen).tolist(), parents, v)
+        prefix = torch.randint(0, v, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen)
+        cache = target.new_cache()
+        target.forward(cache, prefix, torch.arange(len(prefix)), None)
+        mask = kv.tree_attention_mask(tree.ancestor_mask(), len(prefix))
+        target.forward(cache, tree.tokens, tree.position_ids(len(prefix)), mask)
+        # a random accept pattern: root to a random node
+        node = int(torch.randint(0, n, (1,), generator=gen))
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(tree.parents[node])
+        path.reverse()
+        kv.commit_path(cache, len(prefix), path)
+
+        fresh = target.new_cache()
+        seq = torch.cat([prefix, tree.tokens[path]])
+        target.forward(fresh, seq, torch.arange(len(seq)), None)
+        assert kv.seq_len(cache) == len(seq)
+        for got, want in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=0)
+        # and decoding continues identically from both caches
+        nxt = torch.tensor([int(torch.randint(0, v, (1,), generator=gen))])
+        a = target.forward(cache, nxt, torch.tensor([len(seq)]), None)[1]
+        b = target.forward(fresh, nxt, torch.tensor([len(seq)]), None)[1]
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_verifier_rollback_truncates_to_committed_prefix(tiny_family):
+    from specdec.sampling import SamplingParams
+    from verifier.engine import VerifierEngine
+
+    engine = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
+    engine.prefill("s", [5, 6, 7, 8], SamplingParams())
+    for _ in range(4):
+        engine.verify("s", tree_from_lists([engine.committed_tokens("s")[-1]], [-1]))
+    full = engine.committed_tokens("s")
+    engine.rollback("s", 6)
+    assert engine.committed_tokens("s") == full[:6]
+    # decoding after rollback reproduces the original continuation
+    for _ in range(3):
+        engine.verify("s", tree_from_lists([engine.committed_tokens("s")[-1]], [-1]))
+    assert engine.committed_tokens("s") == full[:9]

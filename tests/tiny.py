@@ -1,0 +1,56 @@
+"""Tiny random-weight model families for tests, built on the fly (nothing is downloaded).
+
+A family is a directory tree like the bundled demo: tokenizer, target, eagle
+(EAGLE layout), draft-lm. Weights are random but sharp enough (larger init)
+that greedy decoding has no near-ties.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    sys.exit(main())\n",
+] * 20
+
+
+def tiny_config(vocab_size: int, hidden: int = 48, layers: int = 2, seed: int = 0, max_positions: int = 512):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                       max_position_embeddings=max_positions, initializer_range=0.15,
+                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+
+
+def tiny_llama(vocab_size: int, seed: int, **kw):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(vocab_size, **kw)).eval()
+    return model
+
+
+def build_family(root: Path, seed: int = 0, vocab_size: int = 300) -> dict[str, Path]:
+    from drafter.eagle_head import EagleHead, head_config, save_head
+    from specdec.train.tokenizer import train_tokenizer
+
+    paths = {name: root / name for name in ("tokenizer", "target", "eagle", "draft-lm")}
+    train_tokenizer(CORPUS, paths["tokenizer"], vocab_size=vocab_size)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    v = len(tok)
+    target = tiny_llama(v, seed)
+    target.save_pretrained(paths["target"])
+    tok.save_pretrained(paths["target"])
+    torch.manual_seed(seed + 1)
+    head = EagleHead(head_config(target.config.to_dict()))
+    save_head(head, paths["eagle"], dtype=torch.float32)
+    tiny_llama(v, seed + 2, hidden=32, layers=1).save_pretrained(paths["draft-lm"])
+    return paths

@@ -1,0 +1,158 @@
+"""Verifier engine: the target model, per-session KV caches, tree verification.
+
+One verify step (DESIGN.md §3):
+  1. forward the flattened tree on top of the session's cache with the
+     ancestor mask and positions ``prefix_len + depth``;
+  2. acceptance on the per-node target logits (greedy walk or recursive
+     rejection sampling, ``specdec.acceptance``);
+  3. commit: keep prefix + root + accepted path in the cache, drop the rest.
+
+The session's last committed token (the *root*) is always pending: its KV is
+computed by the next verify, as node 0 of the next tree. Vanilla decoding is a
+verify of a root-only tree, so baseline and speculative runs share every line
+of model code.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec import kv
+from specdec.acceptance import accept
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.models import ModelSpec, load_causal_lm
+from specdec.sampling import SamplingParams, make_generator, sample, target_probs
+from specdec.sessions import SessionTable
+from specdec.tree import DraftTree
+
+
+@dataclass
+class TargetSession:
+    cache: object                 # transformers DynamicCache: KV of `tokens[:-1]`
+    tokens: list[int]             # committed tokens; the last one (root) is pending
+    params: SamplingParams
+    generator: torch.Generator
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    token: int                    # first generated token (the first root)
+    features: torch.Tensor        # [P, H] final hidden state at each prompt position
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: list[int]           # accepted node indices, root excluded
+    tokens: list[int]             # committed this cycle: accepted tokens + bonus
+    features: torch.Tensor        # [len(accepted) + 1, H] at root + accepted nodes
+
+
+class TargetModel:
+    """A causal LM split into body (features) and lm_head (logits)."""
+
+    def __init__(self, spec: ModelSpec, model=None):
+        self.spec = spec
+        self.model = model if model is not None else load_causal_lm(spec)
+        self.body = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.config = self.model.config
+        self.vocab_size = int(self.config.vocab_size)
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.device = next(self.model.parameters()).device
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [n]; mask: [1, 1, n, prefix + n] or None (causal).
+        Returns features [n, H] and fp32 logits [n, V]; appends n slots to cache."""
+        out = self.body(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
+                        attention_mask=mask, past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state[0]
+        return hidden.float(), self.lm_head(hidden).float()
+
+
+class VerifierEngine:
+    def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0):
+        self.target = target
+        self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
+
+    # -- session lifecycle ---------------------------------------------------
+    def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
+                max_new_tokens: int = 0) -> PrefillResult:
+        """Run the prompt, pick the first token, open the session."""
+        params.validate()
+        self._check_tokens(prompt, "prompt")
+        if not prompt:
+            raise InvalidArgument("prompt must not be empty")
+        if len(prompt) + max_new_tokens > self.target.max_positions:
+            raise InvalidArgument(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.target.max_positions} tokens")
+        cache = self.target.new_cache()
+        ids = torch.tensor(prompt, dtype=torch.long)
+        hidden, logits = self.target.forward(cache, ids, torch.arange(len(prompt)), None)
+        generator = make_generator(params.seed)
+        probs = target_probs(logits[-1], params)
+        first = int(probs.argmax()) if params.greedy else sample(probs, generator)
+        self.sessions.add(sid, TargetSession(cache, list(prompt) + [first], params, generator))
+        return PrefillResult(first, hidden)
+
+    def release(self, sid: str) -> bool:
+        return self.sessions.pop(sid) is not None
+
+    def rollback(self, sid: str, length: int) -> None:
+        """Keep the first ``length`` committed tokens (the last becomes the root)."""
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            if not 1 <= length <= len(sess.tokens):
+                raise InvalidArgument(f"rollback length must be in [1, {len(sess.tokens)}], got {length}")
+            kv.truncate(sess.cache, length - 1)
+            del sess.tokens[length:]
+
+    # -- the hot path ----------------------------------------------------------
+    def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            root = int(tree.tokens[0])
+            if root != sess.tokens[-1]:
+                raise FailedPrecondition(
+                    f"tree root token {root} is not the session's last committed token {sess.tokens[-1]}")
+            self._check_tokens(tree.tokens.tolist(), "tree token")
+            prefix = sess.prefix_len
+            n = tree.size
+            deepest = prefix + int(tree.depths.max())
+            if deepest >= self.target.max_positions:
+                raise InvalidArgument(f"tree reaches position {deepest}, beyond the model's context of "
+                                      f"{self.target.max_positions} tokens")
+            mask = None if n == 1 else kv.tree_attention_mask(tree.ancestor_mask(), prefix)
+            hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask)
+            result = accept(tree, logits, sess.params, sess.generator)
+            path = [0] + result.accepted
+            kv.commit_path(sess.cache, prefix, path)
+            committed = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
+            sess.tokens.extend(committed)
+            return VerifyResult(result.accepted, committed, hidden[path])
+
+    def committed_tokens(self, sid: str) -> list[int]:
+        return list(self.sessions.get(sid).tokens)
+
+    def kv_bytes(self) -> int:
+        return sum(kv.nbytes(s.cache) for _, s in self.sessions.items())
+
+    def _check_tokens(self, tokens: list[int], what: str) -> None:
+        bad = next((t for t in tokens if not 0 <= t < self.target.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"{what} id {bad} is outside the vocabulary [0, {self.target.vocab_size})")

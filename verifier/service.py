@@ -1,0 +1,140 @@
+"""VerifierService: the gRPC face of ``verifier.engine.VerifierEngine``.
+
+Each RPC validates its message (``specdec.wire``), runs one engine call on the
+servicer's worker thread and translates the result; errors become statuses
+(``specdec.server.abort_from``): a malformed tree is INVALID_ARGUMENT naming
+the field, an unknown or evicted session NOT_FOUND, the session cap
+RESOURCE_EXHAUSTED, a tree whose root is not the last committed token
+FAILED_PRECONDITION, loading or draining UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec import metrics, wire
+from specdec.errors import InvalidArgument
+from specdec.sampling import SamplingParams
+from specdec.server import EngineServicer, abort_from
+from specdec.tree import tree_from_lists
+from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger("specdec.verifier")
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+
+
+@dataclass(frozen=True)
+class VerifierServiceConfig:
+    feature_dtype: str = "float32"     # dtype of the features sent to EAGLE drafters
+    model_name: str = ""               # reported by GetInfo (default: the target's path)
+
+    def __post_init__(self):
+        if self.feature_dtype not in ("float32", "float16"):
+            raise ValueError(f"feature dtype must be float32 or float16, got {self.feature_dtype!r}")
+
+
+class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer):
+    role = "verifier"
+
+    def __init__(self, config: VerifierServiceConfig = VerifierServiceConfig()):
+        super().__init__()
+        self.config = config
+        self.engine = None                 # VerifierEngine, once loaded
+
+    def registration(self) -> tuple[Callable, object, str]:
+        """The (add_to_server, servicer, service name) triple for ``start_server``."""
+        return verifier_pb2_grpc.add_VerifierServiceServicer_to_server, self, SERVICE_NAME
+
+    # -- loading ------------------------------------------------------------------------
+    async def load(self, build: Callable[[], object]) -> None:
+        """Build the engine on the worker thread (``build()`` -> VerifierEngine),
+        warm it up, start the idle sweeper. The server goes ready afterwards."""
+        engine, seconds = await self.run(build)
+        _, warm_s = await self.run(self._warm_up, engine)
+        self.engine, self.sessions = engine, engine.sessions
+        self._refresh_stats()
+        self.start_sweeper()
+        log.info("verifier loaded", extra={"load_s": round(seconds, 3), "warm_up_s": round(warm_s, 3),
+                                           "vocab_size": engine.target.vocab_size})
+
+    @staticmethod
+    def _warm_up(engine) -> None:
+        """One small prefill and tree verify on a throwaway session."""
+        sid = f"warm-up-{uuid.uuid4().hex}"
+        vocab = engine.target.vocab_size
+        prompt = [i % vocab for i in range(1, 5)]
+        try:
+            first = engine.prefill(sid, prompt, SamplingParams())
+            engine.verify(sid, tree_from_lists([first.token, prompt[0], prompt[1]], [-1, 0, 1]))
+        finally:
+            engine.release(sid)
+
+    def _kv_bytes(self) -> int:
+        return self.engine.kv_bytes() if self.engine is not None else 0
+
+    def _features(self, features):
+        return wire.tensor_to_proto(features, self.config.feature_dtype)
+
+    # -- RPCs ---------------------------------------------------------------------------------
+    async def Prefill(self, request, context):
+        try:
+            self.check(opens_session=True)
+            params = wire.sampling_from_proto(request.sampling)
+            if request.max_new_tokens < 0:
+                raise InvalidArgument(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
+            result, seconds = await self.run(self.engine.prefill, request.session_id, list(request.prompt_ids),
+                                             params, request.max_new_tokens)
+        except Exception as exc:
+            await abort_from(context, exc)
+        metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
+        response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds)
+        if request.return_features:
+            response.features.CopyFrom(self._features(result.features))
+        return response
+
+    async def Verify(self, request, context):
+        try:
+            self.check()
+            tree = wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
+            result, seconds = await self.run(self.engine.verify, request.session_id, tree)
+        except Exception as exc:
+            await abort_from(context, exc)
+        metrics.VERIFY_DURATION.observe(seconds)
+        response = verifier_pb2.VerifyResponse(accepted_nodes=result.accepted, tokens=result.tokens,
+                                               compute_s=seconds)
+        if request.return_features:
+            response.features.CopyFrom(self._features(result.features))
+        return response
+
+    async def Rollback(self, request, context):
+        try:
+            self.check()
+            await self.run(self.engine.rollback, request.session_id, request.length)
+        except Exception as exc:
+            await abort_from(context, exc)
+        return verifier_pb2.VerifierRollbackResponse()
+
+    async def Release(self, request, context):
+        try:
+            self.check()
+            # shielded: a client that gives up on Release still gets the memory freed
+            released, _ = await self.run(self.engine.release, request.session_id, shield=True)
+        except Exception as exc:
+            await abort_from(context, exc)
+        return verifier_pb2.VerifierReleaseResponse(released=released)
+
+    async def GetInfo(self, request, context):
+        try:
+            self.check()
+        except Exception as exc:
+            await abort_from(context, exc)
+        target = self.engine.target
+        return verifier_pb2.VerifierGetInfoResponse(
+            model=self.config.model_name or str(target.spec.path), vocab_size=target.vocab_size,
+            hidden_size=int(target.config.hidden_size), max_positions=target.max_positions,
+            active_sessions=self.stats.active, max_sessions=self.sessions.max_sessions,
+            kv_bytes=self.stats.kv_bytes)
