@@ -46,6 +46,8 @@ def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> No
     p.add_argument("--ckpt-every", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="checkpoint and stop after this many steps (rerun to resume)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -92,7 +94,7 @@ def _config(args):
     warmup = args.warmup if args.warmup is not None else min(150, max(1, args.steps // 10))
     return TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=warmup,
                        seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-                       threads=args.threads)
+                       threads=args.threads, stop_after=args.stop_after)
 
 
 def _workdir(args) -> Path:

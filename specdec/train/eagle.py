@@ -89,6 +89,8 @@ def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[st
 
     log = train(cfg, [p for p in head.parameters() if p.requires_grad], {"head": head}, loss_fn, eval_fn,
                 workdir, progress)
+    if not log["finished"]:
+        return log          # interrupted: the checkpoint resumes it; export only a finished head
     head.eval()
     save_head(head, out_dir)
     (Path(out_dir) / "training_log.json").write_text(json.dumps(

@@ -72,6 +72,8 @@ def train_lm(
     log.update({"params": sum(p.numel() for p in model.parameters()),
                 "train_tokens": int(len(train_stream)), "heldout_tokens": int(len(heldout_stream)),
                 "unigram_loss": baseline, "shape": shape.__dict__})
+    if not log["finished"]:
+        return log          # interrupted: the checkpoint resumes it; export only a finished model
     model.eval()
     export_fp16(model, out_dir, tokenizer)
     (Path(out_dir) / "training_log.json").write_text(json.dumps(

@@ -33,6 +33,7 @@ class TrainConfig:
     ckpt_every: int = 50
     eval_every: int = 250
     threads: int = 0  # 0: leave torch's default
+    stop_after: int = 0  # >0: checkpoint and return after this many steps in this invocation
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -89,8 +90,9 @@ def train(
         (workdir / "log.json").write_text(json.dumps(log, indent=1))
 
     bar = tqdm(total=cfg.steps, initial=step, disable=not progress, dynamic_ncols=True)
+    last = min(cfg.steps, step + cfg.stop_after) if cfg.stop_after else cfg.steps
     try:
-        while step < cfg.steps and not stop["now"]:
+        while step < last and not stop["now"]:
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(cfg, step)
@@ -103,7 +105,7 @@ def train(
             opt.step()
             step += 1
             log["train_seconds"] += time.perf_counter() - t0
-            log["history"].append({"step": step, "loss": float(loss), **extra})
+            log["history"].append({"step": step, "loss": float(loss.detach()), **extra})
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}")
             if eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):

@@ -1,0 +1,98 @@
+"""`specdec train ...` on a tiny corpus: deterministic, loss goes down, artifacts load."""
+
+import json
+
+import pytest
+import torch
+
+from specdec.cli.main import main
+from specdec.train.corpus import is_heldout, stdlib_split
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n\n",
+    "def sub(a, b):\n    return a - b\n\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n",
+    "for i in range(10):\n    print(i * i)\n\n",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    files = []
+    for i in range(6):
+        f = d / f"mod{i}.py"
+        f.write_text("".join(CORPUS[(i + j) % 4] for j in range(30)))
+        files.append(str(f))
+    return files
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    root = tmp_path_factory.mktemp("trained")
+    tiny = ["--steps", "30", "--batch", "4", "--seq-len", "32", "--eval-every", "30", "--no-progress",
+            "--hidden", "32", "--layers", "2", "--heads", "2", "--intermediate", "64", "--threads", "1"]
+    assert main(["train", "tokenizer", "--data", *corpus, "--out", str(root / "tok"), "--vocab-size", "300"]) == 0
+    assert main(["train", "target", "--data", *corpus, "--tokenizer", str(root / "tok"), "--out", str(root / "target"),
+                 "--workdir", str(root / "wt"), *tiny]) == 0
+    assert main(["train", "draft-lm", "--data", *corpus, "--tokenizer", str(root / "tok"),
+                 "--out", str(root / "draft"), "--workdir", str(root / "wd"), *tiny]) == 0
+    assert main(["train", "eagle", "--data", *corpus, "--target", str(root / "target"), "--out", str(root / "eagle"),
+                 "--workdir", str(root / "we"), *tiny[:9], "--threads", "1"]) == 0
+    return root
+
+
+def losses(workdir):
+    log = json.loads((workdir / "log.json").read_text())
+    return [h["loss"] for h in log["history"]]
+
+
+def test_tokenizer_round_trips(trained):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(trained / "tok")
+    for text in ["def add(a, b):\n    return a + b\n", "ünïcode ✓ 中文 😀", "    \t\n"]:
+        assert tok.decode(tok(text)["input_ids"]) == text
+
+
+@pytest.mark.parametrize("name", ["wt", "wd", "we"])
+def test_loss_goes_down(trained, name):
+    history = losses(trained / name)
+    assert len(history) == 30
+    assert sum(history[-5:]) / 5 < sum(history[:5]) / 5 * 0.9
+
+
+def test_artifacts_load_through_public_loaders(trained):
+    from transformers import AutoModelForCausalLM
+
+    from drafter.eagle import EagleDrafter
+    from specdec.tree import TreeConfig
+
+    for name in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(trained / name, dtype=torch.float32)
+        assert model.config.num_hidden_layers == 2
+    drafter = EagleDrafter(trained / "eagle", trained / "target")
+    drafter.prefill("s", [1, 2, 3], torch.randn(2, drafter.hidden_size))
+    assert drafter.draft("s", TreeConfig(total_tokens=6, depth=2, expand_k=2)).size == 6
+
+
+def test_interrupted_run_resumes_bit_identically(tmp_path, corpus, trained):
+    """Stopped after 12 of 20 steps and rerun, a run ends exactly where an
+    uninterrupted run ends: same data order, same optimizer state."""
+    args = ["train", "target", "--data", *corpus, "--tokenizer", str(trained / "tok"), "--no-progress",
+            "--steps", "20", "--batch", "4", "--seq-len", "32", "--eval-every", "100", "--hidden", "32",
+            "--layers", "2", "--heads", "2", "--intermediate", "64", "--threads", "1", "--ckpt-every", "5"]
+    assert main([*args, "--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "a_out"), "--stop-after", "12"]) == 0
+    assert len(losses(tmp_path / "a")) == 12
+    assert not (tmp_path / "a_out").exists()           # only a finished model is exported
+    assert main([*args, "--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "a_out")]) == 0
+    assert main([*args, "--workdir", str(tmp_path / "b"), "--out", str(tmp_path / "b_out")]) == 0
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert (tmp_path / "a_out" / "model.safetensors").is_file()
+
+
+def test_corpus_split_is_deterministic():
+    a, b = stdlib_split(), stdlib_split()
+    assert a.train == b.train and a.heldout == b.heldout
+    assert all(is_heldout(p.relative_to(a.root).as_posix()) for p in a.heldout)
+    assert 0.02 < len(a.heldout) / (len(a.train) + len(a.heldout)) < 0.1
