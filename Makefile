@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) deploy/validate.py --install-checkov
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -35,6 +36,9 @@ test: setup
 bench: setup
 	$(PY) -m pytest -q -m slow
 	$(VENV)/bin/specdec bench --prompts specdec/bench/prompts.jsonl --json bench-results.json --report bench-report
+	$(VENV)/bin/specdec bench --grpc --prompts specdec/bench/prompts.jsonl --json bench-grpc.json --report bench-report/grpc
+	$(VENV)/bin/specdec bench --temperature 1 --prompts specdec/bench/prompts.jsonl --json bench-t1.json --report bench-report/t1
+	$(VENV)/bin/specdec bench sweep --json bench-sweep.json --report bench-report
 
 clean-venv:
 	rm -rf $(VENV)

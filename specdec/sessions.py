@@ -64,6 +64,13 @@ class SessionTable(Generic[S]):
             entry = self._entries.pop(sid, None)
             return None if entry is None else entry.value
 
+    def stale(self, ttl_s: float | None = None) -> list[str]:
+        """Ids idle for longer than ``ttl_s`` (default: the table's TTL), not evicted yet."""
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        with self._lock:
+            now = self._clock()
+            return [sid for sid, e in self._entries.items() if now - e.last_used > ttl]
+
     def evict_idle(self) -> list[str]:
         """Drop sessions idle for longer than the TTL; returns their ids."""
         with self._lock:

@@ -22,7 +22,7 @@ import torch
 
 from specdec import kv
 from specdec.acceptance import accept
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.models import ModelSpec, load_causal_lm
 from specdec.sampling import SamplingParams, make_generator, sample, target_probs
 from specdec.sessions import SessionTable
@@ -35,6 +35,7 @@ class TargetSession:
     tokens: list[int]             # committed tokens; the last one (root) is pending
     params: SamplingParams
     generator: torch.Generator
+    reserved_bytes: int = 0       # worst-case KV this session may grow to (admission control)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -68,6 +69,15 @@ class TargetModel:
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.device = next(self.model.parameters()).device
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, every layer, every key/value head (all ranks together)."""
+        c = self.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        elem = torch.finfo(next(self.model.parameters()).dtype).bits // 8
+        return 2 * c.num_hidden_layers * heads * head_dim * elem
+
     def new_cache(self):
         from transformers import DynamicCache
 
@@ -85,9 +95,21 @@ class TargetModel:
 
 
 class VerifierEngine:
-    def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0):
+    """Sessions of the target. With ``kv_budget_bytes`` set, a session is only
+    admitted if its worst case (prompt + max_new_tokens + one full tree of
+    ``max_tree_tokens``) fits next to every admitted session's worst case: a
+    running session can never run the cache out of memory."""
+
+    def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
+                 kv_budget_bytes: int | None = None, max_tree_tokens: int = 64):
         self.target = target
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
+        self.kv_budget_bytes = kv_budget_bytes
+        self.max_tree_tokens = max_tree_tokens
+        self._admission = threading.Lock()
+
+    def reserved_bytes(self) -> int:
+        return sum(s.reserved_bytes for _, s in self.sessions.items())
 
     # -- session lifecycle ---------------------------------------------------
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
@@ -101,13 +123,29 @@ class VerifierEngine:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.target.max_positions} tokens")
-        cache = self.target.new_cache()
-        ids = torch.tensor(prompt, dtype=torch.long)
-        hidden, logits = self.target.forward(cache, ids, torch.arange(len(prompt)), None)
-        generator = make_generator(params.seed)
-        probs = target_probs(logits[-1], params)
-        first = int(probs.argmax()) if params.greedy else sample(probs, generator)
-        self.sessions.add(sid, TargetSession(cache, list(prompt) + [first], params, generator))
+        need = (len(prompt) + max(max_new_tokens, 1) + self.max_tree_tokens) * self.target.kv_bytes_per_token
+        with self._admission:          # reserve before computing, so concurrent prefills can't overshoot
+            self.sessions.evict_idle()
+            if self.kv_budget_bytes is not None and self.reserved_bytes() + need > self.kv_budget_bytes:
+                raise ResourceExhausted(
+                    f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
+                    f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
+            generator = make_generator(params.seed)
+            sess = TargetSession(self.target.new_cache(), list(prompt), params, generator, reserved_bytes=need)
+            sess.lock.acquire()        # nobody verifies on this session until its prefill is done
+            self.sessions.add(sid, sess)
+        try:
+            ids = torch.tensor(prompt, dtype=torch.long)
+            hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None)
+            probs = target_probs(logits[-1], params)
+            first = int(probs.argmax()) if params.greedy else sample(probs, generator)
+        except BaseException:
+            self.sessions.pop(sid)
+            raise
+        else:
+            sess.tokens.append(first)
+        finally:
+            sess.lock.release()
         return PrefillResult(first, hidden)
 
     def release(self, sid: str) -> bool:

@@ -14,8 +14,8 @@ from pathlib import Path
 from specdec.models import demo_path
 from specdec.train.lm import LmShape
 
-TARGET_SHAPE = LmShape(hidden=192, layers=20, heads=3, intermediate=512)
-DRAFT_LM_SHAPE = LmShape(hidden=128, layers=2, heads=2, intermediate=384)
+TARGET_SHAPE = LmShape(hidden=192, layers=20, heads=4, kv_heads=2, intermediate=512)
+DRAFT_LM_SHAPE = LmShape(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=384)
 
 
 def _corpus(args) -> tuple[list[str], list[str]]:
@@ -55,6 +55,7 @@ def _shape(p: argparse.ArgumentParser, shape: LmShape) -> None:
     p.add_argument("--hidden", type=int, default=shape.hidden)
     p.add_argument("--layers", type=int, default=shape.layers)
     p.add_argument("--heads", type=int, default=shape.heads)
+    p.add_argument("--kv-heads", type=int, default=shape.kv_heads)
     p.add_argument("--intermediate", type=int, default=shape.intermediate)
 
 
@@ -115,7 +116,8 @@ def run_lm(args) -> int:
     from specdec.train.lm import train_lm
 
     train_texts, heldout = _corpus(args)
-    shape = LmShape(hidden=args.hidden, layers=args.layers, heads=args.heads, intermediate=args.intermediate)
+    shape = LmShape(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                    intermediate=args.intermediate)
     log = train_lm(Path(args.tokenizer), train_texts, heldout, Path(args.out), _workdir(args), shape,
                    _config(args), progress=not args.no_progress)
     _report(log, args.out)

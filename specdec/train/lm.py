@@ -18,7 +18,8 @@ from specdec.train.loop import TrainConfig, train
 class LmShape:
     hidden: int = 192
     layers: int = 20
-    heads: int = 3
+    heads: int = 4              # query heads; head_dim = hidden / heads
+    kv_heads: int = 2           # grouped-query attention; tensor parallelism needs both divisible by --tp
     intermediate: int = 512
     max_positions: int = 2048
 
@@ -28,7 +29,7 @@ def build_llama(shape: LmShape, tokenizer):
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         intermediate_size=shape.intermediate, max_position_embeddings=shape.max_positions,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False, rope_theta=10000.0,

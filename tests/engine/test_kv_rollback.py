@@ -59,3 +59,28 @@ def test_verifier_rollback_truncates_to_committed_prefix(tiny_family):
     for _ in range(3):
         engine.verify("s", tree_from_lists([engine.committed_tokens("s")[-1]], [-1]))
     assert engine.committed_tokens("s") == full[:9]
+
+
+def test_kv_budget_refuses_instead_of_crashing(tiny_family):
+    from specdec.errors import ResourceExhausted
+    from specdec.sampling import SamplingParams
+    from verifier.engine import VerifierEngine
+
+    target = TargetModel(ModelSpec(str(tiny_family["target"])))
+    per_session = (10 + 20 + 16) * target.kv_bytes_per_token
+    engine = VerifierEngine(target, kv_budget_bytes=2 * per_session + 1, max_tree_tokens=16)
+    engine.prefill("a", list(range(1, 11)), SamplingParams(), max_new_tokens=20)
+    engine.prefill("b", list(range(1, 11)), SamplingParams(), max_new_tokens=20)
+    try:
+        engine.prefill("c", list(range(1, 11)), SamplingParams(), max_new_tokens=20)
+        raise AssertionError("third session admitted past the KV budget")
+    except ResourceExhausted as exc:
+        assert "KV budget exhausted" in str(exc)
+    assert len(engine.sessions) == 2
+    # the admitted sessions keep working and their real usage stays inside the budget
+    for sid in ("a", "b"):
+        for _ in range(20):
+            engine.verify(sid, tree_from_lists([engine.committed_tokens(sid)[-1]], [-1]))
+    assert engine.kv_bytes() <= engine.kv_budget_bytes
+    engine.release("a")
+    engine.prefill("c", list(range(1, 11)), SamplingParams(), max_new_tokens=20)   # room again

@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
 def trained(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("trained")
     tiny = ["--steps", "30", "--batch", "4", "--seq-len", "32", "--eval-every", "30", "--no-progress",
-            "--hidden", "32", "--layers", "2", "--heads", "2", "--intermediate", "64", "--threads", "1"]
+            "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--intermediate", "64", "--threads", "1"]
     assert main(["train", "tokenizer", "--data", *corpus, "--out", str(root / "tok"), "--vocab-size", "300"]) == 0
     assert main(["train", "target", "--data", *corpus, "--tokenizer", str(root / "tok"), "--out", str(root / "target"),
                  "--workdir", str(root / "wt"), *tiny]) == 0
@@ -81,7 +81,7 @@ def test_interrupted_run_resumes_bit_identically(tmp_path, corpus, trained):
     uninterrupted run ends: same data order, same optimizer state."""
     args = ["train", "target", "--data", *corpus, "--tokenizer", str(trained / "tok"), "--no-progress",
             "--steps", "20", "--batch", "4", "--seq-len", "32", "--eval-every", "100", "--hidden", "32",
-            "--layers", "2", "--heads", "2", "--intermediate", "64", "--threads", "1", "--ckpt-every", "5"]
+            "--layers", "2", "--heads", "2", "--kv-heads", "2", "--intermediate", "64", "--threads", "1", "--ckpt-every", "5"]
     assert main([*args, "--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "a_out"), "--stop-after", "12"]) == 0
     assert len(losses(tmp_path / "a")) == 12
     assert not (tmp_path / "a_out").exists()           # only a finished model is exported

@@ -1,0 +1,26 @@
+"""``specdec bench``: speculative decoding measured the way the EAGLE-2 paper
+does it (speedup and average acceptance length tau, Tables 1-3; Figures 1/2,
+5 and 6), against the project's own baselines and the peers a user would pick
+instead, all in one process on the same machine.
+
+- ``runner``: methods, the interleaved schedule, measurement and the JSON record;
+- ``peers``: transformers' own generate (plain, assisted, prompt lookup);
+- ``services``: the same methods through the gRPC services (``--grpc``);
+- ``calibration``: draft confidence vs acceptance (Figure 6);
+- ``report``: markdown table and PNG plots;
+- ``sweep``: tau and tokens/s over the tree size and depth;
+- ``prompts.jsonl``: the benchmark's own Python code prompts.
+
+JSON record of a run::
+
+    {"device": str, "target": str, "temperature": float, "prompts": int, "max_new_tokens": int,
+     "methods": {NAME: {"tokens_per_s": float, "speedup_vs_vanilla": float, "speedup_vs_hf_generate": float,
+                        "tau": float | null, "accepted_per_position": [float], "matches_vanilla": bool | null,
+                        "time_split": {"draft_s", "verify_s", "network_s", "other_s", "wall_s",
+                                       "draft_frac", "verify_frac", "network_frac", "other_frac"}}},
+     ...extra keys: tree, models, repeats, generated_tokens, peers, notes, calibration}
+
+tau counts the bonus token; accepted_per_position[j] is the fraction of cycles
+that accepted at least j+1 draft tokens; matches_vanilla is null at T > 0;
+time-split entries are null where a method does not expose them (HF peers).
+"""

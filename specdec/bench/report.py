@@ -1,0 +1,195 @@
+"""Paper-style report of a ``specdec bench`` run: a markdown table (the EAGLE-2
+paper's Tables 1 and 3: speedup and tau per method) and PNG plots (Figure 1/2:
+speedup per method; Figure 5: acceptance per draft position; Figure 6:
+draft confidence vs acceptance rate). Plots use matplotlib's Agg canvas
+directly, so no display and no global pyplot state are involved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.bench.runner import GRPC_SUFFIX, PEER_METHODS, REFERENCES
+
+# bar colours by family: references grey, external peers orange, ours blue
+_COLOURS = {"reference": "#8c8c8c", "peer": "#e08a2c", "ours": "#2b6cb0", "grpc": "#7fb3e6"}
+
+
+def family(name: str) -> str:
+    if name.endswith(GRPC_SUFFIX):
+        return "grpc"
+    if name in REFERENCES:
+        return "reference"
+    return "peer" if name in PEER_METHODS else "ours"
+
+
+def _fmt(x, spec: str, none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _yes_no(x) -> str:
+    return "n/a" if x is None else ("yes" if x else "**NO**")
+
+
+def results_table(result: dict) -> str:
+    """One row per method: speedups, tau, tokens/s, output check, time split."""
+    lines = ["| method | speedup vs vanilla | speedup vs hf-generate | τ | tokens/s | matches vanilla "
+             "| draft / verify / network / other |",
+             "|---|---:|---:|---:|---:|:---:|---|"]
+    for name, m in result["methods"].items():
+        ts = m["time_split"]
+        split = " / ".join(_fmt(ts.get(f"{k}_frac"), ".0%") for k in ("draft", "verify", "network", "other"))
+        lines.append(f"| {name} | {_fmt(m['speedup_vs_vanilla'], '.2f')}x | {_fmt(m['speedup_vs_hf_generate'], '.2f')}x "
+                     f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['tokens_per_s'], '.1f')} | {_yes_no(m['matches_vanilla'])} "
+                     f"| {split} |")
+    return "\n".join(lines)
+
+
+def acceptance_table(result: dict) -> str:
+    rows = {n: m["accepted_per_position"] for n, m in result["methods"].items() if m["accepted_per_position"]}
+    if not rows:
+        return "_no draft token was accepted by any method_"
+    width = max(map(len, rows.values()))
+    lines = ["| method | " + " | ".join(f"≥{j + 1}" for j in range(width)) + " |",
+             "|---|" + "---:|" * width]
+    for name, rates in rows.items():
+        cells = [f"{r:.2f}" for r in rates] + [""] * (width - len(rates))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def calibration_table(calibration: dict) -> str:
+    lines = ["| confidence | nodes | accepted | acceptance rate |", "|---|---:|---:|---:|"]
+    for b in calibration["bins"]:
+        if b["nodes"]:
+            lines.append(f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {b['rate']:.2f} |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    tree = result.get("tree", {})
+    cal = result.get("calibration")
+    parts = [
+        "# specdec bench",
+        "",
+        f"- device: {result['device']}",
+        f"- target: `{result['target']}`",
+        f"- temperature: {result['temperature']}, prompts: {result['prompts']}, "
+        f"max_new_tokens: {result['max_new_tokens']}, repeats: {result.get('repeats', 1)}",
+        f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}",
+        "- τ = tokens committed per draft/verify cycle, **bonus token included** (vanilla: 1.00); "
+        "– where a peer does not expose its cycles",
+        "- methods interleaved per prompt (order rotated), one warm-up per method excluded",
+        "",
+        "## Speed and acceptance length",
+        "",
+        results_table(result),
+        "",
+        "![speedup](speedup.png)",
+        "",
+        "## Acceptance per draft position",
+        "",
+        "Fraction of cycles that accepted at least j draft tokens.",
+        "",
+        acceptance_table(result),
+        "",
+        "![acceptance per position](acceptance_per_position.png)",
+        "",
+    ]
+    if cal is not None:
+        parts += [
+            f"## Calibration ({cal['method']}): draft confidence vs acceptance",
+            "",
+            f"{cal['evaluated_nodes']} evaluated draft nodes (parent accepted or root); confidence = the draft "
+            "probability of a node given its parent, in bins 0.05 wide.",
+            "",
+            calibration_table(cal),
+            "",
+            "![calibration](calibration.png)",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+# -- plots --------------------------------------------------------------------------
+def _figure(width: float = 7.0, height: float = 4.0):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=110)
+
+
+def plot_speedup(result: dict, path: Path) -> None:
+    names = list(result["methods"])
+    speed = [result["methods"][n]["speedup_vs_vanilla"] or 0.0 for n in names]
+    fig = _figure(max(6.0, 0.65 * len(names) + 2), 4.2)
+    ax = fig.add_subplot()
+    bars = ax.bar(range(len(names)), speed, color=[_COLOURS[family(n)] for n in names])
+    for bar, s in zip(bars, speed):
+        ax.annotate(f"{s:.2f}x", (bar.get_x() + bar.get_width() / 2, s), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("speedup vs vanilla")
+    ax.set_title(f"specdec bench, T={result['temperature']:g}: {result['device']}", fontsize=9)
+    ax.set_ylim(0, max(speed + [1.0]) * 1.18)
+    from matplotlib.patches import Patch
+
+    seen = dict.fromkeys(family(n) for n in names)
+    labels = {"reference": "reference", "peer": "transformers peer", "ours": "specdec (in-process)",
+              "grpc": "specdec (gRPC)"}
+    ax.legend([Patch(color=_COLOURS[f]) for f in seen], [labels[f] for f in seen], fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_acceptance(result: dict, path: Path) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    for name, m in result["methods"].items():
+        rates = m["accepted_per_position"]
+        if rates:
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", ms=3, label=name)
+    ax.set_xlabel("draft position j")
+    ax.set_ylabel("fraction of cycles accepting ≥ j tokens")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("acceptance per draft position", fontsize=10)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_calibration(calibration: dict, path: Path) -> None:
+    fig = _figure(5.0, 4.6)
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], color="black", lw=0.8, ls="--", label="perfect calibration")
+    bins = [b for b in calibration["bins"] if b["nodes"]]
+    if bins:
+        bars = ax.bar([b["lo"] for b in bins], [b["rate"] for b in bins], width=[b["hi"] - b["lo"] for b in bins],
+                      align="edge", color=_COLOURS["ours"], alpha=0.8, edgecolor="white",
+                      label=f"{calibration['method']} ({calibration['evaluated_nodes']} nodes)")
+        for bar, b in zip(bars, bins):
+            ax.annotate(str(b["nodes"]), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=6, xytext=(0, 1), textcoords="offset points")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft confidence")
+    ax.set_ylabel("acceptance rate")
+    ax.set_title("draft confidence vs acceptance (bins 0.05; nodes per bin on top)", fontsize=9)
+    ax.legend(fontsize=8, frameon=False, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(result: dict, out_dir: str | Path) -> list[Path]:
+    """results.md, speedup.png, acceptance_per_position.png, calibration.png."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.md", out / "speedup.png", out / "acceptance_per_position.png"]
+    paths[0].write_text(markdown(result))
+    plot_speedup(result, paths[1])
+    plot_acceptance(result, paths[2])
+    if result.get("calibration") is not None:
+        paths.append(out / "calibration.png")
+        plot_calibration(result["calibration"], paths[-1])
+    return paths

@@ -1,0 +1,147 @@
+"""``specdec bench --grpc``: the same methods through the three services.
+
+One stack per drafter kind the methods need (verifier + drafter +
+orchestrator as separate processes on 127.0.0.1, free ports, started and
+stopped by the bench with the helpers of ``specdec up``); the bench calls the
+orchestrator with the client SDK, so every figure includes the real wire path.
+Each speculative method M runs as ``M@grpc``; ``vanilla@grpc`` (method
+VANILLA on the first stack) measures the services' own per-token overhead.
+The services use the bench's torch thread count, so in-process and gRPC
+methods get the same compute.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from specdec.bench.runner import GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample
+
+STARTUP_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 600.0
+
+
+class GrpcMethod:
+    def __init__(self, client, method: str, cfg: BenchConfig):
+        self.client, self.method, self.cfg = client, method, cfg
+
+    def run(self, prompt: Prompt, seed: int | None) -> Sample:
+        from specdec.cli.main import CliError
+        from specdec.client import SpecdecClientError
+
+        tree = self.cfg.tree
+        t = time.perf_counter()
+        try:
+            done = self.client.complete(
+                prompt.text, timeout=REQUEST_TIMEOUT_S, max_new_tokens=self.cfg.max_new_tokens,
+                temperature=self.cfg.temperature, seed=None if self.cfg.temperature == 0 else seed,
+                method=self.method, total_tokens=tree.total_tokens, depth=tree.depth, expand_k=tree.expand_k)
+        except SpecdecClientError as exc:
+            raise CliError(f"--grpc: {self.method} request failed: {exc}") from None
+        wall = time.perf_counter() - t
+        s = done.stats
+        return Sample(tokens=list(done.token_ids), wall_s=wall, cycles=s.cycles, committed=round(s.tau * s.cycles),
+                      accepted_counts=list(s.accepted_per_position), draft_s=s.draft_s, verify_s=s.verify_s,
+                      network_s=s.network_s)
+
+
+def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
+    tree = cfg.tree
+    limits = ["--max-total-tokens", str(max(64, tree.total_tokens)), "--max-depth", str(max(8, tree.depth)),
+              "--max-expand-k", str(max(10, tree.expand_k))]
+    if kind == "eagle":
+        return ["--eagle", cfg.eagle, "--target", cfg.target, "--dtype", cfg.dtype, *limits]
+    if kind == "ngram":
+        return ["--ngram", "--target", cfg.target, *limits]
+    if kind == "draft-lm":
+        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, *limits]
+    raise ValueError(f"unknown drafter kind {kind!r}")
+
+
+@contextmanager
+def _threads_env(threads: int) -> Iterator[None]:
+    """Children inherit OMP_NUM_THREADS = the bench's torch threads."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+
+def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
+    """Start verifier, drafter and orchestrator (appended to children as they
+    start, so the caller stops them whatever happens); return the orchestrator's address."""
+    import torch
+
+    from specdec.cli import stack
+
+    internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "off", "--drain-s", "1",
+                "--log-level", "WARNING"]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    mine = []
+    with _threads_env(torch.get_num_threads()):
+        mine.append(stack._spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
+                                                      "--dtype", cfg.dtype, *internal]))
+        mine.append(stack._spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
+        children.extend(mine)
+        stack._wait_listening(mine, deadline)
+        verifier, drafter = mine
+        orchestrator = stack._spawn(f"{kind} orchestrator", [
+            "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
+            "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)), *internal])
+    mine.append(orchestrator)
+    children.append(orchestrator)
+    stack._wait_listening(mine, deadline)
+    stack._wait_serving(mine, deadline)
+    return orchestrator.address
+
+
+@contextmanager
+def grpc_methods(cfg: BenchConfig, names: Sequence[str],
+                 progress: Callable[[str], None] | None = None) -> Iterator[dict]:
+    """{METHOD@grpc: GrpcMethod} for vanilla and the speculative methods among names,
+    with their stacks running until the block exits."""
+    from specdec.cli import stack
+    from specdec.cli.main import CliError
+    from specdec.client import SpecdecClient
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt             # unwind through the finally below: no orphaned services
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    speculative = [n for n in names if n in SPECULATIVE]
+    kinds = list(dict.fromkeys(SPECULATIVE[n][0] for n in speculative))
+    children: list = []
+    clients = {}
+    try:
+        for kind in kinds:
+            if progress is not None:
+                progress(f"starting the gRPC services ({kind} drafter)")
+            try:
+                address = start_stack(cfg, kind, children)
+            except stack.ChildDied as exc:
+                raise CliError(f"--grpc: {exc}") from None
+            clients[kind] = SpecdecClient(address, timeout=REQUEST_TIMEOUT_S)
+        methods = {}
+        if kinds and "vanilla" in names:
+            methods["vanilla" + GRPC_SUFFIX] = GrpcMethod(clients[kinds[0]], "vanilla", cfg)
+        for name in speculative:
+            kind, tree_method = SPECULATIVE[name]
+            methods[name + GRPC_SUFFIX] = GrpcMethod(clients[kind], tree_method, cfg)
+        yield methods
+    finally:
+        for client in clients.values():
+            client.close()
+        stack._stop(children)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

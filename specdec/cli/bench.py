@@ -1,0 +1,160 @@
+"""``specdec bench``: every method side by side on one machine, paper-style.
+
+    specdec bench --prompts specdec/bench/prompts.jsonl --json out.json --report out/
+    specdec bench sweep --json sweep.json --report out/      # tree budget sweep
+
+Models default to the bundled demo family. See ``specdec.bench`` for the
+measurement protocol and the JSON schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specdec.tree import TreeConfig
+
+BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+DEFAULT_TREE = TreeConfig()
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def add_parser(sub) -> None:
+    from specdec.bench.runner import ALL_METHODS, DEFAULT_METHODS
+    from specdec.bench.sweep import DEPTHS, TOTALS
+
+    p = sub.add_parser("bench", help="benchmark methods side by side (speedup, tau, acceptance, plots)",
+                       description="Run every method on the same prompts, interleaved per prompt, and report "
+                                   "tokens/s, speedups, tau (bonus token included) and acceptance per position. "
+                                   "`specdec bench sweep` measures eagle2 over tree sizes and depths instead.")
+    p.add_argument("mode", nargs="?", choices=("sweep",), help="sweep: tree budget sweep of eagle2")
+    g = p.add_argument_group("models (default: the bundled demo family)")
+    g.add_argument("--target", help="target model directory (HF causal LM with its tokenizer)")
+    g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
+    g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
+                   help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts)")
+    p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (T > 0)")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: all but sps); "
+                        "vanilla and hf-generate always run: speedups are relative to them")
+    p.add_argument("--grpc", action="store_true",
+                   help="also run each speculative method (and vanilla) through the three gRPC services "
+                        "on 127.0.0.1, as METHOD@grpc")
+    p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set this many times")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE.total_tokens,
+                   help="draft tree size incl. the root")
+    p.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="deepest draft level")
+    p.add_argument("--expand-k", type=int, default=DEFAULT_TREE.expand_k, help="top-k per expansion")
+    s = p.add_argument_group("sweep")
+    s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
+                   help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
+    s.add_argument("--sweep-depths", type=_int_list, default=DEPTHS,
+                   help=f"depth values (default {','.join(map(str, DEPTHS))}), at --total-tokens")
+    p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
+    p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(run=run)
+
+
+def _model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
+    from specdec.cli.main import CliError
+    from specdec.models import demo_path
+
+    chosen = path or str(demo_path(demo))
+    if not Path(chosen, "config.json").is_file():
+        hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
+        raise CliError(f"{what} directory {chosen} has no config.json{hint}")
+    return chosen
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    from specdec.bench.runner import ALL_METHODS
+    from specdec.cli.main import CliError
+
+    names = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in names if m not in ALL_METHODS]
+    if bad or not names:
+        raise CliError(f"unknown method {bad[0]!r} in --methods; choose from {', '.join(ALL_METHODS)}" if bad
+                       else "--methods is empty")
+    return names
+
+
+def config_from(args, sweep: bool):
+    """Flags -> BenchConfig, checking only the model directories the run needs."""
+    from specdec.bench.runner import SPECULATIVE, BenchConfig, with_references
+    from specdec.cli.main import CliError
+
+    for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
+                             ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise CliError(f"{flag} must be >= {low}, got {value}")
+    tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
+    methods = ("vanilla", "eagle2") if sweep else with_references(_methods(args.methods))
+    kinds = {SPECULATIVE[m][0] for m in methods if m in SPECULATIVE}
+    target = _model_dir(args.target, "target", "target model", "--target")
+    eagle = _model_dir(args.eagle, "eagle", "EAGLE head", "--eagle") if "eagle" in kinds else args.eagle
+    needs_lm = "draft-lm" in kinds or "hf-assisted" in methods
+    draft_lm = _model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm") if needs_lm else args.draft_lm
+    return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
+                       repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype)
+
+
+def load_prompts(path: str, limit: int | None) -> list[str]:
+    from specdec.cli.generate import read_prompts
+
+    prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=path))
+    return prompts[:limit] if limit else prompts
+
+
+def run(args) -> int:
+    import torch
+
+    from specdec.bench.runner import stderr_progress
+
+    sweep = args.mode == "sweep"
+    cfg = config_from(args, sweep)
+    prompts = load_prompts(args.prompts, args.limit_prompts)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = None if args.quiet else stderr_progress("bench sweep" if sweep else "bench")
+    out = Path(args.json)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    if sweep:
+        from specdec.bench.sweep import run_sweep, sweep_markdown, write_sweep_report
+
+        for t in args.sweep_totals + args.sweep_depths:
+            if t < 1:
+                raise ValueError(f"sweep values must be >= 1, got {t}")
+        result = run_sweep(cfg, prompts, args.sweep_totals, args.sweep_depths, progress)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.report:
+            write_sweep_report(result, args.report)
+        print(sweep_markdown(result))
+        return 0
+    from specdec.bench.report import markdown, write_report
+    from specdec.bench.runner import run_bench
+
+    result = run_bench(cfg, prompts, progress)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.report:
+        write_report(result, args.report)
+    print(markdown(result))
+    return 0

@@ -1,0 +1,170 @@
+"""Tensor-parallel verifier: the target sharded across ranks with torch.distributed.
+
+Every rank loads the target with transformers' own tensor-parallel plan
+(``from_pretrained(dir, tp_plan="auto")``: attention heads and MLP columns are
+split, activations are all-reduced inside the forward) and holds an identical
+``VerifierEngine`` over its shard — each rank's KV cache holds its own heads.
+Rank 0 serves gRPC; every state-changing engine call is broadcast first and
+then executed by all ranks in lockstep, so sessions, caches, seeds and
+evictions stay identical and every rank reaches each collective together.
+(Any divergence — a session evicted on one rank only, a seed drawn per rank —
+would leave ranks waiting in different collectives.) Backends: gloo on CPU,
+NCCL on GPUs. The TP degree must divide the attention and key/value heads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from specdec.errors import SpecdecError
+from specdec.models import ModelSpec, quiet_transformers, read_config, torch_dtype
+from specdec.sampling import SamplingParams
+from verifier.engine import TargetModel, VerifierEngine
+
+log = logging.getLogger("specdec.verifier.tp")
+
+BROADCAST = ("prefill", "verify", "rollback", "release")
+_STOP = "__stop__"
+
+
+def check_tp_degree(model_dir: str, tp: int) -> None:
+    cfg = read_config(model_dir)
+    heads = cfg.get("num_attention_heads", 0)
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    if tp < 1 or heads % tp or kv_heads % tp:
+        raise ValueError(f"--tp {tp} must divide the target's attention heads ({heads}) and "
+                         f"key/value heads ({kv_heads})")
+
+
+def init_process_group(rank: int, world: int, master_port: int, backend: str | None = None) -> None:
+    os.environ.update(MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(master_port),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def load_sharded_target(spec: ModelSpec) -> TargetModel:
+    """This rank's shard of the target (the process group must be initialised)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch_dtype(spec.dtype),
+                                                 distributed_config=DistributedConfig(tp_plan="auto",
+                                                                                      tp_size=dist.get_world_size()),
+                                                 attn_implementation=spec.attn_implementation,
+                                                 local_files_only=True).eval()
+    return TargetModel(spec, model=model)
+
+
+class ReplicatedVerifier:
+    """Rank 0's engine: same interface as VerifierEngine, calls run on all ranks."""
+
+    def __init__(self, engine: VerifierEngine, ttl_s: float):
+        # Engines on every rank never evict by themselves (infinite TTL): only
+        # rank 0's clock decides, through evict_idle().
+        self.engine = engine
+        self.ttl_s = ttl_s
+
+    def __getattr__(self, name):              # read-only state: sessions, target, kv_bytes...
+        return getattr(self.engine, name)
+
+    def _call(self, name: str, *args, **kwargs):
+        dist.broadcast_object_list([(name, args, kwargs)], src=0)
+        return getattr(self.engine, name)(*args, **kwargs)
+
+    def prefill(self, sid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int = 0):
+        if params.seed is None:               # every rank must draw the same random numbers
+            params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
+        return self._call("prefill", sid, prompt, params, max_new_tokens)
+
+    def verify(self, sid, tree):
+        return self._call("verify", sid, tree)
+
+    def rollback(self, sid, length):
+        return self._call("rollback", sid, length)
+
+    def release(self, sid):
+        return self._call("release", sid)
+
+    def evict_idle(self) -> list[str]:
+        """Evict by rank 0's clock, then release the same ids everywhere."""
+        stale = self.engine.sessions.stale(self.ttl_s)
+        for sid in stale:
+            self.release(sid)
+        return stale
+
+    def shutdown(self) -> None:
+        dist.broadcast_object_list([(_STOP, (), {})], src=0)
+
+
+def follow(engine: VerifierEngine) -> None:
+    """Ranks > 0: execute rank 0's calls until told to stop."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        name, args, kwargs = box[0]
+        if name == _STOP:
+            return
+        if name not in BROADCAST:
+            log.error("ignoring unknown call %r from rank 0", name)
+            continue
+        try:
+            getattr(engine, name)(*args, **kwargs)
+        except SpecdecError:
+            pass                              # rank 0 raised the same error from the same state
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int, threads: int) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    init_process_group(rank, world, port)
+    try:
+        follow(VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf")))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(tp: int, spec: ModelSpec, rank0_main, max_sessions: int = 64, ttl_s: float = 600.0,
+           threads: int = 0):
+    """Start ranks 1..tp-1 as processes, become rank 0 and run
+    ``rank0_main(ReplicatedVerifier)``; stop the other ranks when it returns."""
+    import torch.multiprocessing as mp
+
+    check_tp_degree(spec.path, tp)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, threads), daemon=True)
+             for r in range(1, tp)]
+    for p in procs:
+        p.start()
+    init_process_group(0, tp, port)
+    verifier = None
+    try:
+        verifier = ReplicatedVerifier(
+            VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf")), ttl_s)
+        return rank0_main(verifier)
+    finally:
+        if verifier is not None:
+            verifier.shutdown()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
