@@ -1,0 +1,99 @@
+"""Batched verification of mixed sessions == each session verified alone (greedy)."""
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specdec.errors import FailedPrecondition, NotFound
+from specdec.local import DrafterChoice, build_local, generate
+from specdec.decoding import StopCriteria
+from specdec.models import ModelSpec
+from specdec.sampling import SamplingParams
+from specdec.tree import TreeConfig, tree_from_lists
+from verifier.batch import BatchScheduler, verify_batch
+
+PROMPTS = [[5, 6, 7], [20, 21, 22, 20, 21, 22, 23], [3] * 12, [100, 50, 25, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+CFGS = [TreeConfig(total_tokens=t, depth=d, expand_k=k) for t, d, k in [(8, 3, 2), (4, 2, 2), (12, 4, 3), (1, 1, 1), (6, 5, 1)]]
+NEW = 30
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    return build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice("eagle", str(tiny_family["eagle"])))
+
+
+def reference(stack):
+    stop = StopCriteria(max_new_tokens=NEW)
+    return [generate(stack.verifier, None, p, SamplingParams(), stop, None).tokens for p in PROMPTS]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed):
+    want = reference(stack)
+    v, d = stack.verifier, stack.drafter
+    rng = random.Random(seed)
+    sids = [f"s{seed}-{i}" for i in range(len(PROMPTS))]
+    out = {sid: [] for sid in sids}
+    for sid, p in zip(sids, PROMPTS):
+        first = v.prefill(sid, p, SamplingParams(), NEW)
+        d.prefill(sid, p + [first.token], first.features)
+        out[sid].append(first.token)
+    active = list(sids)
+    while active:
+        # random arrival order and a random subset per batch: mixed prefix lengths and tree sizes
+        rng.shuffle(active)
+        batch = active[:rng.randint(1, len(active))]
+        trees = [d.draft(sid, CFGS[sids.index(sid)]) for sid in batch]
+        results = verify_batch(v, list(zip(batch, trees)))
+        for sid, res in zip(batch, results):
+            assert not isinstance(res, Exception), res
+            out[sid].extend(res.tokens)
+            d.commit(sid, res.tokens, res.features)
+            if len(out[sid]) >= NEW:
+                active.remove(sid)
+    for sid, w in zip(sids, want):
+        assert out[sid][:NEW] == w
+        v.release(sid)
+        d.release(sid)
+
+
+def test_errors_are_per_item_and_leave_others_intact(stack):
+    v = stack.verifier
+    v.prefill("ok", [5, 6, 7], SamplingParams())
+    root = v.committed_tokens("ok")[-1]
+    results = verify_batch(v, [("missing", tree_from_lists([1], [-1])),
+                               ("ok", tree_from_lists([root, 4], [-1, 0])),
+                               ("ok", tree_from_lists([root], [-1]))])
+    assert isinstance(results[0], NotFound)
+    assert not isinstance(results[1], Exception)
+    assert isinstance(results[2], FailedPrecondition)
+    v.release("ok")
+
+
+def test_scheduler_batches_concurrent_calls(stack):
+    v = stack.verifier
+    want = reference(stack)
+
+    async def one(sched, i, p):
+        sid = f"sched-{i}"
+        first = v.prefill(sid, p, SamplingParams(), NEW)
+        toks = [first.token]
+        while len(toks) < NEW:
+            res = await sched.verify(sid, tree_from_lists([toks[-1]], [-1]))
+            toks.extend(res.tokens)
+        v.release(sid)
+        return toks[:NEW]
+
+    async def main():
+        sched = BatchScheduler(v, ThreadPoolExecutor(1), window_s=0.005)
+        try:
+            got = await asyncio.gather(*(one(sched, i, p) for i, p in enumerate(PROMPTS)))
+        finally:
+            await sched.close()
+        return got, sched
+
+    got, sched = asyncio.run(main())
+    assert got == want
+    assert sched.batched_items > sched.batches       # calls really were packed together

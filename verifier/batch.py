@@ -1,0 +1,195 @@
+"""Batched verification: several sessions' trees in one target forward.
+
+Sessions keep their own caches. For one batched step the prefixes are copied
+into a padded batch cache [B, kv_heads, P, d] (P = longest prefix; row b's
+slots past its own prefix are masked), each tree is padded to N nodes, and the
+mask row of node i of session b allows its session's prefix plus its tree
+ancestors. After the forward, each session takes back only its own new slots
+and commits its accepted path exactly as an unbatched verify would. Padding
+rows see only themselves so no softmax row is empty.
+
+The copy costs O(total KV) per step; on CPU, where a forward of a small
+target is dominated by per-layer overhead, one forward for B sessions still
+beats B forwards by far (see ``specdec bench --concurrency``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec import kv
+from specdec.acceptance import accept
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.tree import DraftTree
+from verifier.engine import TargetSession, VerifierEngine, VerifyResult
+
+
+@dataclass
+class _Row:
+    sid: str
+    tree: DraftTree
+    sess: TargetSession
+
+
+def _check(engine: VerifierEngine, sid: str, tree: DraftTree) -> TargetSession:
+    sess = engine.sessions.get(sid)
+    root = int(tree.tokens[0])
+    if root != sess.tokens[-1]:
+        raise FailedPrecondition(
+            f"tree root token {root} is not the session's last committed token {sess.tokens[-1]}")
+    engine._check_tokens(tree.tokens.tolist(), "tree token")
+    deepest = sess.prefix_len + int(tree.depths.max())
+    if deepest >= engine.target.max_positions:
+        raise InvalidArgument(f"tree reaches position {deepest}, beyond the model's context of "
+                              f"{engine.target.max_positions} tokens")
+    return sess
+
+
+def verify_batch(engine: VerifierEngine, items: list[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
+    """Verify and commit each (session, tree); one result or error per item, in order.
+    A session may appear at most once per batch."""
+    results: list[VerifyResult | Exception] = [None] * len(items)  # type: ignore[list-item]
+    rows: list[tuple[int, _Row]] = []
+    seen: set[str] = set()
+    for i, (sid, tree) in enumerate(items):
+        try:
+            if sid in seen:
+                raise FailedPrecondition(f"session {sid!r} appears twice in one batch")
+            seen.add(sid)
+            rows.append((i, _Row(sid, tree, _check(engine, sid, tree))))
+        except Exception as exc:  # noqa: BLE001 - reported per item
+            results[i] = exc
+    if len(rows) == 1:                         # nothing to pack
+        i, row = rows[0]
+        try:
+            results[i] = engine.verify(row.sid, row.tree)
+        except Exception as exc:  # noqa: BLE001
+            results[i] = exc
+        return results
+    if rows:
+        locks = [row.sess.lock for _, row in rows]
+        for lock in locks:
+            lock.acquire()
+        try:
+            for (i, row), res in zip(rows, _forward_and_commit(engine, [r for _, r in rows])):
+                results[i] = res
+        finally:
+            for lock in locks:
+                lock.release()
+    return results
+
+
+def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[VerifyResult]:
+    target = engine.target
+    B = len(rows)
+    prefixes = [r.sess.prefix_len for r in rows]
+    sizes = [r.tree.size for r in rows]
+    P, N = max(prefixes), max(sizes)
+    device = target.device
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    positions = torch.zeros(B, N, dtype=torch.long)
+    allowed = torch.zeros(B, N, P + N, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n, p = sizes[b], prefixes[b]
+        tokens[b, :n] = r.tree.tokens
+        positions[b, :n] = r.tree.position_ids(p)
+        allowed[b, :n, :p] = True
+        allowed[b, :n, P:P + n] = r.tree.ancestor_mask()
+        idx = torch.arange(n, N)
+        allowed[b, idx, P + idx] = True        # padding rows: themselves only
+    mask = torch.zeros(B, 1, N, P + N)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+
+    batch_cache = target.new_cache()
+    for layer in range(len(rows[0].sess.cache.layers)):
+        ks, vs = [], []
+        for r, p in zip(rows, prefixes):
+            k, v = r.sess.cache.layers[layer].keys, r.sess.cache.layers[layer].values
+            pad = P - p
+            ks.append(torch.nn.functional.pad(k, (0, 0, 0, pad)) if pad else k)
+            vs.append(torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v)
+        batch_cache.update(torch.cat(ks), torch.cat(vs), layer)
+
+    with torch.inference_mode():
+        out = target.body(input_ids=tokens.to(device), position_ids=positions.to(device),
+                          attention_mask=mask.to(device), past_key_values=batch_cache, use_cache=True)
+        hidden = out.last_hidden_state.float()                       # [B, N, H]
+        logits = target.lm_head(out.last_hidden_state).float()       # [B, N, V]
+
+    results = []
+    for b, r in enumerate(rows):
+        n, p = sizes[b], prefixes[b]
+        for layer, own in zip(batch_cache.layers, r.sess.cache.layers):
+            own.keys = torch.cat([own.keys, layer.keys[b:b + 1, :, P:P + n]], dim=2)
+            own.values = torch.cat([own.values, layer.values[b:b + 1, :, P:P + n]], dim=2)
+        result = accept(r.tree, logits[b, :n], r.sess.params, r.sess.generator)
+        path = [0] + result.accepted
+        kv.commit_path(r.sess.cache, p, path)
+        committed = [int(r.tree.tokens[i]) for i in result.accepted] + [result.bonus]
+        r.sess.tokens.extend(committed)
+        results.append(VerifyResult(result.accepted, committed, hidden[b, path]))
+    return results
+
+
+class BatchScheduler:
+    """Collects concurrent verify calls for up to ``window_s`` (or ``max_batch``
+    calls) and runs them as one batched forward on the model's executor."""
+
+    def __init__(self, engine: VerifierEngine, executor, window_s: float = 0.003, max_batch: int = 16):
+        self.engine, self.executor = engine, executor
+        self.window_s, self.max_batch = window_s, max_batch
+        self._pending: list[tuple[str, DraftTree, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.batches = 0
+        self.batched_items = 0
+
+    async def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((sid, tree, fut))
+        self._wake.set()
+        return await fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            deadline = time.monotonic() + self.window_s
+            while len(self._pending) < self.max_batch and time.monotonic() < deadline:
+                await asyncio.sleep(min(0.0005, max(0.0, deadline - time.monotonic())))
+            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+            if not self._pending:
+                self._wake.clear()
+            live = [(sid, tree, fut) for sid, tree, fut in batch if not fut.cancelled()]
+            if not live:
+                continue
+            self.batches += 1
+            self.batched_items += len(live)
+            try:
+                results = await loop.run_in_executor(
+                    self.executor, verify_batch, self.engine, [(sid, tree) for sid, tree, _ in live])
+            except Exception as exc:  # noqa: BLE001 - an unexpected failure fails the whole batch
+                results = [exc] * len(live)
+            for (_, _, fut), res in zip(live, results):
+                if fut.cancelled():
+                    continue
+                if isinstance(res, Exception):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
