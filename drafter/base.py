@@ -29,6 +29,7 @@ class DraftSession:
     cache: object = None
     fed: int = 0                           # inputs already in `cache`
     state: object = None                   # drafter-specific (the n-gram index)
+    root_out: tuple | None = None          # (hidden [H], log-probs [V]) of the last fed input
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -66,8 +67,9 @@ class Drafter(ABC):
             del sess.tokens[length:]
             del sess.features[length - 1:]
             sess.state = None
-            if sess.cache is not None and sess.fed > self._inputs_for(length):
-                sess.fed = self._inputs_for(length)
+            sess.root_out = None
+            if sess.cache is not None and sess.fed >= self._inputs_for(length):
+                sess.fed = max(0, self._inputs_for(length) - 1)   # re-feed the root's input next draft
                 kv.truncate(sess.cache, sess.fed)
 
     def release(self, sid: str) -> bool:
@@ -119,7 +121,9 @@ class CachedTreeDrafter(Drafter):
     def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree:
         if sess.cache is None:
             sess.cache = self._new_cache()
-        root_hidden, root_logp = self._feed_pending(sess)
+        if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
+            sess.root_out = self._feed_pending(sess)
+        root_hidden, root_logp = sess.root_out    # a second draft with nothing new reuses it
         committed = kv.seq_len(sess.cache)
         root_pos = committed - 1
         hidden = {0: root_hidden}          # pool id -> model output at that node

@@ -24,7 +24,9 @@ class DraftLmDrafter(CachedTreeDrafter):
         return DynamicCache(config=self.model.config)
 
     def _run(self, sess, tokens, positions, mask):
-        out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
+        dev = self.lm_head.weight.device
+        mask = None if mask is None else mask.to(dev)
+        out = self.body(input_ids=tokens[None].to(dev), position_ids=positions[None].to(dev), attention_mask=mask,
                         past_key_values=sess.cache, use_cache=True).last_hidden_state[0]
         return out, torch.log_softmax(self.lm_head(out).float(), dim=-1)
 

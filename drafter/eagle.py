@@ -21,7 +21,8 @@ class EagleDrafter(CachedTreeDrafter):
     name = "eagle"
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
-                 max_sessions: int = 64, ttl_s: float = 600.0, head=None, embed=None, lm_head=None):
+                 max_sessions: int = 64, ttl_s: float = 600.0, head=None, embed=None, lm_head=None,
+                 device: str = "cpu"):
         if head is None:
             head = load_head(head_dir, dtype)
         if embed is None or lm_head is None:
@@ -30,7 +31,8 @@ class EagleDrafter(CachedTreeDrafter):
             raise ValueError(f"EAGLE head hidden size {head.config.hidden_size} does not match the "
                              f"target's {embed.shape[1]}")
         super().__init__(vocab_size=embed.shape[0], max_sessions=max_sessions, ttl_s=ttl_s)
-        self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.device = torch.device(device)
+        self.head, self.embed, self.lm_head = head.to(self.device), embed.to(self.device), lm_head.to(self.device)
         self.hidden_size = embed.shape[1]
 
     def _new_cache(self):
@@ -46,13 +48,16 @@ class EagleDrafter(CachedTreeDrafter):
 
     def _feed_pending(self, sess: DraftSession):
         start, end = sess.fed, len(sess.tokens) - 1          # pairs (f_t, x_{t+1})
-        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long)
-        feats = torch.stack(sess.features[start:end])
-        positions = torch.arange(start, end)
+        dev = self.device
+        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
+        feats = torch.stack(sess.features[start:end]).to(dev)
+        positions = torch.arange(start, end, device=dev)
         out = self.head(self.embed[tokens][None], feats[None], positions[None], None, sess.cache)[0]
         sess.fed = end
         return out[-1], self._logprobs(out[-1])
 
     def _step(self, sess, tokens, parent_hidden, positions, mask):
+        dev = self.device
+        tokens, positions, mask = tokens.to(dev), positions.to(dev), mask.to(dev)
         out = self.head(self.embed[tokens][None], parent_hidden[None], positions[None], mask, sess.cache)[0]
         return out, self._logprobs(out)

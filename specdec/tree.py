@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.knobs import DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_TOTAL_TOKENS, METHODS
 from specdec.tree_shapes import Shape, check_shape, default_static_shape
-
-METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank")
 
 # Rounding in a renormalised distribution can put a log-prob a hair above 0; such
 # values count as 0. Anything larger is taken to be logits passed by mistake.
@@ -49,10 +48,10 @@ class TreeError(ValueError):
 
 @dataclass(frozen=True)
 class TreeConfig:
-    method: str = "eagle2"
-    total_tokens: int = 16  # nodes in the draft incl. the root
-    depth: int = 5  # deepest draft level (root is level 0); at most this many expand() calls
-    expand_k: int = 4  # children per expanded node and frontier width
+    method: str = DEFAULT_METHOD
+    total_tokens: int = DEFAULT_TOTAL_TOKENS  # nodes in the draft incl. the root
+    depth: int = DEFAULT_DEPTH  # deepest draft level (root is level 0); at most this many expand() calls
+    expand_k: int = DEFAULT_EXPAND_K  # children per expanded node and frontier width
     static_shape: Shape | None = None  # "static": rank paths, e.g. ((0,), (1,), (0, 0)); None = default
 
     def __post_init__(self):

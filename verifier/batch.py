@@ -136,11 +136,16 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
 
 
 class BatchScheduler:
-    """Collects concurrent verify calls for up to ``window_s`` (or ``max_batch``
-    calls) and runs them as one batched forward on the model's executor."""
+    """Collects concurrent verify calls and runs them as one batched forward.
 
-    def __init__(self, engine: VerifierEngine, executor, window_s: float = 0.003, max_batch: int = 16):
-        self.engine, self.executor = engine, executor
+    A batch closes when it holds ``max_batch`` calls, when every session that
+    could still join (``expected()``: sessions open on the engine) has joined,
+    or ``window_s`` after its first call; a lone session therefore never waits.
+    ``runner(items)`` runs ``engine.verify_batch(items)`` where the model lives
+    and returns (results, seconds)."""
+
+    def __init__(self, runner, expected, window_s: float = 0.003, max_batch: int = 16):
+        self.runner, self.expected = runner, expected
         self.window_s, self.max_batch = window_s, max_batch
         self._pending: list[tuple[str, DraftTree, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
@@ -148,7 +153,8 @@ class BatchScheduler:
         self.batches = 0
         self.batched_items = 0
 
-    async def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
+    async def verify(self, sid: str, tree: DraftTree) -> tuple[VerifyResult, float]:
+        """(result, seconds of the batched forward it was part of)."""
         if self._task is None:
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -157,12 +163,14 @@ class BatchScheduler:
         self._wake.set()
         return await fut
 
+    def _full(self) -> bool:
+        return len(self._pending) >= min(self.max_batch, max(1, self.expected()))
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             deadline = time.monotonic() + self.window_s
-            while len(self._pending) < self.max_batch and time.monotonic() < deadline:
+            while not self._full() and time.monotonic() < deadline:
                 await asyncio.sleep(min(0.0005, max(0.0, deadline - time.monotonic())))
             batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
             if not self._pending:
@@ -173,17 +181,16 @@ class BatchScheduler:
             self.batches += 1
             self.batched_items += len(live)
             try:
-                results = await loop.run_in_executor(
-                    self.executor, verify_batch, self.engine, [(sid, tree) for sid, tree, _ in live])
+                results, seconds = await self.runner([(sid, tree) for sid, tree, _ in live])
             except Exception as exc:  # noqa: BLE001 - an unexpected failure fails the whole batch
-                results = [exc] * len(live)
+                results, seconds = [exc] * len(live), 0.0
             for (_, _, fut), res in zip(live, results):
                 if fut.cancelled():
                     continue
                 if isinstance(res, Exception):
                     fut.set_exception(res)
                 else:
-                    fut.set_result(res)
+                    fut.set_result((res, seconds))
 
     async def close(self) -> None:
         if self._task is not None:

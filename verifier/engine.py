@@ -89,7 +89,8 @@ class TargetModel:
         """tokens, positions: [n]; mask: [1, 1, n, prefix + n] or None (causal).
         Returns features [n, H] and fp32 logits [n, V]; appends n slots to cache."""
         out = self.body(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
-                        attention_mask=mask, past_key_values=cache, use_cache=True)
+                        attention_mask=None if mask is None else mask.to(self.device),
+                        past_key_values=cache, use_cache=True)
         hidden = out.last_hidden_state[0]
         return hidden.float(), self.lm_head(hidden).float()
 
@@ -113,8 +114,12 @@ class VerifierEngine:
 
     # -- session lifecycle ---------------------------------------------------
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
-                max_new_tokens: int = 0) -> PrefillResult:
-        """Run the prompt, pick the first token, open the session."""
+                max_new_tokens: int = 0, resume: bool = False) -> PrefillResult:
+        """Run the prompt, pick the first token, open the session.
+
+        ``resume``: ``prompt`` is a session's whole committed sequence, moved
+        here from a lost verifier; its last token becomes the pending root
+        again (nothing is sampled) and the features cover the others."""
         params.validate()
         self._check_tokens(prompt, "prompt")
         if not prompt:
@@ -135,10 +140,18 @@ class VerifierEngine:
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
         try:
-            ids = torch.tensor(prompt, dtype=torch.long)
-            hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None)
-            probs = target_probs(logits[-1], params)
-            first = int(probs.argmax()) if params.greedy else sample(probs, generator)
+            if resume:
+                if len(prompt) < 2:
+                    raise InvalidArgument("resuming a session needs at least two committed tokens")
+                sess.tokens = sess.tokens[:-1]
+                ids = torch.tensor(prompt[:-1], dtype=torch.long)
+                hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None)
+                first = prompt[-1]
+            else:
+                ids = torch.tensor(prompt, dtype=torch.long)
+                hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None)
+                probs = target_probs(logits[-1], params)
+                first = int(probs.argmax()) if params.greedy else sample(probs, generator)
         except BaseException:
             self.sessions.pop(sid)
             raise
@@ -183,6 +196,12 @@ class VerifierEngine:
             committed = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
             sess.tokens.extend(committed)
             return VerifyResult(result.accepted, committed, hidden[path])
+
+    def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list:
+        """Several sessions' trees in one forward (``verifier.batch``)."""
+        from verifier.batch import verify_batch
+
+        return verify_batch(self, items)
 
     def committed_tokens(self, sid: str) -> list[int]:
         return list(self.sessions.get(sid).tokens)

@@ -5,7 +5,9 @@ servicer's worker thread and translates the result; errors become statuses
 (``specdec.server.abort_from``): a malformed tree is INVALID_ARGUMENT naming
 the field, an unknown or evicted session NOT_FOUND, the session cap
 RESOURCE_EXHAUSTED, a tree whose root is not the last committed token
-FAILED_PRECONDITION, loading or draining UNAVAILABLE.
+FAILED_PRECONDITION, loading or draining UNAVAILABLE. ``Prefill`` with
+``resume`` reopens a session moved from a lost verifier (the orchestrator's
+failover): its committed tokens are recomputed and nothing is sampled.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 class VerifierServiceConfig:
     feature_dtype: str = "float32"     # dtype of the features sent to EAGLE drafters
     model_name: str = ""               # reported by GetInfo (default: the target's path)
+    batch_window_ms: float = 0.0       # >0: verify concurrent sessions' trees in one forward
+    max_batch: int = 16
 
     def __post_init__(self):
         if self.feature_dtype not in ("float32", "float16"):
@@ -44,6 +48,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         super().__init__()
         self.config = config
         self.engine = None                 # VerifierEngine, once loaded
+        self.scheduler = None              # BatchScheduler when batching is on
 
     def registration(self) -> tuple[Callable, object, str]:
         """The (add_to_server, servicer, service name) triple for ``start_server``."""
@@ -56,8 +61,14 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         engine, seconds = await self.run(build)
         _, warm_s = await self.run(self._warm_up, engine)
         self.engine, self.sessions = engine, engine.sessions
+        if self.config.batch_window_ms > 0:
+            from verifier.batch import BatchScheduler
+
+            self.scheduler = BatchScheduler(lambda items: self.run(self.engine.verify_batch, items),
+                                            lambda: len(self.sessions), self.config.batch_window_ms / 1000,
+                                            self.config.max_batch)
         self._refresh_stats()
-        self.start_sweeper()
+        self.start_sweeper(getattr(engine, "ttl_s", None))
         log.info("verifier loaded", extra={"load_s": round(seconds, 3), "warm_up_s": round(warm_s, 3),
                                            "vocab_size": engine.target.vocab_size})
 
@@ -73,6 +84,11 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         finally:
             engine.release(sid)
 
+    def _evict(self) -> list[str]:
+        # an engine replicated over tensor-parallel ranks evicts on every rank
+        evict = getattr(self.engine, "evict_idle", None)
+        return evict() if evict is not None else self.sessions.evict_idle()
+
     def _kv_bytes(self) -> int:
         return self.engine.kv_bytes() if self.engine is not None else 0
 
@@ -86,8 +102,9 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             params = wire.sampling_from_proto(request.sampling)
             if request.max_new_tokens < 0:
                 raise InvalidArgument(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
-            result, seconds = await self.run(self.engine.prefill, request.session_id, list(request.prompt_ids),
-                                             params, request.max_new_tokens)
+            result, seconds = await self.run(self._evict_then, self.engine.prefill, request.session_id,
+                                             list(request.prompt_ids), params, request.max_new_tokens,
+                                             request.resume)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
@@ -100,7 +117,10 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         try:
             self.check()
             tree = wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
-            result, seconds = await self.run(self.engine.verify, request.session_id, tree)
+            if self.scheduler is not None:
+                result, seconds = await self.scheduler.verify(request.session_id, tree)
+            else:
+                result, seconds = await self.run(self.engine.verify, request.session_id, tree)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.VERIFY_DURATION.observe(seconds)

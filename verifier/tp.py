@@ -28,7 +28,7 @@ from verifier.engine import TargetModel, VerifierEngine
 
 log = logging.getLogger("specdec.verifier.tp")
 
-BROADCAST = ("prefill", "verify", "rollback", "release")
+BROADCAST = ("prefill", "verify", "verify_batch", "rollback", "release")
 _STOP = "__stop__"
 
 
@@ -81,13 +81,17 @@ class ReplicatedVerifier:
         dist.broadcast_object_list([(name, args, kwargs)], src=0)
         return getattr(self.engine, name)(*args, **kwargs)
 
-    def prefill(self, sid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int = 0):
+    def prefill(self, sid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int = 0,
+                resume: bool = False):
         if params.seed is None:               # every rank must draw the same random numbers
             params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
-        return self._call("prefill", sid, prompt, params, max_new_tokens)
+        return self._call("prefill", sid, prompt, params, max_new_tokens, resume)
 
     def verify(self, sid, tree):
         return self._call("verify", sid, tree)
+
+    def verify_batch(self, items):
+        return self._call("verify_batch", items)
 
     def rollback(self, sid, length):
         return self._call("rollback", sid, length)
@@ -103,7 +107,15 @@ class ReplicatedVerifier:
         return stale
 
     def shutdown(self) -> None:
+        """Stop the other ranks and leave the process group (idempotent)."""
+        if not dist.is_initialized():
+            return
         dist.broadcast_object_list([(_STOP, (), {})], src=0)
+        for p in getattr(self, "_procs", []):
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
 
 
 def follow(engine: VerifierEngine) -> None:
@@ -131,40 +143,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int, threads: int) -> None:
+def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int,
+            kv_budget_bytes: int | None, threads: int) -> None:
     if threads:
         torch.set_num_threads(threads)
     init_process_group(rank, world, port)
     try:
-        follow(VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf")))
+        follow(VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
+                              kv_budget_bytes=kv_budget_bytes))
     finally:
         dist.destroy_process_group()
 
 
-def launch(tp: int, spec: ModelSpec, rank0_main, max_sessions: int = 64, ttl_s: float = 600.0,
-           threads: int = 0):
-    """Start ranks 1..tp-1 as processes, become rank 0 and run
-    ``rank0_main(ReplicatedVerifier)``; stop the other ranks when it returns."""
+def start_ranks(tp: int, spec: ModelSpec, max_sessions: int = 64, ttl_s: float = 600.0,
+                kv_budget_bytes: int | None = None, threads: int = 0) -> ReplicatedVerifier:
+    """Start ranks 1..tp-1 as processes, become rank 0, load this rank's shard.
+    ``ReplicatedVerifier.shutdown()`` stops them again."""
     import torch.multiprocessing as mp
 
     check_tp_degree(spec.path, tp)
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, threads), daemon=True)
-             for r in range(1, tp)]
+    procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, kv_budget_bytes, threads),
+                         daemon=True) for r in range(1, tp)]
     for p in procs:
         p.start()
     init_process_group(0, tp, port)
-    verifier = None
+    engine = VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
+                            kv_budget_bytes=kv_budget_bytes)
+    verifier = ReplicatedVerifier(engine, ttl_s)
+    verifier._procs = procs
+    return verifier
+
+
+def launch(tp: int, spec: ModelSpec, rank0_main, max_sessions: int = 64, ttl_s: float = 600.0,
+           threads: int = 0):
+    """Run ``rank0_main(ReplicatedVerifier)`` as rank 0 of a TP group of ``tp``."""
+    verifier = start_ranks(tp, spec, max_sessions, ttl_s, threads=threads)
     try:
-        verifier = ReplicatedVerifier(
-            VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf")), ttl_s)
         return rank0_main(verifier)
     finally:
-        if verifier is not None:
-            verifier.shutdown()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        dist.destroy_process_group()
+        verifier.shutdown()

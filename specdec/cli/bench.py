@@ -13,10 +13,9 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.tree import TreeConfig
+from specdec import knobs
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
-DEFAULT_TREE = TreeConfig()
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -57,10 +56,10 @@ def add_parser(sub) -> None:
                         "on 127.0.0.1, as METHOD@grpc")
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set this many times")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE.total_tokens,
+    p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
                    help="draft tree size incl. the root")
-    p.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="deepest draft level")
-    p.add_argument("--expand-k", type=int, default=DEFAULT_TREE.expand_k, help="top-k per expansion")
+    p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
+    p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
                    help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
@@ -104,6 +103,8 @@ def config_from(args, sweep: bool):
                              ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1)):
         if value is not None and value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
+    from specdec.tree import TreeConfig
+
     tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
     methods = ("vanilla", "eagle2") if sweep else with_references(_methods(args.methods))
     kinds = {SPECULATIVE[m][0] for m in methods if m in SPECULATIVE}

@@ -7,11 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+from specdec import knobs
 from specdec.decoding import StopCriteria
-from specdec.sampling import SamplingParams
-from specdec.tree import METHODS, TreeConfig
 
-DEFAULT_TREE = TreeConfig()
+# torch-free at import: `specdec --help` and the service subcommands that
+# don't need torch must not pay for (or require) it.
+METHODS = knobs.METHODS
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -31,10 +32,10 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--total-tokens", type=int, default=DEFAULT_TREE.total_tokens,
+    p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
                    help="draft tree size incl. the root")
-    p.add_argument("--depth", type=int, default=DEFAULT_TREE.depth, help="deepest draft level")
-    p.add_argument("--expand-k", type=int, default=DEFAULT_TREE.expand_k, help="top-k per expansion")
+    p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
+    p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
 
 
 def add_parser(sub) -> None:
@@ -76,13 +77,17 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def sampling_from(args) -> SamplingParams:
+def sampling_from(args):
+    from specdec.sampling import SamplingParams
+
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     params.validate()
     return params
 
 
-def tree_from(args) -> TreeConfig | None:
+def tree_from(args):
+    from specdec.tree import TreeConfig
+
     if args.method == "vanilla":
         return None
     return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)

@@ -12,10 +12,10 @@ import argparse
 from pathlib import Path
 
 from specdec.models import demo_path
-from specdec.train.lm import LmShape
 
-TARGET_SHAPE = LmShape(hidden=192, layers=20, heads=4, kv_heads=2, intermediate=512)
-DRAFT_LM_SHAPE = LmShape(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=384)
+# The demo family's shapes (the bundled models were trained with these).
+TARGET_SHAPE = dict(hidden=192, layers=20, heads=4, kv_heads=2, intermediate=512)
+DRAFT_LM_SHAPE = dict(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=384)
 
 
 def _corpus(args) -> tuple[list[str], list[str]]:
@@ -51,12 +51,9 @@ def _common(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> No
     p.add_argument("--no-progress", action="store_true")
 
 
-def _shape(p: argparse.ArgumentParser, shape: LmShape) -> None:
-    p.add_argument("--hidden", type=int, default=shape.hidden)
-    p.add_argument("--layers", type=int, default=shape.layers)
-    p.add_argument("--heads", type=int, default=shape.heads)
-    p.add_argument("--kv-heads", type=int, default=shape.kv_heads)
-    p.add_argument("--intermediate", type=int, default=shape.intermediate)
+def _shape(p: argparse.ArgumentParser, shape: dict) -> None:
+    for name, value in shape.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
 
 
 def add_parser(sub) -> None:
@@ -113,7 +110,7 @@ def run_tokenizer(args) -> int:
 
 
 def run_lm(args) -> int:
-    from specdec.train.lm import train_lm
+    from specdec.train.lm import LmShape, train_lm
 
     train_texts, heldout = _corpus(args)
     shape = LmShape(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,

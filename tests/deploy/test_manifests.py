@@ -29,8 +29,7 @@ GRPC_PORT = 50051
 # and the KV budget (issue 7), the drafter's device, discovery through the
 # headless Services (issue 6, routing). A flag listed here may be unknown to
 # the parser; every other flag must parse.
-PENDING_FLAGS = {"verifier": {"--tp", "--kv-budget-bytes"}, "drafter": {"--device"},
-                 "orchestrator": {"--verifier-dns", "--drafter-dns"}}
+PENDING_FLAGS = {"orchestrator": {"--verifier-dns", "--drafter-dns"}}
 
 
 def _load_validate():

@@ -73,3 +73,14 @@ def test_directory_without_weights(tmp_path, tiny_family):
     (tmp_path / "config.json").write_text((tiny_family["eagle"] / "config.json").read_text())
     with pytest.raises(InvalidArgument, match="has none of"):
         load_head(tmp_path)
+
+
+def test_drafting_twice_without_commit_gives_the_same_tree(tiny_family):
+    """A retried Draft (nothing committed in between) must not fail or change the tree."""
+    drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
+    drafter.prefill("s", [3, 4, 5, 6], torch.randn(3, drafter.hidden_size))
+    cfg = TreeConfig(total_tokens=8, depth=3, expand_k=2)
+    first, again = drafter.draft("s", cfg), drafter.draft("s", cfg)
+    assert first.tokens.tolist() == again.tokens.tolist() and first.parents.tolist() == again.parents.tolist()
+    drafter.rollback("s", 3)
+    assert int(drafter.draft("s", cfg).tokens[0]) == 5

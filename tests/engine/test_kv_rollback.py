@@ -84,3 +84,21 @@ def test_kv_budget_refuses_instead_of_crashing(tiny_family):
     assert engine.kv_bytes() <= engine.kv_budget_bytes
     engine.release("a")
     engine.prefill("c", list(range(1, 11)), SamplingParams(), max_new_tokens=20)   # room again
+
+
+def test_resumed_session_continues_exactly(tiny_family):
+    """A session moved to another verifier (prefill with resume) decodes on as if never moved."""
+    from specdec.sampling import SamplingParams
+    from verifier.engine import VerifierEngine
+
+    target = TargetModel(ModelSpec(str(tiny_family["target"])))
+    a, b = VerifierEngine(target), VerifierEngine(target)
+    a.prefill("s", [4, 5, 6], SamplingParams())
+    for _ in range(5):
+        a.verify("s", tree_from_lists([a.committed_tokens("s")[-1]], [-1]))
+    b.prefill("s", a.committed_tokens("s"), SamplingParams(), resume=True)
+    assert b.committed_tokens("s") == a.committed_tokens("s")
+    for _ in range(6):
+        ra = a.verify("s", tree_from_lists([a.committed_tokens("s")[-1]], [-1]))
+        rb = b.verify("s", tree_from_lists([b.committed_tokens("s")[-1]], [-1]))
+        assert ra.tokens == rb.tokens

@@ -81,13 +81,18 @@ def test_scheduler_batches_concurrent_calls(stack):
         first = v.prefill(sid, p, SamplingParams(), NEW)
         toks = [first.token]
         while len(toks) < NEW:
-            res = await sched.verify(sid, tree_from_lists([toks[-1]], [-1]))
+            res, _ = await sched.verify(sid, tree_from_lists([toks[-1]], [-1]))
             toks.extend(res.tokens)
         v.release(sid)
         return toks[:NEW]
 
     async def main():
-        sched = BatchScheduler(v, ThreadPoolExecutor(1), window_s=0.005)
+        pool = ThreadPoolExecutor(1)
+
+        async def runner(items):
+            return await asyncio.get_running_loop().run_in_executor(pool, v.verify_batch, items), 0.0
+
+        sched = BatchScheduler(runner, lambda: len(v.sessions), window_s=0.05)
         try:
             got = await asyncio.gather(*(one(sched, i, p) for i, p in enumerate(PROMPTS)))
         finally:

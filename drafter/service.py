@@ -1,0 +1,165 @@
+"""DrafterService: the gRPC face of one ``drafter.base.Drafter`` (EAGLE head,
+small LM or n-gram).
+
+``Draft`` is the per-cycle call: commit the tokens the verifier accepted last
+cycle (with their target features for EAGLE), then build a tree with the
+request's knobs, 0 meaning the server default and every knob clamped to the
+server's limits. Status mapping as in ``verifier.service``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+from specdec import kv, metrics, wire
+from specdec.errors import InvalidArgument
+from specdec.server import EngineServicer, abort_from
+from specdec.tree import TreeConfig, tree_from_lists
+from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("specdec.drafter")
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+
+
+@dataclass(frozen=True)
+class DrafterServiceConfig:
+    default_tree: TreeConfig = TreeConfig()                          # knobs a request leaves at 0
+    limits: TreeConfig = TreeConfig(total_tokens=64, depth=8, expand_k=10)   # clamps; method unused
+
+    def __post_init__(self):
+        # the default itself obeys the limits
+        clamped = {k: min(getattr(self.default_tree, k), getattr(self.limits, k))
+                   for k in ("total_tokens", "depth", "expand_k")}
+        object.__setattr__(self, "default_tree", replace(self.default_tree, **clamped))
+
+
+class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
+    role = "drafter"
+
+    def __init__(self, config: DrafterServiceConfig = DrafterServiceConfig()):
+        super().__init__()
+        self.config = config
+        self.drafter = None                # drafter.base.Drafter, once loaded
+
+    def registration(self) -> tuple[Callable, object, str]:
+        """The (add_to_server, servicer, service name) triple for ``start_server``."""
+        return drafter_pb2_grpc.add_DrafterServiceServicer_to_server, self, SERVICE_NAME
+
+    # -- loading --------------------------------------------------------------------------
+    async def load(self, build: Callable[[], object]) -> None:
+        """Build the drafter on the worker thread, warm it up, start the sweeper."""
+        drafter, seconds = await self.run(build)
+        _, warm_s = await self.run(self._warm_up, drafter)
+        self.drafter, self.sessions = drafter, drafter.sessions
+        self._refresh_stats()
+        self.start_sweeper()
+        log.info("drafter loaded", extra={"kind": drafter.name, "load_s": round(seconds, 3),
+                                          "warm_up_s": round(warm_s, 3), "vocab_size": drafter.vocab_size})
+
+    def _warm_up(self, drafter) -> None:
+        """Prefill, draft, commit, draft on a throwaway session."""
+        sid = f"warm-up-{uuid.uuid4().hex}"
+        tokens = [i % drafter.vocab_size for i in range(1, 6)]
+        hidden = getattr(drafter, "hidden_size", None)
+        feats = (lambda n: torch.zeros(n, hidden)) if drafter.needs_features else (lambda n: None)
+        try:
+            drafter.prefill(sid, tokens, feats(len(tokens) - 1))
+            drafter.draft(sid, self.config.default_tree)
+            drafter.commit(sid, tokens[:1], feats(1))
+            drafter.draft(sid, self.config.default_tree)
+        finally:
+            drafter.release(sid)
+
+    def _kv_bytes(self) -> int:
+        return sum(kv.nbytes(s.cache) for _, s in self.drafter.sessions.items() if s.cache is not None)
+
+    def _feature_tensor(self, msg, field: str, rows: int) -> torch.Tensor | None:
+        feats = wire.tensor_from_proto(msg, field)
+        if not self.drafter.needs_features:
+            return None
+        hidden = getattr(self.drafter, "hidden_size", None)
+        if feats is None or feats.ndim != 2 or feats.shape[0] != rows or (hidden and feats.shape[1] != hidden):
+            got = None if feats is None else list(feats.shape)
+            raise InvalidArgument(f"{field}.shape must be [{rows}, {hidden or 'hidden'}] for the "
+                                  f"{self.drafter.name} drafter, got {got}")
+        return feats
+
+    def _tree_config(self, msg) -> TreeConfig | None:
+        return wire.tree_config_from_proto(msg, self.config.default_tree, self.config.limits)
+
+    def _commit_and_draft(self, sid: str, tokens: list[int], feats, cfg: TreeConfig | None):
+        if tokens:
+            self.drafter.commit(sid, tokens, feats)
+        if cfg is None:                   # VANILLA: no drafting, the tree is the root alone
+            return tree_from_lists([self.drafter.sessions.get(sid).tokens[-1]], [-1])
+        return self.drafter.draft(sid, cfg)
+
+    # -- RPCs -------------------------------------------------------------------------------------
+    async def Prefill(self, request, context):
+        try:
+            self.check(opens_session=True)
+            tokens = list(request.token_ids)
+            feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
+            _, seconds = await self.run(self._evict_then, self.drafter.prefill, request.session_id, tokens, feats)
+        except Exception as exc:
+            await abort_from(context, exc)
+        metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
+        return drafter_pb2.DrafterPrefillResponse()
+
+    async def Draft(self, request, context):
+        try:
+            self.check()
+            tokens = list(request.commit_tokens)
+            if not tokens and (request.commit_features.data or request.commit_features.shape):
+                raise InvalidArgument("commit_features given without commit_tokens")
+            feats = self._feature_tensor(request.commit_features, "commit_features", len(tokens)) if tokens else None
+            cfg = self._tree_config(request.tree)
+            tree, seconds = await self.run(self._commit_and_draft, request.session_id, tokens, feats, cfg)
+        except Exception as exc:
+            await abort_from(context, exc)
+        metrics.DRAFT_DURATION.observe(seconds)
+        return drafter_pb2.DraftResponse(tree=wire.tree_to_proto(tree), compute_s=seconds)
+
+    async def Commit(self, request, context):
+        try:
+            self.check()
+            tokens = list(request.token_ids)
+            feats = self._feature_tensor(request.features, "features", len(tokens))
+            await self.run(self.drafter.commit, request.session_id, tokens, feats)
+        except Exception as exc:
+            await abort_from(context, exc)
+        return drafter_pb2.DrafterCommitResponse()
+
+    async def Rollback(self, request, context):
+        try:
+            self.check()
+            await self.run(self.drafter.rollback, request.session_id, request.length)
+        except Exception as exc:
+            await abort_from(context, exc)
+        return drafter_pb2.DrafterRollbackResponse()
+
+    async def Release(self, request, context):
+        try:
+            self.check()
+            released, _ = await self.run(self.drafter.release, request.session_id, shield=True)
+        except Exception as exc:
+            await abort_from(context, exc)
+        return drafter_pb2.DrafterReleaseResponse(released=released)
+
+    async def GetInfo(self, request, context):
+        try:
+            self.check()
+        except Exception as exc:
+            await abort_from(context, exc)
+        limits = self.config.limits
+        return drafter_pb2.DrafterGetInfoResponse(
+            kind=self.drafter.name, needs_features=self.drafter.needs_features, vocab_size=self.drafter.vocab_size,
+            active_sessions=self.stats.active, max_sessions=self.sessions.max_sessions,
+            max_tree=common_pb2.TreeParams(total_tokens=limits.total_tokens, depth=limits.depth,
+                                           expand_k=limits.expand_k))

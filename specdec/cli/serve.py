@@ -1,0 +1,261 @@
+"""``specdec verifier serve`` and ``specdec drafter serve``.
+
+Flags, with environment equivalents where a deployment sets them:
+  --host (SPECDEC_HOST), --port (SPECDEC_PORT), --metrics-port
+  (SPECDEC_METRICS_PORT; "off" disables), --auth-token (SPECDEC_AUTH_TOKEN),
+  --tls-cert / --tls-key / --tls-client-ca (SPECDEC_TLS_CERT, SPECDEC_TLS_KEY,
+  SPECDEC_TLS_CLIENT_CA), --drain-s (SPECDEC_DRAIN_S), --log-level
+  (SPECDEC_LOG_LEVEL). A flag wins over its variable.
+
+On start the server prints one JSON line on stdout,
+``{"event": "listening", "port": N, "metrics_port": M}`` (the ports chosen
+when 0 was asked), loads and warms up its model, then reports ready on the
+health service and writes the same line to ``--ready-file`` if given. Logs are
+JSON lines on stderr. ``add_server_flags`` / ``server_config_from`` are shared
+with ``specdec orchestrator serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from specdec.server import ServerConfig
+
+VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
+DRAFTER_PORTS = (50053, 9453)
+
+
+def _env(name: str, default=None):
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+    return value
+
+
+def _metrics_port(text: str) -> int | None:
+    return None if str(text).lower() in ("off", "none", "-1") else _port(text)
+
+
+def add_server_flags(p: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=_env("SPECDEC_HOST", "127.0.0.1"),
+                   help="address to listen on (env SPECDEC_HOST; default 127.0.0.1)")
+    g.add_argument("--port", type=_port, default=_env("SPECDEC_PORT", default_port),
+                   help=f"gRPC port, 0 = any free port (env SPECDEC_PORT; default {default_port})")
+    g.add_argument("--metrics-port", type=_metrics_port, default=_env("SPECDEC_METRICS_PORT", default_metrics_port),
+                   help=f"Prometheus port, 0 = any free port, 'off' = none (env SPECDEC_METRICS_PORT; "
+                        f"default {default_metrics_port})")
+    g.add_argument("--auth-token", default=_env("SPECDEC_AUTH_TOKEN"),
+                   help="require 'authorization: Bearer TOKEN' on every RPC but health checks "
+                        "(env SPECDEC_AUTH_TOKEN, preferred: flags show in process lists)")
+    g.add_argument("--tls-cert", default=_env("SPECDEC_TLS_CERT"), help="server certificate, PEM (env SPECDEC_TLS_CERT)")
+    g.add_argument("--tls-key", default=_env("SPECDEC_TLS_KEY"), help="server private key, PEM (env SPECDEC_TLS_KEY)")
+    g.add_argument("--tls-client-ca", default=_env("SPECDEC_TLS_CLIENT_CA"),
+                   help="CA of client certificates: require mutual TLS (env SPECDEC_TLS_CLIENT_CA)")
+    g.add_argument("--drain-s", type=float, default=_env("SPECDEC_DRAIN_S", 20.0),
+                   help="on SIGTERM, time given to open sessions to finish (env SPECDEC_DRAIN_S; default 20)")
+    g.add_argument("--log-level", default=_env("SPECDEC_LOG_LEVEL", "INFO"),
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
+    g.add_argument("--ready-file", help="write the listening JSON line to this file once ready")
+
+
+def server_config_from(args) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token=args.auth_token,
+                        drain_s=args.drain_s)
+
+
+def _add_session_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sessions")
+    g.add_argument("--max-sessions", type=int, default=64, help="open sessions at most (RESOURCE_EXHAUSTED past it)")
+    g.add_argument("--session-ttl", type=float, default=600.0, help="evict a session idle this many seconds")
+
+
+def _check_sessions(args) -> None:
+    from specdec.cli.main import CliError
+
+    if args.max_sessions < 1:
+        raise CliError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+    if not args.session_ttl > 0:
+        raise CliError(f"--session-ttl must be > 0, got {args.session_ttl}")
+
+
+def _model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
+    from specdec.cli.main import CliError
+    from specdec.models import demo_path
+
+    chosen = path or str(demo_path(demo))
+    if not Path(chosen, "config.json").is_file():
+        hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
+        raise CliError(f"{what} directory {chosen} has no config.json{hint}")
+    return chosen
+
+
+def add_parsers(sub) -> None:
+    v = sub.add_parser("verifier", help="the verifier service (hosts the target model)")
+    p = v.add_subparsers(dest="verifier_command", required=True).add_parser(
+        "serve", help="serve VerifierService over gRPC")
+    p.add_argument("--target", help="target model directory (default: the bundled demo target)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--feature-dtype", default="float32", choices=("float32", "float16"),
+                   help="dtype of the features sent to EAGLE drafters")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: shard the target over this many processes (gloo on CPU, "
+                        "NCCL on GPUs: rank r uses cuda:r); must divide the attention and key/value heads")
+    p.add_argument("--kv-budget-bytes", type=int, default=None,
+                   help="refuse new sessions (RESOURCE_EXHAUSTED) before their worst-case KV "
+                        "(prompt + max_new_tokens + one tree) would exceed this many bytes (all ranks)")
+    p.add_argument("--batch-window-ms", type=float, default=2.0,
+                   help="collect concurrent sessions' verifies for up to this long and run them as one "
+                        "forward (0 = off; a lone session never waits)")
+    p.add_argument("--max-batch", type=int, default=16, help="sessions per batched verify at most")
+    _add_session_flags(p)
+    add_server_flags(p, *VERIFIER_PORTS)
+    p.set_defaults(run=run_verifier)
+
+    d = sub.add_parser("drafter", help="the drafter service (EAGLE head, small LM or n-gram)")
+    p = d.add_subparsers(dest="drafter_command", required=True).add_parser(
+        "serve", help="serve DrafterService over gRPC (default: the bundled demo EAGLE head)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--eagle", help="EAGLE-1/2 head directory (needs --target for embeddings / lm_head)")
+    kind.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
+    kind.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
+    p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; n-gram: vocab size)")
+    p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    from specdec import knobs
+
+    t = p.add_argument_group("draft tree (a request's 0 / unset knobs take these; larger ones are clamped)")
+    t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=knobs.METHODS)
+    t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
+    t.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH)
+    t.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K)
+    t.add_argument("--max-total-tokens", type=int, default=64)
+    t.add_argument("--max-depth", type=int, default=8)
+    t.add_argument("--max-expand-k", type=int, default=10)
+    _add_session_flags(p)
+    add_server_flags(p, *DRAFTER_PORTS)
+    p.set_defaults(run=run_drafter)
+
+
+def _serve(cfg: ServerConfig, servicer, name: str, build, args) -> int:
+    from specdec.cli.main import CliError
+    from specdec.server import configure_logging, run_server
+
+    configure_logging(name, args.log_level)
+    try:
+        asyncio.run(run_server(cfg, [servicer.registration()], name, load=lambda: servicer.load(build),
+                               ready_file=args.ready_file))
+    except (OSError, RuntimeError) as exc:     # port taken, unreadable weights...: logged in full above
+        raise CliError(f"{name} failed: {exc}") from None
+    return 0
+
+
+def run_verifier(args) -> int:
+    from specdec.models import ModelSpec
+
+    _check_sessions(args)
+    cfg = server_config_from(args)
+    spec = ModelSpec(path=_model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
+                     device=args.device, attn_implementation=args.attn_implementation)
+    from verifier.service import VerifierService, VerifierServiceConfig
+
+    from specdec.cli.main import CliError
+
+    if args.tp < 1:
+        raise CliError(f"--tp must be >= 1, got {args.tp}")
+    if args.kv_budget_bytes is not None and args.kv_budget_bytes < 1:
+        raise CliError(f"--kv-budget-bytes must be >= 1, got {args.kv_budget_bytes}")
+    if args.batch_window_ms < 0 or args.max_batch < 1:
+        raise CliError("--batch-window-ms must be >= 0 and --max-batch >= 1")
+    if args.tp > 1:
+        from verifier.tp import check_tp_degree
+
+        check_tp_degree(spec.path, args.tp)
+    servicer = VerifierService(VerifierServiceConfig(feature_dtype=args.feature_dtype,
+                                                     batch_window_ms=args.batch_window_ms,
+                                                     max_batch=args.max_batch))
+
+    def build():
+        from verifier.engine import TargetModel, VerifierEngine
+
+        if args.tp > 1:
+            import atexit
+
+            from verifier.tp import start_ranks
+
+            verifier = start_ranks(args.tp, spec, args.max_sessions, args.session_ttl, args.kv_budget_bytes)
+            atexit.register(verifier.shutdown)
+            return verifier
+        return VerifierEngine(TargetModel(spec), max_sessions=args.max_sessions, ttl_s=args.session_ttl,
+                              kv_budget_bytes=args.kv_budget_bytes)
+
+    return _serve(cfg, servicer, "verifier", build, args)
+
+
+def _drafter_builder(args):
+    """Validate the drafter flags now (one-line errors), build the drafter later."""
+    from specdec.cli.main import CliError
+    from specdec.models import ModelSpec, read_config, torch_dtype
+
+    sessions = dict(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
+    if args.ngram:
+        if args.vocab_size is not None:
+            if args.vocab_size < 1:
+                raise CliError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+            vocab = args.vocab_size
+        else:
+            vocab = int(read_config(_model_dir(args.target, "target", "target model", "--target"))["vocab_size"])
+
+        def build():
+            from drafter.ngram import NgramDrafter
+
+            return NgramDrafter(vocab, **sessions)
+        return build
+    if args.draft_lm:
+        spec = ModelSpec(path=_model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
+                         device=args.device)
+
+        def build():
+            from drafter.draft_lm import DraftLmDrafter
+
+            return DraftLmDrafter(spec, **sessions)
+        return build
+    head = _model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
+    target = _model_dir(args.target, "target", "target model", "--target")
+    dtype = torch_dtype(args.dtype)
+
+    def build():
+        from drafter.eagle import EagleDrafter
+
+        return EagleDrafter(head, target, dtype=dtype, device=args.device, **sessions)
+    return build
+
+
+def run_drafter(args) -> int:
+    from specdec.tree import TreeConfig  # noqa: F401 - the drafter process needs torch anyway
+
+    _check_sessions(args)
+    cfg = server_config_from(args)
+    default = TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
+                         expand_k=args.expand_k)
+    limits = TreeConfig(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
+    build = _drafter_builder(args)
+    from drafter.service import DrafterService, DrafterServiceConfig
+
+    servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits))
+    return _serve(cfg, servicer, "drafter", build, args)
