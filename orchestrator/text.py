@@ -18,6 +18,8 @@ Streaming rules:
   emitted. When a stop string completes, the output keeps the tokens needed to
   cover the text before it (the last kept token may reach into the stop
   string; its text is cut there).
+- A token id is streamed only once all of its text has been, so a stop
+  string completed later never has to take back a token already sent.
 """
 
 from __future__ import annotations

@@ -90,7 +90,9 @@ class ServerConfig:
 
     def grpc_options(self) -> list[tuple[str, int]]:
         size = self.max_message_mb * 1024 * 1024
-        return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+        # no SO_REUSEPORT: a second server on a taken port must fail, not share it
+        return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+                ("grpc.so_reuseport", 0)]
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ class EngineServicer:
         self.sessions = None                # SessionTable, once loaded
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-engine")
         self._sweeper: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def loaded(self) -> bool:
@@ -222,26 +225,38 @@ class EngineServicer:
     def _kv_bytes(self) -> int:
         return 0
 
-    def start_sweeper(self) -> None:
-        ttl = self.sessions.ttl_s
+    def start_sweeper(self, ttl_s: float | None = None) -> None:
+        ttl = self.sessions.ttl_s if ttl_s is None else ttl_s
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(min(max(ttl / 4, 0.02), 30.0)))
 
+    def _evict(self) -> list[str]:
+        return self.sessions.evict_idle()
+
     def _evict_idle(self) -> list[str]:
-        evicted = self.sessions.evict_idle()
+        evicted = self._evict()
         if evicted:
             metrics.SESSIONS_EVICTED.labels(self.role).inc(len(evicted))
             log.info("evicted idle sessions", extra={"role": self.role, "sessions": evicted})
         return evicted
 
+    def _evict_then(self, fn: Callable, *args):
+        """Evict (and count) idle sessions, then ``fn(*args)``: a new session
+        never fails on the cap because of a session that is already stale."""
+        self._evict_idle()
+        return fn(*args)
+
     async def _sweep(self, every_s: float) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(every_s)
             try:
                 await self.run(self._evict_idle)
-            except RuntimeError:                # executor shut down under us
-                return
+            except Exception:
+                if self._closed:                # the executor was shut down under us
+                    return
+                log.exception("idle-session sweep failed", extra={"role": self.role})
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -368,6 +383,11 @@ class RunningServer:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def in_flight(self) -> int:
+        """RPCs being served now (health checks and reflection aside)."""
+        return self._in_flight[0]
+
     def set_ready(self, ready: bool) -> None:
         """Health "readiness" (and "" and each hosted service) SERVING / NOT_SERVING."""
         self.ready = ready and not self._stopping
@@ -381,7 +401,7 @@ class RunningServer:
         return {"event": "listening", "port": self.port, "metrics_port": self.metrics_port}
 
     def _idle(self) -> bool:
-        return self._in_flight[0] == 0 and not any(lc.busy() for lc in self._lifecycles)
+        return self.in_flight == 0 and not any(lc.busy() for lc in self._lifecycles)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain for up to ``grace`` seconds (None: stop now), then stop."""
@@ -492,7 +512,12 @@ async def run_server(cfg: ServerConfig, services: list[tuple[Callable, object, s
     try:
         if load is not None:
             await load()
-    except BaseException:
+    except BaseException as exc:
+        if server.stopping and isinstance(exc, Exception):
+            await server.wait()                 # a signal stopped the server while it loaded
+            return
+        if isinstance(exc, Exception):
+            log.error("loading failed", exc_info=exc)
         await server.stop(None)
         raise
     if not server.stopping:

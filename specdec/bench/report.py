@@ -1,8 +1,11 @@
 """Paper-style report of a ``specdec bench`` run: a markdown table (the EAGLE-2
 paper's Tables 1 and 3: speedup and tau per method) and PNG plots (Figure 1/2:
 speedup per method; Figure 5: acceptance per draft position; Figure 6:
-draft confidence vs acceptance rate). Plots use matplotlib's Agg canvas
-directly, so no display and no global pyplot state are involved.
+draft confidence vs acceptance rate). A ``--concurrency`` run gets its own
+table (per level and method: aggregate tokens/s, speedup, latency
+percentiles) and concurrency.png (aggregate tokens/s vs C). Plots use
+matplotlib's Agg canvas directly, so no display and no global pyplot state
+are involved.
 """
 
 from __future__ import annotations
@@ -192,4 +195,82 @@ def write_report(result: dict, out_dir: str | Path) -> list[Path]:
     if result.get("calibration") is not None:
         paths.append(out / "calibration.png")
         plot_calibration(result["calibration"], paths[-1])
+    return paths
+
+
+# -- --concurrency -------------------------------------------------------------------
+def concurrency_table(result: dict) -> str:
+    """One row per (C, method): throughput, speedup and scaling, tau, latency, output check."""
+    lowest = result["levels"][0]
+    lines = [f"| C | method | aggregate tokens/s | vs vanilla | vs C={lowest} | τ | latency p50 / p90 / p99 (s) "
+             "| TTFT p50 / p90 (s) | matches vanilla |",
+             "|---:|---|---:|---:|---:|---:|---|---|:---:|"]
+    for c in map(str, result["levels"]):
+        for name, levels in result["concurrency"].items():
+            m = levels[c]
+            lat, ttft = m["latency_s"], m["ttft_s"]
+            lines.append(
+                f"| {c} | {name} | {_fmt(m['aggregate_tokens_per_s'], '.1f')} "
+                f"| {_fmt(m['speedup_vs_vanilla'], '.2f')}x | {_fmt(m['scaling'], '.2f')}x | {_fmt(m['tau'], '.2f')} "
+                f"| {' / '.join(_fmt(lat[k], '.3f') for k in ('p50', 'p90', 'p99'))} "
+                f"| {' / '.join(_fmt(ttft[k], '.3f') for k in ('p50', 'p90'))} | {_yes_no(m['matches_vanilla'])} |")
+    return "\n".join(lines)
+
+
+def concurrency_markdown(result: dict) -> str:
+    tree = result.get("tree", {})
+    return "\n".join([
+        "# specdec bench --concurrency",
+        "",
+        f"- device: {result['device']}",
+        f"- target: `{result['target']}`",
+        f"- temperature: {result['temperature']}, prompts: {result['prompts']} (cycled), "
+        f"max_new_tokens: {result['max_new_tokens']}, requests per level: {result['requests_per_level']}, "
+        f"repeats: {result.get('repeats', 1)}",
+        f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}",
+        "- C requests in flight at a time through the orchestrator, drafter and verifier services; "
+        "vanilla = method VANILLA on the same services",
+        "- aggregate tokens/s = all requests' tokens / pool wall time; latency and TTFT measured at the client",
+        "- τ counts the bonus token; matches vanilla: tokens equal vanilla's at the lowest C",
+        "",
+        "## Aggregate throughput and latency vs concurrency",
+        "",
+        concurrency_table(result),
+        "",
+        "![aggregate tokens/s vs concurrency](concurrency.png)",
+        "",
+    ])
+
+
+def plot_concurrency(result: dict, path: Path) -> None:
+    levels = result["levels"]
+    fig = _figure()
+    ax = fig.add_subplot()
+    for name, by_level in result["concurrency"].items():
+        tps = [by_level[str(c)]["aggregate_tokens_per_s"] for c in levels]
+        colour = _COLOURS["reference"] if name in REFERENCES else None
+        ax.plot(levels, tps, marker="o", ms=4, label=name, color=colour)
+        for c, t in zip(levels, tps):
+            ax.annotate(f"{t:.0f}", (c, t), ha="center", va="bottom", fontsize=7, xytext=(0, 3),
+                        textcoords="offset points")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.minorticks_off()
+    ax.set_xlabel("concurrent requests C")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_ylim(0, None)
+    ax.set_title(f"aggregate throughput vs concurrency, T={result['temperature']:g}: {result['device']}",
+                 fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_concurrency_report(result: dict, out_dir: str | Path) -> list[Path]:
+    """results.md and concurrency.png of a ``--concurrency`` run."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.md", out / "concurrency.png"]
+    paths[0].write_text(concurrency_markdown(result))
+    plot_concurrency(result, paths[1])
     return paths

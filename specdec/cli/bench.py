@@ -2,6 +2,7 @@
 
     specdec bench --prompts specdec/bench/prompts.jsonl --json out.json --report out/
     specdec bench sweep --json sweep.json --report out/      # tree budget sweep
+    specdec bench --concurrency 1,2,4,8 --json conc.json --report out/   # C requests in flight
 
 Models default to the bundled demo family. See ``specdec.bench`` for the
 measurement protocol and the JSON schema.
@@ -16,6 +17,7 @@ from pathlib import Path
 from specdec import knobs
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -29,6 +31,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub) -> None:
+    from specdec.bench.concurrency import DEFAULT_REQUESTS_PER_LEVEL
     from specdec.bench.runner import ALL_METHODS, DEFAULT_METHODS
     from specdec.bench.sweep import DEPTHS, TOTALS
 
@@ -48,9 +51,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (T > 0)")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: all but sps); "
-                        "vanilla and hf-generate always run: speedups are relative to them")
+    p.add_argument("--methods",
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: all but sps; with "
+                        f"--concurrency: {','.join(CONCURRENCY_METHODS)}); vanilla and hf-generate always run "
+                        "(with --concurrency, vanilla): speedups are relative to them")
     p.add_argument("--grpc", action="store_true",
                    help="also run each speculative method (and vanilla) through the three gRPC services "
                         "on 127.0.0.1, as METHOD@grpc")
@@ -60,6 +64,13 @@ def add_parser(sub) -> None:
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
+    c = p.add_argument_group("concurrency (through the gRPC services)")
+    c.add_argument("--concurrency", type=_int_list, metavar="LIST",
+                   help="e.g. 1,2,4,8: for each C, keep C requests in flight through the services and report "
+                        "aggregate tokens/s and latency percentiles per method (replaces the in-process run)")
+    c.add_argument("--requests-per-level", type=int, default=DEFAULT_REQUESTS_PER_LEVEL, metavar="N",
+                   help=f"timed requests per method and level, over the prompts in turn "
+                        f"(default {DEFAULT_REQUESTS_PER_LEVEL}; at least the largest C)")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
                    help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
@@ -96,7 +107,7 @@ def _methods(text: str) -> tuple[str, ...]:
 
 def config_from(args, sweep: bool):
     """Flags -> BenchConfig, checking only the model directories the run needs."""
-    from specdec.bench.runner import SPECULATIVE, BenchConfig, with_references
+    from specdec.bench.runner import DEFAULT_METHODS, SPECULATIVE, BenchConfig, with_references
     from specdec.cli.main import CliError
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
@@ -106,7 +117,14 @@ def config_from(args, sweep: bool):
     from specdec.tree import TreeConfig
 
     tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
-    methods = ("vanilla", "eagle2") if sweep else with_references(_methods(args.methods))
+    if sweep:
+        methods = ("vanilla", "eagle2")
+    elif args.concurrency:
+        from specdec.bench.concurrency import concurrency_methods
+
+        methods = concurrency_methods(_methods(args.methods or ",".join(CONCURRENCY_METHODS)))
+    else:
+        methods = with_references(_methods(args.methods or ",".join(DEFAULT_METHODS)))
     kinds = {SPECULATIVE[m][0] for m in methods if m in SPECULATIVE}
     target = _model_dir(args.target, "target", "target model", "--target")
     eagle = _model_dir(args.eagle, "eagle", "EAGLE head", "--eagle") if "eagle" in kinds else args.eagle
@@ -115,6 +133,16 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype)
+
+
+def concurrency_plan(args):
+    from specdec.bench.concurrency import ConcurrencyPlan
+    from specdec.cli.main import CliError
+
+    try:
+        return ConcurrencyPlan(levels=args.concurrency, requests=args.requests_per_level)
+    except ValueError as exc:
+        raise CliError(f"--concurrency / --requests-per-level: {exc}") from None
 
 
 def load_prompts(path: str, limit: int | None) -> list[str]:
@@ -128,8 +156,12 @@ def run(args) -> int:
     import torch
 
     from specdec.bench.runner import stderr_progress
+    from specdec.cli.main import CliError
 
     sweep = args.mode == "sweep"
+    if args.concurrency and sweep:
+        raise CliError("--concurrency does not combine with `bench sweep`")
+    plan = concurrency_plan(args) if args.concurrency else None
     cfg = config_from(args, sweep)
     prompts = load_prompts(args.prompts, args.limit_prompts)
     if args.threads:
@@ -149,6 +181,16 @@ def run(args) -> int:
         if args.report:
             write_sweep_report(result, args.report)
         print(sweep_markdown(result))
+        return 0
+    if plan is not None:
+        from specdec.bench.concurrency import run_concurrency
+        from specdec.bench.report import concurrency_markdown, write_concurrency_report
+
+        result = run_concurrency(cfg, plan, prompts, progress)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.report:
+            write_concurrency_report(result, args.report)
+        print(concurrency_markdown(result))
         return 0
     from specdec.bench.report import markdown, write_report
     from specdec.bench.runner import run_bench

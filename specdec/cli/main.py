@@ -18,12 +18,16 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.cli import generate, train
+    from specdec.cli import bench, generate, remote, serve, stack, train
 
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding (EAGLE-2).")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     train.add_parser(sub)
+    serve.add_parsers(sub)
+    stack.add_parsers(sub)
+    remote.add_client_flags(sub.choices["generate"])
+    bench.add_parser(sub)
     return parser
 
 

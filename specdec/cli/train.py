@@ -74,6 +74,12 @@ def add_parser(sub) -> None:
         _shape(t, shape)
         t.set_defaults(run=run_lm, name=name)
 
+    t = tsub.add_parser("card", help="measure the demo family and write its MODEL_CARD.md + calibration plot")
+    t.add_argument("--demo", default=str(demo_path("target").parent), help="family directory (default: bundled)")
+    t.add_argument("--prompts", type=int, default=12, help="held-out prompts for tau and calibration")
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.set_defaults(run=run_card)
+
     t = tsub.add_parser("eagle", help="EAGLE-1/2 head for any local Llama-family target")
     t.add_argument("--target", default=str(demo_path("target")))
     t.add_argument("--out", default=str(demo_path("eagle")))
@@ -137,3 +143,11 @@ def _report(log: dict, out: str) -> None:
     last = log["evals"][-1] if log.get("evals") else {}
     state = "finished" if log.get("finished") else "stopped early (rerun to resume)"
     print(f"{state}: saved to {out}; last eval {last}")
+
+
+def run_card(args) -> int:
+    from specdec.train.card import write_card
+
+    out = write_card(Path(args.demo), args.prompts, args.max_new_tokens)
+    print(f"model card written to {out}")
+    return 0

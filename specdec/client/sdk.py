@@ -23,6 +23,7 @@ stream has delivered a message it is never retried.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable
@@ -150,7 +151,8 @@ def build_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 
 def channel_credentials(tls: Any) -> grpc.ChannelCredentials | None:
     """``tls``: None/False (plaintext), True (system roots), a CA bundle path,
     an object with ``ca``/``cert``/``key`` PEM paths (mutual TLS when cert and
-    key are set; e.g. ``specdec.server.ClientTls``) or ready credentials."""
+    key are set; an optional ``server_name`` overrides the name expected in the
+    server's certificate; e.g. ``specdec.server.ClientTls``) or ready credentials."""
     if tls is None or tls is False:
         return None
     if tls is True:
@@ -198,7 +200,10 @@ class _ClientBase:
         self._token = token
         self._credentials = channel_credentials(tls)
         self._channel_options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        server_name = getattr(tls, "server_name", None)
+        if server_name:
+            self._channel_options.append(("grpc.ssl_target_name_override", server_name))
 
     def _metadata(self, request: orchestrator_pb2.GenerateRequest) -> list[tuple[str, str]]:
         md = []
@@ -217,10 +222,9 @@ class _ClientBase:
         return _retry_delay(attempt, self.backoff_s, deadline)
 
 
-# -- sync ----------------------------------------------------------------------
-class GenerationStream:
-    """Iterator of ``Chunk``; ``stats`` is set once it is exhausted. ``close()``
-    (or leaving a ``with`` block / dropping the iterator) cancels the call."""
+# -- streams -------------------------------------------------------------------
+class _Stream:
+    """What the sync and async streams share: the call, retries, the results."""
 
     def __init__(self, start: Callable[[float | None], Any], deadline: _Deadline,
                  retryable: Callable[[grpc.RpcError, int, _Deadline], float | None]):
@@ -235,52 +239,75 @@ class GenerationStream:
         self.token_ids: list[int] = []
         self.text = ""
 
-    def __iter__(self) -> GenerationStream:
-        return self
+    def _open(self):
+        if self._call is None:
+            self._attempt += 1
+            self._call = self._start(self._deadline.remaining())
+        return self._call
 
-    def __next__(self) -> Chunk:
-        while not self._closed:
-            if self._call is None:
-                self._attempt += 1
-                self._call = self._start(self._deadline.remaining())
-            try:
-                msg = next(self._call)
-            except StopIteration:
-                self._closed = True
-                if self.stats is None:
-                    raise SpecdecClientError(grpc.StatusCode.INTERNAL, "stream ended without final stats") from None
-                raise
-            except grpc.RpcError as exc:
-                delay = None if self._received else self._retryable(exc, self._attempt, self._deadline)
-                if delay is None:
-                    self._closed = True
-                    raise error_from(exc) from None
-                self._call = None
-                time.sleep(delay)
-                continue
-            self._received = True
-            if msg.HasField("final"):
-                self.stats = GenerationStats.from_proto(msg.final)
-                continue
-            chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
-            self.token_ids.extend(chunk.token_ids)
-            self.text += chunk.text
-            return chunk
-        raise StopIteration
+    def _retry_delay(self, exc: grpc.RpcError) -> float:
+        """Seconds to wait before calling again; raises the typed error when not retrying."""
+        delay = None if self._received else self._retryable(exc, self._attempt, self._deadline)
+        if delay is None:
+            self._closed = True
+            raise error_from(exc) from None
+        self._call = None
+        return delay
+
+    def _accept(self, msg: orchestrator_pb2.GenerateResponse) -> Chunk | None:
+        self._received = True
+        if msg.HasField("final"):
+            self.stats = GenerationStats.from_proto(msg.final)
+            return None
+        chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        return chunk
+
+    def _ended(self) -> None:
+        self._closed = True
+        if self.stats is None:
+            raise SpecdecClientError(grpc.StatusCode.INTERNAL, "stream ended without final stats")
 
     def close(self) -> None:
+        """Cancel the call (no effect once the stream is over)."""
         if not self._closed:
             self._closed = True
             if self._call is not None:
                 self._call.cancel()
 
+    def __del__(self) -> None:
+        if getattr(self, "_call", None) is not None:
+            with contextlib.suppress(RuntimeError):      # the event loop may be gone already
+                self.close()
+
+
+class GenerationStream(_Stream):
+    """Iterator of ``Chunk``; ``stats`` is set once it is exhausted. ``close()``
+    (or leaving a ``with`` block / dropping the iterator) cancels the call."""
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> Chunk:
+        while not self._closed:
+            try:
+                msg = next(self._open())
+            except StopIteration:
+                self._ended()
+                break
+            except grpc.RpcError as exc:
+                time.sleep(self._retry_delay(exc))
+                continue
+            chunk = self._accept(msg)
+            if chunk is not None:
+                return chunk
+        raise StopIteration
+
     def __enter__(self) -> GenerationStream:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
         self.close()
 
 
@@ -333,64 +360,30 @@ class SpecdecClient(_ClientBase):
 
 
 # -- asyncio -------------------------------------------------------------------
-class AsyncGenerationStream:
+class AsyncGenerationStream(_Stream):
     """Async iterator of ``Chunk``; ``stats`` is set once it is exhausted.
     ``await aclose()`` (or leaving an ``async with`` block) cancels the call."""
-
-    def __init__(self, start: Callable[[float | None], Any], deadline: _Deadline,
-                 retryable: Callable[[grpc.RpcError, int, _Deadline], float | None]):
-        self._start = start
-        self._deadline = deadline
-        self._retryable = retryable
-        self._call = None
-        self._attempt = 0
-        self._received = False
-        self._closed = False
-        self.stats: GenerationStats | None = None
-        self.token_ids: list[int] = []
-        self.text = ""
 
     def __aiter__(self) -> AsyncGenerationStream:
         return self
 
     async def __anext__(self) -> Chunk:
         while not self._closed:
-            if self._call is None:
-                self._attempt += 1
-                self._call = self._start(self._deadline.remaining())
             try:
-                msg = await self._call.read()
+                msg = await self._open().read()
             except grpc.RpcError as exc:
-                delay = None if self._received else self._retryable(exc, self._attempt, self._deadline)
-                if delay is None:
-                    self._closed = True
-                    raise error_from(exc) from None
-                self._call = None
-                await asyncio.sleep(delay)
+                await asyncio.sleep(self._retry_delay(exc))
                 continue
             except asyncio.CancelledError:
                 self.close()
                 raise
             if msg is grpc.aio.EOF:
-                self._closed = True
-                if self.stats is None:
-                    raise SpecdecClientError(grpc.StatusCode.INTERNAL, "stream ended without final stats")
+                self._ended()
                 break
-            self._received = True
-            if msg.HasField("final"):
-                self.stats = GenerationStats.from_proto(msg.final)
-                continue
-            chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
-            self.token_ids.extend(chunk.token_ids)
-            self.text += chunk.text
-            return chunk
+            chunk = self._accept(msg)
+            if chunk is not None:
+                return chunk
         raise StopAsyncIteration
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            if self._call is not None:
-                self._call.cancel()
 
     async def aclose(self) -> None:
         self.close()
@@ -399,9 +392,6 @@ class AsyncGenerationStream:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
         self.close()
 
 

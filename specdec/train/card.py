@@ -107,3 +107,102 @@ def collect(demo: Path, measure: bool = True) -> dict:
     if measure and (demo / "target").is_dir() and (demo / "eagle").is_dir():
         card["step_costs"] = step_costs(demo / "target", demo / "eagle")
     return card
+
+
+def heldout_prompts(tokenizer, n: int = 12, prompt_tokens: int = 96) -> list[list[int]]:
+    """Prompts from held-out corpus files (never trained on): the first
+    ``prompt_tokens`` tokens of the first ``n`` held-out files long enough."""
+    from specdec.train.corpus import read_texts, stdlib_split
+
+    prompts = []
+    for text in read_texts(stdlib_split().heldout):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= 2 * prompt_tokens:
+            prompts.append(ids[:prompt_tokens])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: int = 128) -> dict:
+    """EAGLE-2 greedy on held-out prompts: tau per tree config tried, and the
+    calibration points (draft confidence vs acceptance, EAGLE-2 §3.2)."""
+    from specdec.bench.calibration import TreeRecorder, calibration_bins
+    from specdec.decoding import StopCriteria
+    from specdec.local import DrafterChoice, build_local, generate
+    from specdec.models import ModelSpec
+    from specdec.sampling import SamplingParams
+    from specdec.tree import TreeConfig
+
+    stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / "eagle")))
+    recorder = TreeRecorder(stack.verifier)
+    stop = StopCriteria(max_new_tokens=max_new_tokens)
+    runs = {}
+    for cfg in (TreeConfig(), TreeConfig(total_tokens=32, depth=6, expand_k=6)):
+        committed = cycles = 0
+        for p in prompts:
+            dec = generate(recorder, stack.drafter, p, SamplingParams(), stop, cfg)
+            committed += sum(dec.stats.committed_per_cycle)
+            cycles += dec.stats.cycles
+        runs[f"total_tokens={cfg.total_tokens},depth={cfg.depth},expand_k={cfg.expand_k}"] = round(
+            committed / max(cycles, 1), 3)
+    return {"tau": runs, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "calibration": calibration_bins(recorder.points())}
+
+
+def _num(x, spec: str = ".3f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def render(card: dict) -> str:
+    m = card["models"]
+    lines = ["# specdec demo model family", "",
+             "Trained by `specdec train` on this repository's machine; every number below was measured by "
+             "`specdec train card` (which wrote this file).", "",
+             "## Corpus", "",
+             "Python source of the standard library of CPython 3.11.7 (`sysconfig` stdlib path, every `*.py` "
+             "outside `site-packages`), split by file: held out when `sha1(relative path) % 20 == 0` "
+             "(see `specdec/train/corpus.py`).", "",
+             "## Models", "",
+             "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
+             "|---|---|---|---|---|---|---|"]
+    for name, info in m.items():
+        ev = info.get("last_eval") or {}
+        loss = ev.get("heldout_loss", ev.get("heldout_cls"))
+        lines.append(f"| {name} | {info['params'] / 1e6:.2f} M | {info['bytes_on_disk'] / 2**20:.1f} MiB | "
+                     f"{info['steps']} × {info['batch']} × {info['seq_len']} | {info['train_seconds'] / 60:.0f} min | "
+                     f"{_num(loss)} | {_num(info.get('unigram_loss'))} |")
+    if "step_costs" in card:
+        c = card["step_costs"]
+        lines += ["", "## Cost of a step (2 threads, 200-token prefix)", "",
+                  f"- target forward, 1 token: {c['target_token_s'] * 1e3:.2f} ms",
+                  f"- EAGLE head step, 1 node: {c['head_step_1_s'] * 1e3:.2f} ms (ratio {c['ratio_1']:.1f})",
+                  f"- EAGLE head step, 8-node tree level: {c['head_step_8_s'] * 1e3:.2f} ms (ratio {c['ratio_8']:.1f})"]
+    if "heldout" in card:
+        h = card["heldout"]
+        lines += ["", f"## Acceptance on held-out code ({h['prompts']} prompts, greedy, "
+                      f"{h['max_new_tokens']} new tokens)", "", "| tree | tau (bonus token included) |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in h["tau"].items()]
+        lines += ["", "### Calibration (EAGLE-2 §3.2, Figure 6): draft confidence vs acceptance rate", "",
+                  "![calibration](calibration.png)", "", "| confidence | nodes | accepted | rate |", "|---|---|---|---|"]
+        lines += [f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {_num(b['rate'])} |"
+                  for b in h["calibration"]]
+    lines += ["", f"Measured on: {card['machine']}.", ""]
+    return "\n".join(lines)
+
+
+def write_card(demo: Path, prompts: int = 12, max_new_tokens: int = 128) -> Path:
+    from specdec.bench.report import plot_calibration
+    from specdec.models import load_tokenizer
+
+    card = collect(demo)
+    if (demo / "target").is_dir() and (demo / "eagle").is_dir():
+        tok = load_tokenizer(demo / "target")
+        card["heldout"] = acceptance_on_heldout(demo, heldout_prompts(tok, prompts), max_new_tokens)
+        bins = card["heldout"]["calibration"]
+        plot_calibration({"bins": bins, "method": "eagle2, held-out code",
+                          "evaluated_nodes": sum(b["nodes"] for b in bins)}, demo / "calibration.png")
+    (demo / "card.json").write_text(json.dumps(card, indent=1))
+    out = demo / "MODEL_CARD.md"
+    out.write_text(render(card))
+    return out

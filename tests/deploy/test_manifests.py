@@ -25,11 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "deploy" / "docker"
 ROLES = ("verifier", "drafter", "orchestrator")
 GRPC_PORT = 50051
-# Flags the manifests pass that the CLI is still gaining: tensor parallelism
-# and the KV budget (issue 7), the drafter's device, discovery through the
-# headless Services (issue 6, routing). A flag listed here may be unknown to
-# the parser; every other flag must parse.
-PENDING_FLAGS = {"orchestrator": {"--verifier-dns", "--drafter-dns"}}
+# Flags the manifests pass that the CLI is still gaining (none now). A flag
+# listed here may be unknown to the parser; every other flag must parse.
+PENDING_FLAGS: dict[str, set[str]] = {}
 
 
 def _load_validate():

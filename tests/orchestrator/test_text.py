@@ -8,14 +8,14 @@ import pytest
 
 from orchestrator.text import REPLACEMENT, IncrementalDetokenizer, TextStream, TextTokenizer, validate_stop_strings
 from specdec.decoding import Decoding, StopCriteria
-from specdec.models import demo_path
 
 MIXED = "def f():  # 你好, wörld 🎉🚀 — ok\n    return '日本語' + \"ü\"\n"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return TextTokenizer.load(demo_path("target"))
+def tok(tiny_family):
+    """A byte-level BPE: characters outside its small vocabulary are split into byte tokens."""
+    return TextTokenizer.load(tiny_family["target"])
 
 
 def stream_all(tok, ids, stop=(), step=1):
@@ -38,10 +38,10 @@ def stream_all(tok, ids, stop=(), step=1):
     return chunks, dec, stream
 
 
-def test_tokenizer_matches_transformers(tok):
+def test_tokenizer_matches_transformers(tok, tiny_family):
     from specdec.models import load_tokenizer
 
-    hf = load_tokenizer(demo_path("target"))
+    hf = load_tokenizer(tiny_family["target"])
     for text in [MIXED, "x", "  leading spaces", "<|endoftext|> after eos"]:
         ids = hf(text, add_special_tokens=True)["input_ids"]
         assert tok.encode(text) == ids
@@ -49,8 +49,8 @@ def test_tokenizer_matches_transformers(tok):
     assert tok.eos_ids == {hf.eos_token_id}
 
 
-def test_eos_from_config_when_tokenizer_config_lacks_it(tmp_path):
-    shutil.copy(demo_path("target") / "tokenizer.json", tmp_path / "tokenizer.json")
+def test_eos_from_config_when_tokenizer_config_lacks_it(tiny_family, tmp_path):
+    shutil.copy(tiny_family["target"] / "tokenizer.json", tmp_path / "tokenizer.json")
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
     assert TextTokenizer.load(tmp_path).eos_ids == {0, 7}
     with pytest.raises(ValueError, match="no tokenizer.json"):

@@ -96,3 +96,23 @@ def test_corpus_split_is_deterministic():
     assert a.train == b.train and a.heldout == b.heldout
     assert all(is_heldout(p.relative_to(a.root).as_posix()) for p in a.heldout)
     assert 0.02 < len(a.heldout) / (len(a.train) + len(a.heldout)) < 0.1
+
+
+def test_model_card_is_measured_from_the_family(tiny_family, tmp_path, monkeypatch):
+    """`specdec train card` on a (tiny) family: numbers come from the models, plot is a PNG."""
+    import shutil
+
+    import specdec.train.card as card
+
+    for name in ("target", "eagle", "draft-lm"):
+        shutil.copytree(tiny_family[name], tmp_path / name)
+    monkeypatch.setattr(card, "heldout_prompts", lambda tok, n: [[5, 6, 7, 8], [9, 10, 11, 12]])
+    assert main(["train", "card", "--demo", str(tmp_path), "--max-new-tokens", "8"]) == 0
+    text = (tmp_path / "MODEL_CARD.md").read_text()
+    data = json.loads((tmp_path / "card.json").read_text())
+    assert data["step_costs"]["target_token_s"] > 0 and data["step_costs"]["head_step_1_s"] > 0
+    assert data["models"]["target"]["params"] == sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM
+                                                     .from_pretrained(tmp_path / "target").parameters())
+    assert sum(b["nodes"] for b in data["heldout"]["calibration"]) > 0
+    assert "| confidence | nodes | accepted | rate |" in text
+    assert (tmp_path / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,311 @@
+"""OrchestratorService: the public API (``Generate`` streams, ``Complete`` returns the whole).
+
+The servicer validates a request (INVALID_ARGUMENT naming the field),
+tokenizes it, runs ``orchestrator.loop.Generation`` on the verifier and
+drafter the ``orchestrator.routing.Router`` pins it to, and translates chunks
+and statistics into messages. It owns what the services must agree on:
+session ids (uuid4), seeds (one is drawn when the request has none, and sent
+to the verifier), tree knobs (request, else this server's defaults, clamped
+to the pinned drafter's limits) and the deadline, passed down as the timeout
+of every internal call. A client cancel or an expired deadline cancels the
+handler; the loop's ``finally`` releases both sessions.
+
+Readiness: ``connect`` returns once a verifier answers GetInfo (which it does
+only when loaded) and, if drafters are configured, a drafter too, or
+``DRAFTER_WAIT_S`` later without one (requests then run as plain decoding
+until a drafter shows up). From then on the router re-resolves and probes the
+backends in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from orchestrator.loop import TREE_KNOBS, Deadline, Generation, Job
+from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
+from orchestrator.text import Delta, TextStream, TextTokenizer
+from specdec import knobs, metrics
+from specdec.decoding import Decoding, StopCriteria
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.logs import request_id_var
+from specdec.server import ClientTls, Lifecycle, abort_from, status_code_of
+from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
+from specdec.wire import METHOD_FROM_PROTO, METHOD_TO_PROTO
+
+log = logging.getLogger("specdec.orchestrator")
+
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+DRAFTER_WAIT_S = 60.0          # readiness waits this long for a drafter once a verifier answers
+
+
+@dataclass(frozen=True)
+class TreeDefaults:
+    """Knobs a request leaves at 0 (``specdec.knobs``, shared with ``specdec.tree.TreeConfig``)."""
+
+    method: str = knobs.DEFAULT_METHOD
+    total_tokens: int = knobs.DEFAULT_TOTAL_TOKENS
+    depth: int = knobs.DEFAULT_DEPTH
+    expand_k: int = knobs.DEFAULT_EXPAND_K
+
+    def __post_init__(self):
+        if self.method not in METHOD_TO_PROTO or self.method == "vanilla":
+            raise ValueError(f"default tree method must be one of "
+                             f"{', '.join(m for m in METHOD_TO_PROTO if m != 'vanilla')}, got {self.method!r}")
+        for name in TREE_KNOBS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"default {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Backends: static HOST:PORT lists (a string may hold several, comma-separated)
+    and / or the DNS names (HOST:PORT) of headless Services, re-resolved every
+    ``resolve_interval_s``. No drafter at all: plain decoding on the verifiers."""
+
+    verifier: str | tuple[str, ...] = ()
+    drafter: str | tuple[str, ...] | None = None
+    verifier_dns: str | None = None
+    drafter_dns: str | None = None
+    resolve_interval_s: float = 10.0
+    probe_interval_s: float = 2.0                  # GetInfo on every backend (health, capacity)
+    tree: TreeDefaults = field(default_factory=TreeDefaults)
+    default_max_new_tokens: int = 128              # for requests that leave it at 0
+    max_new_tokens_limit: int = 2048
+    backend_tls: ClientTls | None = None
+    backend_token: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "verifier", parse_addresses(self.verifier))
+        object.__setattr__(self, "drafter", parse_addresses(self.drafter))
+        for name in ("verifier_dns", "drafter_dns"):
+            value = getattr(self, name) or None
+            if value is not None:
+                split_address(value)
+            object.__setattr__(self, name, value)
+        if not self.verifier and not self.verifier_dns:
+            raise ValueError("no verifier: give at least one verifier address or a verifier DNS name")
+        for name in ("resolve_interval_s", "probe_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', ' ')} must be > 0, got {getattr(self, name)}")
+        if self.max_new_tokens_limit < 1:
+            raise ValueError(f"max_new_tokens limit must be >= 1, got {self.max_new_tokens_limit}")
+        if self.default_max_new_tokens < 1:
+            raise ValueError(f"default max_new_tokens must be >= 1, got {self.default_max_new_tokens}")
+
+    @property
+    def verifiers(self) -> Discovery:
+        return Discovery(self.verifier, self.verifier_dns)
+
+    @property
+    def drafters(self) -> Discovery:
+        return Discovery(self.drafter, self.drafter_dns)
+
+
+class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    role = "orchestrator"
+
+    def __init__(self, config: OrchestratorConfig, tokenizer: TextTokenizer, resolver: Resolver = resolve_dns):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.resolver = resolver             # DNS lookups (HOST, PORT) -> [HOST:PORT]
+        self.lifecycle = Lifecycle()
+        self.lifecycle.busy = lambda: self.active > 0
+        self.active = 0
+        self.stats = metrics.SessionStats(self.role)
+        self.router: Router | None = None
+        self.verifier_info: verifier_pb2.VerifierGetInfoResponse | None = None
+
+    def registration(self) -> tuple[Callable, object, str]:
+        return orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server, self, SERVICE_NAME
+
+    # -- backends -------------------------------------------------------------------------
+    async def connect(self, retry_s: float = 0.5, drafter_wait_s: float = DRAFTER_WAIT_S) -> None:
+        """Wait until a verifier (and a drafter, for up to ``drafter_wait_s``)
+        answers GetInfo, check the tokenizer fits, keep the backends current."""
+        cfg = self.config
+        router = Router(cfg.verifiers, cfg.drafters, cfg.backend_tls, cfg.backend_token,
+                        cfg.resolve_interval_s, cfg.probe_interval_s, self.resolver)
+        self.router = router
+        waiting_since = time.monotonic()
+        last_note = 0.0
+        while True:
+            await router.refresh()
+            waited = time.monotonic() - waiting_since
+            verifiers = router.verifiers.usable()
+            drafters_missing = cfg.drafters.configured and not router.drafters.usable()
+            drafters = list(router.drafters.endpoints.values())
+            misfits = [e for e in drafters if e.problem]
+            if verifiers and drafters_missing and misfits and len(misfits) == len(drafters):
+                raise ValueError(f"drafter at {misfits[0].address} has a {misfits[0].problem}")
+            if verifiers and not (drafters_missing and waited < drafter_wait_s):
+                break
+            if waited - last_note >= 10.0 or last_note == 0.0:
+                last_note = max(waited, 1e-9)
+                log.info("waiting for backends", extra={"verifiers": cfg.verifiers.describe(),
+                                                        "drafters": cfg.drafters.describe(),
+                                                        "waiting_for": "a drafter" if verifiers else "a verifier"})
+            await asyncio.sleep(retry_s)
+        vinfo = verifiers[0].info
+        if self.tokenizer.vocab_size > vinfo.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the verifier's "
+                             f"vocabulary of {vinfo.vocab_size}")
+        if drafters_missing:
+            log.warning("no drafter answered: plain decoding until one does",
+                        extra={"drafters": cfg.drafters.describe()})
+        self.verifier_info = vinfo
+        router.start()
+        log.info("backends ready", extra={
+            "model": vinfo.model, "verifiers": [e.address for e in verifiers],
+            "drafters": [e.address for e in router.drafters.usable()]})
+
+    async def aclose(self) -> None:
+        if self.router is not None:
+            await self.router.aclose()
+        self.stats.close()
+
+    # -- RPCs -----------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        async def emit(delta: Delta) -> None:
+            await context.write(orchestrator_pb2.GenerateResponse(
+                chunk=orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)))
+
+        gen, stats = await self._serve(request, context, emit)
+        await context.write(orchestrator_pb2.GenerateResponse(final=stats))
+
+    async def Complete(self, request, context):
+        async def emit(delta: Delta) -> None:
+            return None
+
+        gen, stats = await self._serve(request.request, context, emit)
+        return orchestrator_pb2.CompleteResponse(text=gen.text.text, token_ids=gen.dec.tokens, stats=stats)
+
+    async def _serve(self, request, context, emit: Callable[[Delta], Awaitable[None]]):
+        if request.request_id:
+            request_id_var.set(request.request_id)
+        start = time.perf_counter()
+        status = "OK"
+        gen = None
+        self.active += 1
+        self.stats.update(self.active)
+        try:
+            if self.verifier_info is None:
+                raise Unavailable("not ready: waiting for a verifier")
+            self.lifecycle.check(opens_session=True)
+            gen = self._prepare(request, Deadline(context.time_remaining()))
+            await gen.run(emit)
+            gen.dec.finish()
+            return gen, self._stats(gen)
+        except asyncio.CancelledError:
+            status = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
+            raise
+        except Exception as exc:
+            status = status_code_of(exc).name
+            await abort_from(context, exc)
+        finally:
+            self.active -= 1
+            self.stats.update(self.active)
+            metrics.REQUESTS.labels(status).inc()
+            metrics.REQUEST_DURATION.observe(time.perf_counter() - start)
+            if gen is not None:
+                self._count(gen, status)
+
+    # -- requests -------------------------------------------------------------------------
+    def _prepare(self, request, deadline: Deadline) -> Generation:
+        """Validate and tokenize; INVALID_ARGUMENT names the field."""
+        if not request.prompt:
+            raise InvalidArgument("prompt must not be empty")
+        max_new = self._max_new_tokens(request.max_new_tokens)
+        sampling = _sampling(request.sampling)
+        tree = self._tree(request.tree)
+        try:
+            text = TextStream(self.tokenizer, list(request.stop))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        prompt_ids = self.tokenizer.encode(request.prompt)
+        if not prompt_ids:
+            raise InvalidArgument("prompt encodes to no tokens")
+        context = self.verifier_info.max_positions
+        if len(prompt_ids) + max_new > context:
+            raise InvalidArgument(f"prompt is too long: {len(prompt_ids)} tokens + max_new_tokens {max_new} "
+                                  f"exceed the model's context of {context} tokens")
+        stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
+        job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
+                  tree=tree)
+        log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
+                                      "max_new_tokens": max_new, "seed": sampling.seed,
+                                      "method": METHOD_FROM_PROTO[tree.method] if tree else "vanilla"})
+        return Generation(self.router, job, Decoding(stop), text, deadline)
+
+    def _max_new_tokens(self, value: int) -> int:
+        limit = self.config.max_new_tokens_limit
+        if value < 0:
+            raise InvalidArgument(f"max_new_tokens must be >= 0 (0 = server default), got {value}")
+        if value > limit:
+            raise InvalidArgument(f"max_new_tokens must be <= {limit}, got {value}")
+        return value or min(self.config.default_max_new_tokens, limit)
+
+    def _tree(self, msg: common_pb2.TreeParams) -> common_pb2.TreeParams | None:
+        """Explicit knobs for a drafter (the loop clamps them to the one it pins), or None
+        for root-only trees."""
+        if msg.method != common_pb2.TREE_METHOD_UNSPECIFIED and msg.method not in METHOD_FROM_PROTO:
+            raise InvalidArgument(f"tree.method {msg.method} is not a known TreeMethod")
+        for name in TREE_KNOBS:
+            if getattr(msg, name) < 0:
+                raise InvalidArgument(f"tree.{name} must be >= 0 (0 = server default), got {getattr(msg, name)}")
+        if msg.method == common_pb2.TREE_METHOD_VANILLA or not self.config.drafters.configured:
+            return None
+        defaults = self.config.tree
+        method = METHOD_TO_PROTO[defaults.method] if msg.method == common_pb2.TREE_METHOD_UNSPECIFIED else msg.method
+        values = {name: getattr(msg, name) or getattr(defaults, name) for name in TREE_KNOBS}
+        return common_pb2.TreeParams(method=method, **values)
+
+    # -- results --------------------------------------------------------------------------
+    def _stats(self, gen: Generation) -> orchestrator_pb2.GenerationStats:
+        s = gen.dec.stats
+        return orchestrator_pb2.GenerationStats(
+            prompt_tokens=len(gen.job.prompt_ids), completion_tokens=len(gen.dec.tokens), cycles=s.cycles,
+            tau=s.tau, accepted_per_position=s.accepted_per_position, draft_tokens=s.drafted,
+            accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s,
+            finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), **gen.timing())
+
+    @staticmethod
+    def _count(gen: Generation, status: str) -> None:
+        s = gen.dec.stats
+        metrics.DRAFTS.inc(gen.drafts)
+        metrics.DRAFT_TOKENS.inc(s.drafted)
+        metrics.ACCEPTED_TOKENS.inc(s.accepted)
+        for position, cycles in enumerate(s.accepted_per_position, 1):
+            metrics.ACCEPTED_PER_POSITION.labels(str(position)).inc(cycles)
+        log.info("generation done", extra={
+            "session": gen.job.session_id, "status": status, "tokens": len(gen.dec.tokens), "cycles": s.cycles,
+            "tau": round(s.tau, 3), "finish_reason": gen.dec.finish_reason, "wall_s": round(s.wall_s, 4),
+            "verifier": gen.verifier.address if gen.verifier else None,
+            "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
+
+
+def _sampling(msg: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """Checked sampling parameters with top_p 0 read as 1 and a seed always set."""
+    if not msg.temperature >= 0 or math.isinf(msg.temperature):
+        raise InvalidArgument(f"sampling.temperature must be >= 0 and finite, got {msg.temperature}")
+    top_p = msg.top_p or 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 = unset), got {msg.top_p}")
+    if msg.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {msg.top_k}")
+    seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
+    return common_pb2.SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=seed)
+
+
+def _expired(context) -> bool:
+    try:
+        left = context.time_remaining()
+    except Exception:
+        return False
+    return left is not None and left <= 0

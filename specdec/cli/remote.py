@@ -1,0 +1,66 @@
+"""``specdec generate --server HOST:PORT``: the same prompts, flags and output as
+``--local``, through an orchestrator with the client SDK.
+
+The server decides the models; the model flags of ``generate`` are accepted
+and ignored here. Every failure (bad input, unreachable server, a deadline)
+is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of ``generate`` that only matter with ``--server``."""
+    g = p.add_argument_group("server calls (--server)")
+    g.add_argument("--token", default=os.environ.get("SPECDEC_TOKEN") or None,
+                   help="bearer token of the orchestrator (env SPECDEC_TOKEN)")
+    g.add_argument("--tls-ca", default=os.environ.get("SPECDEC_TLS_CA") or None,
+                   help="CA bundle (PEM) to call the orchestrator over TLS (env SPECDEC_TLS_CA)")
+    g.add_argument("--timeout", type=float, default=None, help="deadline of each request, seconds")
+
+
+def _request_params(args, params, tree_cfg) -> dict:
+    out = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+               top_k=params.top_k, seed=params.seed)
+    if tree_cfg is None:
+        out["method"] = "vanilla"
+    else:
+        out.update(method=tree_cfg.method, total_tokens=tree_cfg.total_tokens, depth=tree_cfg.depth,
+                   expand_k=tree_cfg.expand_k)
+    return out
+
+
+def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
+    from specdec.cli.generate import result_record
+    from specdec.cli.main import CliError
+    from specdec.client import SpecdecClient, SpecdecClientError
+
+    request = _request_params(args, params, tree_cfg)
+    tls = getattr(args, "tls_ca", None)
+    with SpecdecClient(args.server, token=getattr(args, "token", None), tls=tls,
+                       timeout=getattr(args, "timeout", None)) as client:
+        for prompt in prompts:
+            if not prompt:
+                raise CliError("prompt must not be empty")
+            try:
+                if args.json:
+                    result = client.complete(prompt, **request)
+                    print(json.dumps(result_record(result.token_ids, result.text, result.stats)), flush=True)
+                    continue
+                stream = client.generate(prompt, **request)
+                sys.stdout.write(prompt)
+                for chunk in stream:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                print(flush=True)
+            except SpecdecClientError as exc:
+                raise CliError(f"{args.server}: {exc}") from None
+            s = stream.stats
+            print(f"[{s.completion_tokens} tokens, {s.cycles} cycles, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s]",
+                  file=sys.stderr)
+    return 0

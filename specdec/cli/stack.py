@@ -1,0 +1,460 @@
+"""``specdec orchestrator serve`` and ``specdec up`` (the whole stack on one machine).
+
+``specdec orchestrator serve --verifier HOST:PORT [--drafter HOST:PORT]``
+serves the public API. Backends come from static lists (``--verifier`` and
+``--drafter``, repeatable or comma-separated; SPECDEC_VERIFIER /
+SPECDEC_DRAFTER) and / or the DNS names of headless Services
+(``--verifier-dns HOST:PORT``, ``--drafter-dns HOST:PORT``; re-resolved every
+``--resolve-interval-s``, probed every ``--probe-interval-s``); see
+``orchestrator.routing``. Server flags as in ``specdec.cli.serve`` (--host,
+--port, --metrics-port, --auth-token, --tls-*, --drain-s, --log-level,
+--ready-file, with their SPECDEC_* variables); calls to the backends use
+--backend-ca / --backend-cert / --backend-key (mutual TLS) and
+--backend-token (SPECDEC_BACKEND_TOKEN). Readiness comes once a verifier
+answers (and a drafter, if any is configured, or a minute later).
+
+``python -m specdec.cli.stack orchestrator serve ...`` is the same command
+without the rest of the CLI, so the orchestrator process never imports torch
+(``specdec up`` starts it that way).
+
+``specdec up`` starts ``--verifiers M`` verifiers, ``--drafters N`` drafters
+(default one each) and an orchestrator pointed at all of them, as processes
+on 127.0.0.1 (internal ports chosen free), waits until all report SERVING,
+prints one line saying where they are (and writes ``--state FILE``: JSON with
+the orchestrator's address and each backend's address and pid), and stops
+them all on Ctrl-C / SIGTERM. A child that dies while starting ends ``up``
+(exit status 1, naming it); once running, a verifier or drafter that dies is
+only reported, since the orchestrator fails over to the others: only the
+orchestrator dying ends ``up`` (status 1). ``--demo-generation`` streams one
+generation through the SDK once ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.service import TreeDefaults
+from specdec.cli.serve import add_server_flags, server_config_from
+from specdec.wire import METHOD_TO_PROTO
+
+ORCHESTRATOR_PORTS = (50051, 9451)    # (gRPC, metrics) defaults
+DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+TREE_METHODS = tuple(m for m in METHOD_TO_PROTO if m != "vanilla")
+
+
+def _env(name: str, default=None):
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+# -- specdec orchestrator serve ------------------------------------------------------------
+def add_parsers(sub) -> None:
+    add_orchestrator_parser(sub)
+    u = sub.add_parser("up", help="verifier + drafter + orchestrator on this machine, one command")
+    add_up_flags(u)
+    u.set_defaults(run=run_up)
+
+
+def add_orchestrator_parser(sub) -> None:
+    o = sub.add_parser("orchestrator", help="the orchestrator service (public API)")
+    p = o.add_subparsers(dest="orchestrator_command", required=True).add_parser(
+        "serve", help="serve OrchestratorService over gRPC")
+    d = p.add_argument_group("backends (static lists and / or headless-Service DNS names; see orchestrator.routing)")
+    d.add_argument("--verifier", metavar="HOST:PORT", action="append",
+                   help="verifier service; repeat or comma-separate for several (env SPECDEC_VERIFIER, "
+                        "comma-separated); required unless --verifier-dns is given")
+    d.add_argument("--drafter", metavar="HOST:PORT", action="append",
+                   help="drafter service; repeat or comma-separate for several (env SPECDEC_DRAFTER); "
+                        "none: plain decoding on the verifiers")
+    d.add_argument("--verifier-dns", metavar="HOST:PORT", default=_env("SPECDEC_VERIFIER_DNS"),
+                   help="DNS name of the verifiers' headless Service: every address it resolves to "
+                        "(env SPECDEC_VERIFIER_DNS)")
+    d.add_argument("--drafter-dns", metavar="HOST:PORT", default=_env("SPECDEC_DRAFTER_DNS"),
+                   help="DNS name of the drafters' headless Service (env SPECDEC_DRAFTER_DNS)")
+    d.add_argument("--resolve-interval-s", type=float, metavar="S", default=_env("SPECDEC_RESOLVE_INTERVAL_S", 10.0),
+                   help="resolve the DNS names again this often; vanished addresses are drained "
+                        "(env SPECDEC_RESOLVE_INTERVAL_S; default 10)")
+    d.add_argument("--probe-interval-s", type=float, metavar="S", default=_env("SPECDEC_PROBE_INTERVAL_S", 2.0),
+                   help="ask every backend for GetInfo (health, capacity) this often "
+                        "(env SPECDEC_PROBE_INTERVAL_S; default 2)")
+    p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the demo target)")
+    t = p.add_argument_group("defaults of a request's 0 / unset knobs (clamped to the drafter's limits)")
+    t.add_argument("--method", default=TreeDefaults.method, choices=TREE_METHODS)
+    t.add_argument("--total-tokens", type=int, default=TreeDefaults.total_tokens)
+    t.add_argument("--depth", type=int, default=TreeDefaults.depth)
+    t.add_argument("--expand-k", type=int, default=TreeDefaults.expand_k)
+    t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--max-new-tokens-limit", type=int, default=2048, help="larger requests: INVALID_ARGUMENT")
+    b = p.add_argument_group("calls to the backends")
+    b.add_argument("--backend-ca", default=_env("SPECDEC_BACKEND_CA"), help="CA of the backends' certificates (TLS)")
+    b.add_argument("--backend-cert", default=_env("SPECDEC_BACKEND_CERT"), help="client certificate (mutual TLS)")
+    b.add_argument("--backend-key", default=_env("SPECDEC_BACKEND_KEY"), help="client key (mutual TLS)")
+    b.add_argument("--backend-token", default=_env("SPECDEC_BACKEND_TOKEN"), help="bearer token for the backends")
+    add_server_flags(p, *ORCHESTRATOR_PORTS)
+    p.set_defaults(run=run_orchestrator)
+
+
+def orchestrator_config(args):
+    from orchestrator.routing import parse_addresses, split_address
+    from orchestrator.service import OrchestratorConfig
+    from specdec.cli.main import CliError
+    from specdec.server import ClientTls
+
+    try:
+        verifiers = parse_addresses(args.verifier or _env("SPECDEC_VERIFIER"))
+        drafters = parse_addresses(args.drafter or _env("SPECDEC_DRAFTER"))
+        for flag in ("verifier_dns", "drafter_dns"):
+            if getattr(args, flag):
+                split_address(getattr(args, flag))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not verifiers and not args.verifier_dns:
+        raise CliError("--verifier HOST:PORT or --verifier-dns HOST:PORT is required "
+                       "(or SPECDEC_VERIFIER / SPECDEC_VERIFIER_DNS)")
+    for flag in ("resolve_interval_s", "probe_interval_s"):
+        if not getattr(args, flag) > 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    tls = None
+    if args.backend_ca or args.backend_cert or args.backend_key:
+        tls = ClientTls(ca=args.backend_ca, cert=args.backend_cert, key=args.backend_key)
+    tree = TreeDefaults(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
+                        expand_k=args.expand_k)
+    return OrchestratorConfig(verifier=verifiers, drafter=drafters, verifier_dns=args.verifier_dns or None,
+                              drafter_dns=args.drafter_dns or None, resolve_interval_s=args.resolve_interval_s,
+                              probe_interval_s=args.probe_interval_s, tree=tree,
+                              default_max_new_tokens=args.max_new_tokens,
+                              max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
+                              backend_token=args.backend_token)
+
+
+def run_orchestrator(args) -> int:
+    from orchestrator.service import OrchestratorService
+    from orchestrator.text import TextTokenizer
+    from specdec.cli.main import CliError
+    from specdec.models import demo_path
+    from specdec.server import configure_logging
+
+    config = orchestrator_config(args)
+    cfg = server_config_from(args)
+    tokenizer = TextTokenizer.load(args.tokenizer or demo_path("target"))
+    configure_logging("orchestrator", args.log_level)
+    servicer = OrchestratorService(config, tokenizer)
+    try:
+        asyncio.run(_serve_orchestrator(cfg, servicer, args.ready_file))
+    except OSError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
+async def _serve_orchestrator(cfg, servicer, ready_file: str | None) -> None:
+    """Listen at once, go ready when the backends answer; a SIGTERM while
+    waiting for them stops the server too."""
+    from specdec.server import install_signal_drain, start_server
+
+    server = await start_server(cfg, [servicer.registration()], "orchestrator")
+    record = server.listening_record()
+    print(json.dumps(record), flush=True)
+    install_signal_drain(server, cfg.drain_s)
+    connect = asyncio.create_task(servicer.connect())
+    stopped = asyncio.create_task(server.wait())
+    await asyncio.wait([connect, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if not connect.done():
+        connect.cancel()
+        return
+    if connect.exception() is not None:
+        await server.stop(None)
+        raise connect.exception()
+    if not server.stopping:
+        server.set_ready(True)
+        if ready_file:
+            tmp = Path(f"{ready_file}.tmp")
+            tmp.write_text(json.dumps(record) + "\n")
+            tmp.replace(ready_file)
+    await stopped
+
+
+# -- specdec up ----------------------------------------------------------------------------
+def add_up_flags(p: argparse.ArgumentParser) -> None:
+    from specdec.cli.generate import add_model_flags
+
+    p.add_argument("--port", type=int, default=ORCHESTRATOR_PORTS[0], help="orchestrator port (0 = any free port)")
+    p.add_argument("--metrics-port", default="0", help="orchestrator metrics port (0 = any free port, 'off')")
+    add_model_flags(p)
+    p.add_argument("--method", default=TreeDefaults.method, choices=("vanilla",) + TREE_METHODS,
+                   help="default tree method (vanilla: no drafter process)")
+    p.add_argument("--demo-generation", action="store_true",
+                   help="once ready, stream one generation of a built-in prompt with its stats")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo generation")
+    p.add_argument("--demo-max-new-tokens", type=int, default=128)
+    p.add_argument("--verifiers", type=int, default=1, metavar="M", help="verifier processes (default 1)")
+    p.add_argument("--drafters", type=int, default=1, metavar="N",
+                   help="drafter processes (default 1; 0 or --method vanilla: none, plain decoding)")
+    p.add_argument("--state", metavar="FILE",
+                   help="once all are ready, write JSON {orchestrator, drafters: [{addr, pid}], verifiers: [...]} "
+                        "here (removed on exit)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all to be ready")
+    p.add_argument("--log-level", default="WARNING", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level of the services")
+
+
+class ChildDied(Exception):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    port: int | None = None
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _spawn(name: str, argv: list[str], module: str = "specdec.cli.main") -> Child:
+    cmd = [sys.executable, "-m", module, *argv]
+    # A session of its own: Ctrl-C reaches `up`, which stops the children in order.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    child = Child(name, proc)
+    threading.Thread(target=_read_stdout, args=(child,), daemon=True).start()
+    return child
+
+
+def _read_stdout(child: Child) -> None:
+    for line in child.proc.stdout:
+        child.lines.append(line)
+        if child.port is None:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("event") == "listening":
+                child.port = int(record["port"])
+
+
+def _check_alive(children: list[Child]) -> None:
+    for child in children:
+        code = child.proc.poll()
+        if code is not None:
+            raise ChildDied(f"the {child.name} exited with status {code}")
+
+
+def _names(role: str, count: int) -> list[str]:
+    return [role] if count == 1 else [f"{role}-{i}" for i in range(1, count + 1)]
+
+
+def _write_state(path: str, orchestrator: Child, verifiers: list[Child], drafters: list[Child]) -> None:
+    def entries(children):
+        return [{"addr": c.address, "pid": c.proc.pid} for c in children]
+
+    state = {"orchestrator": orchestrator.address, "drafters": entries(drafters), "verifiers": entries(verifiers)}
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(state) + "\n")
+    tmp.replace(path)
+
+
+def _watch(orchestrator: Child, backends: list[Child]) -> None:
+    """Until the orchestrator dies (ChildDied): report each backend that dies, once."""
+    def role(child: Child) -> str:
+        return child.name.split("-")[0]
+
+    reported: set[str] = set()
+    while True:
+        _check_alive([orchestrator])
+        for child in backends:
+            code = child.proc.poll()
+            if code is None or child.name in reported:
+                continue
+            reported.add(child.name)
+            left = sum(1 for c in backends if role(c) == role(child) and c.proc.poll() is None)
+            print(f"specdec up: the {child.name} (pid {child.proc.pid}) exited with status {code}; "
+                  f"{left} {role(child)}(s) left, going on", file=sys.stderr, flush=True)
+        time.sleep(0.2)
+
+
+def _wait_listening(children: list[Child], deadline: float) -> None:
+    while any(c.port is None for c in children):
+        _check_alive(children)
+        if time.monotonic() > deadline:
+            raise ChildDied("timed out waiting for " + ", ".join(c.name for c in children if c.port is None))
+        time.sleep(0.05)
+
+
+def _wait_serving(children: list[Child], deadline: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    pending = list(children)
+    channels = {c.name: grpc.insecure_channel(c.address) for c in children}
+    try:
+        while pending:
+            _check_alive(children)
+            if time.monotonic() > deadline:
+                raise ChildDied("timed out waiting for " + ", ".join(c.name for c in pending) + " to be ready")
+            for child in list(pending):
+                stub = health_pb2_grpc.HealthStub(channels[child.name])
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1.0).status
+                except grpc.RpcError:
+                    continue
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    pending.remove(child)
+            time.sleep(0.1)
+    finally:
+        for channel in channels.values():
+            channel.close()
+
+
+def _stop(children: list[Child], timeout: float = 10.0) -> None:
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for child in children:
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
+    """Flags for the verifier, for the drafter (None: no drafter) and the tokenizer directory."""
+    from specdec.models import demo_path
+
+    target = _model_dir(args.target or str(demo_path("target")), "target model")
+    verifier = ["--target", target, "--dtype", args.dtype]
+    if args.method == "vanilla":
+        drafter = None
+    elif args.ngram:
+        drafter = ["--ngram", "--target", target]
+    elif args.draft_lm:
+        drafter = ["--draft-lm", _model_dir(args.draft_lm, "draft LM"), "--dtype", args.dtype]
+    else:
+        eagle = _model_dir(args.eagle or str(demo_path("eagle")), "EAGLE head")
+        drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype]
+    return verifier, drafter, target
+
+
+def _model_dir(path: str, what: str) -> str:
+    from specdec.cli.main import CliError
+
+    if not Path(path, "config.json").is_file():
+        raise CliError(f"{what} directory {path} has no config.json")
+    return path
+
+
+def run_up(args) -> int:
+    from specdec.cli.main import CliError
+
+    if args.demo_max_new_tokens < 1:
+        raise CliError(f"--demo-max-new-tokens must be >= 1, got {args.demo_max_new_tokens}")
+    if args.verifiers < 1:
+        raise CliError(f"--verifiers must be >= 1, got {args.verifiers}")
+    if args.drafters < 0:
+        raise CliError(f"--drafters must be >= 0, got {args.drafters}")
+    verifier_argv, drafter_argv, tokenizer = _model_argv(args)
+    if args.drafters == 0:
+        drafter_argv = None
+    internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-s", "2",
+                "--log-level", args.log_level]
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    if args.state:
+        Path(args.state).unlink(missing_ok=True)      # a stale file must not pass for this stack's
+    children: list[Child] = []
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        verifiers = [_spawn(name, ["verifier", "serve", *verifier_argv, *internal])
+                     for name in _names("verifier", args.verifiers)]
+        drafters = [] if drafter_argv is None else [
+            _spawn(name, ["drafter", "serve", *drafter_argv, *internal]) for name in _names("drafter", args.drafters)]
+        children += verifiers + drafters
+        _wait_listening(children, deadline)
+        orch_argv = ["orchestrator", "serve", "--verifier", ",".join(c.address for c in verifiers),
+                     "--tokenizer", tokenizer, "--host", "127.0.0.1", "--port", str(args.port),
+                     "--metrics-port", str(args.metrics_port), "--drain-s", "2", "--log-level", args.log_level]
+        if drafters:
+            orch_argv += ["--drafter", ",".join(c.address for c in drafters), "--method", args.method]
+        orchestrator = _spawn("orchestrator", orch_argv, module="specdec.cli.stack")
+        children.append(orchestrator)
+        _wait_listening(children, deadline)
+        _wait_serving(children, deadline)
+        if args.state:
+            _write_state(args.state, orchestrator, verifiers, drafters)
+        where = ", ".join(f"{c.name} {c.address}" for c in verifiers + drafters)
+        print(f"specdec up: orchestrator on {orchestrator.address} ({where})", flush=True)
+        if args.demo_generation:
+            _demo(orchestrator.address, args.demo_max_new_tokens)
+            if args.exit_after_demo:
+                return 0
+        _watch(orchestrator, verifiers + drafters)
+    except ChildDied as exc:
+        print(f"specdec up: {exc}; stopping the others", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("specdec up: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        _stop(children)
+        signal.signal(signal.SIGTERM, previous)
+        if args.state:
+            Path(args.state).unlink(missing_ok=True)
+    return 0
+
+
+def _demo(address: str, max_new_tokens: int) -> None:
+    from specdec.cli.main import CliError
+    from specdec.client import SpecdecClient, SpecdecClientError
+
+    with SpecdecClient(address, timeout=120.0) as client:
+        try:
+            stream = client.generate(DEMO_PROMPT, max_new_tokens=max_new_tokens)
+            sys.stdout.write(DEMO_PROMPT)
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except SpecdecClientError as exc:
+            raise CliError(f"demo generation failed: {exc}") from None
+    s = stream.stats
+    print(f"\n[{s.completion_tokens} tokens in {s.cycles} cycles, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
+          f"ttft {s.ttft_s * 1e3:.0f} ms; time split: draft {s.draft_s:.3f}s, verify {s.verify_s:.3f}s, "
+          f"network {s.network_s:.3f}s, other {s.other_s:.3f}s; finish: {s.finish_reason}]", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdec.cli.stack orchestrator serve ...``: errors as in ``specdec``."""
+    from specdec.cli.main import CliError
+    from specdec.errors import SpecdecError
+
+    parser = argparse.ArgumentParser(prog="specdec")
+    add_orchestrator_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (CliError, SpecdecError, ValueError, FileNotFoundError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"specdec: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The client SDK against real servers: sync and async, cancellation by
+closing or leaving a stream, retries before a stream starts, deadlines,
+typed errors, TLS; and no torch in the SDK or the orchestrator."""
+
+import asyncio
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from running_stack import Stack
+from specdec.client import (
+    AsyncSpecdecClient,
+    SpecdecClient,
+    SpecdecClientError,
+    SpecdecDeadlineExceeded,
+    SpecdecInvalidArgument,
+    SpecdecUnavailable,
+)
+from specdec.metrics import REGISTRY
+
+PROMPT = "class Point:"
+BACKENDS = ("verifier", "drafter")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    s = Stack(tiny_family)
+    s.add_verifier("verifier")
+    s.add_drafter("drafter", "eagle")
+    s.add_orchestrator("orchestrator", drafter="drafter")
+    s.add_orchestrator("waiting", verifier="127.0.0.1:1", connect=False)   # never ready: UNAVAILABLE
+    yield s
+    s.close()
+
+
+def unavailable_calls(method: str, at_least: float = 0.0) -> float:
+    """UNAVAILABLE answers the orchestrator counted (the count lands just after the answer)."""
+    labels = {"service": "specdec.v1.OrchestratorService", "method": method, "code": "UNAVAILABLE"}
+    deadline = time.monotonic() + 2.0
+    while True:
+        value = REGISTRY.get_sample_value("specdec_rpcs_total", labels) or 0.0
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.01)
+
+
+def test_sync_and_async_give_the_same_result(stack):
+    address = stack.address("orchestrator")
+    with SpecdecClient(address) as client:
+        whole = client.complete(PROMPT, max_new_tokens=20)
+        stream = client.generate(PROMPT, max_new_tokens=20)
+        chunks = list(stream)
+
+    async def run_async():
+        async with AsyncSpecdecClient(address) as client:
+            result = await client.complete(PROMPT, max_new_tokens=20)
+            stream = client.generate(PROMPT, max_new_tokens=20)
+            got = [chunk async for chunk in stream]
+            return result, stream, got
+
+    a_whole, a_stream, a_chunks = asyncio.run(run_async())
+    assert len(whole.token_ids) == 20 and whole.stats.completion_tokens == 20
+    for result in (a_whole,):
+        assert (result.token_ids, result.text) == (whole.token_ids, whole.text)
+    for s, got in ((stream, chunks), (a_stream, a_chunks)):
+        assert [t for c in got for t in c.token_ids] == whole.token_ids == s.token_ids
+        assert "".join(c.text for c in got) == whole.text == s.text
+        assert s.stats.completion_tokens == 20 and s.stats.cycles == whole.stats.cycles
+
+
+def test_closing_a_stream_cancels_the_call(stack):
+    with SpecdecClient(stack.address("orchestrator")) as client:
+        stream = client.generate(PROMPT, max_new_tokens=400)
+        next(stream)
+        stream.close()
+        assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+        assert list(stream) == [] and stream.stats is None
+
+        for _ in client.generate(PROMPT, max_new_tokens=400):
+            break                                   # dropping the iterator cancels too
+        assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+
+        with client.generate(PROMPT, max_new_tokens=400) as stream:
+            next(stream)
+        assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+
+
+def test_async_stream_aclose_cancels_the_call(stack):
+    async def run():
+        async with AsyncSpecdecClient(stack.address("orchestrator")) as client:
+            stream = client.generate(PROMPT, max_new_tokens=400)
+            async for _ in stream:
+                break
+            assert stack.wait_sessions(*BACKENDS, count=1) == {"verifier": 1, "drafter": 1}
+            await stream.aclose()
+            return stack.wait_sessions_closed(*BACKENDS, timeout=1.0)
+
+    assert asyncio.run(run()) == {"verifier": 0, "drafter": 0}
+
+
+def test_retries_unavailable_before_the_stream_starts(stack):
+    address = stack.address("waiting")
+    for retries in (0, 2):
+        with SpecdecClient(address, retries=retries, backoff_s=0.05) as client:
+            for method, call in (("Generate", lambda: list(client.generate("x"))),
+                                 ("Complete", lambda: client.complete("x"))):
+                before = unavailable_calls(method)
+                t0 = time.monotonic()
+                with pytest.raises(SpecdecUnavailable) as err:
+                    call()
+                assert unavailable_calls(method, before + retries + 1) - before == retries + 1
+                assert time.monotonic() - t0 >= 0.05 * (2 ** retries - 1)   # backoff 0.05, 0.1
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.details
+
+    async def run_async():
+        async with AsyncSpecdecClient(address, retries=1, backoff_s=0.01) as client:
+            before = unavailable_calls("Generate")
+            with pytest.raises(SpecdecUnavailable):
+                async for _ in client.generate("x"):
+                    pass
+            assert unavailable_calls("Generate", before + 2) - before == 2
+            with pytest.raises(SpecdecUnavailable):
+                await client.complete("x")
+
+    asyncio.run(run_async())
+
+
+def test_retries_stop_at_the_deadline(stack):
+    with SpecdecClient(stack.address("waiting"), retries=100, backoff_s=0.05) as client:
+        t0 = time.monotonic()
+        with pytest.raises(SpecdecClientError) as err:
+            client.complete("x", timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+        assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_timeouts_are_grpc_deadlines(stack):
+    with SpecdecClient(stack.address("orchestrator"), timeout=0.3) as client:
+        with pytest.raises(SpecdecDeadlineExceeded):
+            client.complete(PROMPT, max_new_tokens=400)
+        assert client.complete(PROMPT, max_new_tokens=2, timeout=30).stats.completion_tokens == 2
+
+    async def run_async():
+        async with AsyncSpecdecClient(stack.address("orchestrator")) as client:
+            with pytest.raises(SpecdecDeadlineExceeded):
+                await client.complete(PROMPT, max_new_tokens=400, timeout=0.3)
+            with pytest.raises(SpecdecDeadlineExceeded):
+                async for _ in client.generate(PROMPT, max_new_tokens=400, timeout=0.3):
+                    pass
+
+    asyncio.run(run_async())
+    assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+
+
+def test_typed_errors_carry_code_and_details(stack):
+    with SpecdecClient(stack.address("orchestrator")) as client:
+        with pytest.raises(SpecdecInvalidArgument) as err:
+            client.complete("x", temperature=-1.0)
+        assert isinstance(err.value, SpecdecClientError)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details
+        with pytest.raises(SpecdecInvalidArgument):      # a stream fails on its first read
+            next(client.generate(""))
+        with pytest.raises(ValueError, match="method"):
+            client.complete("x", method="beam")
+
+    async def run_async():
+        async with AsyncSpecdecClient(stack.address("orchestrator")) as client:
+            with pytest.raises(SpecdecInvalidArgument) as err:
+                await client.complete("x", top_p=2.0)
+            assert "top_p" in err.value.details
+
+    asyncio.run(run_async())
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Tls:
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+
+def test_tls_and_mutual_tls(stack, tmp_path):
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test CA",
+             cwd=tmp_path)
+    (tmp_path / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for who, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}", cwd=tmp_path)
+        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{who}.pem", "-days", "2", *ext, cwd=tmp_path)
+    pem = {name: str(tmp_path / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+    stack.add_orchestrator("mtls", drafter="drafter", tls_cert=pem["server.pem"], tls_key=pem["server.key"],
+                           tls_client_ca=pem["ca.pem"])
+    try:
+        address = stack.address("mtls")
+        mtls = Tls(pem["ca.pem"], pem["client.pem"], pem["client.key"])
+        with SpecdecClient(address, tls=mtls) as client:
+            assert client.complete("x", max_new_tokens=2).stats.completion_tokens == 2
+        with SpecdecClient(address, tls=pem["ca.pem"], retries=0, timeout=5) as client:   # no client certificate
+            with pytest.raises(SpecdecUnavailable):
+                client.complete("x", max_new_tokens=2)
+        with SpecdecClient(address, retries=0, timeout=5) as client:                       # plaintext
+            with pytest.raises(SpecdecUnavailable):
+                client.complete("x", max_new_tokens=2)
+    finally:
+        stack.stop("mtls")
+
+
+def test_sdk_and_orchestrator_import_no_torch():
+    code = ("import sys, specdec.client, specdec.cli.remote, orchestrator.service, orchestrator.loop, "
+            "orchestrator.text; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,289 @@
+"""The three services end to end (real gRPC on 127.0.0.1, port 0; tiny family):
+lossless output, stream order, stop strings, seeds, cancellation, deadlines,
+bad input, backends going down, auth and metrics."""
+
+import time
+
+import grpc
+import pytest
+
+from running_stack import Stack
+from specdec.client import (
+    SpecdecClient,
+    SpecdecDeadlineExceeded,
+    SpecdecInvalidArgument,
+    SpecdecUnauthenticated,
+    SpecdecUnavailable,
+)
+from specdec.metrics import REGISTRY
+
+PROMPTS = ["def add(a, b):", "for i in range(3):\n"]
+LONG_PROMPT = "class Point:"
+N = 24
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    s = Stack(tiny_family)
+    s.add_verifier("verifier")
+    s.add_orchestrator("none")
+    for kind in ("eagle", "draft-lm", "ngram"):
+        s.add_drafter(f"drafter-{kind}", kind)
+        s.add_orchestrator(kind, drafter=f"drafter-{kind}")
+    yield s
+    s.close()
+
+
+class Local:
+    """In-process engines over the same weights: the reference runs."""
+
+    def __init__(self, paths):
+        from services.helpers import drafter_builder, verifier_builder
+        from specdec.models import load_tokenizer
+
+        self.verifier = verifier_builder(paths)()
+        self.drafters = {kind: drafter_builder(paths, kind)() for kind in ("eagle", "draft-lm", "ngram")}
+        self.tok = load_tokenizer(paths["target"])
+
+    def run(self, prompt, kind=None, method=None, n=N, **sampling):
+        from specdec.decoding import StopCriteria
+        from specdec.local import generate
+        from specdec.sampling import SamplingParams
+        from specdec.tree import TreeConfig
+
+        ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+        stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset([self.tok.eos_token_id]))
+        cfg = TreeConfig(method=method) if method not in (None, "vanilla") else None
+        drafter = self.drafters[kind] if kind in self.drafters else None
+        return generate(self.verifier, drafter, ids, SamplingParams(**sampling), stop, cfg)
+
+    def text(self, tokens):
+        return self.tok.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_family):
+    return Local(tiny_family)
+
+
+def sample(name, **labels):
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+CASES = [("none", "vanilla"), ("eagle", "eagle2"), ("eagle", "static"), ("eagle", "no-value"),
+         ("eagle", "vanilla"), ("draft-lm", "chain"), ("draft-lm", "no-rerank"), ("ngram", "eagle2"),
+         ("ngram", "static")]
+
+
+@pytest.mark.parametrize("kind,method", CASES)
+def test_greedy_matches_in_process_vanilla(stack, local, kind, method):
+    with SpecdecClient(stack.address(kind)) as client:
+        for prompt in PROMPTS:
+            got = client.complete(prompt, max_new_tokens=N, method=method)
+            want = local.run(prompt)
+            assert got.token_ids == want.tokens
+            assert got.text == local.text(want.tokens)
+            assert got.stats.finish_reason == "length" and got.stats.completion_tokens == N
+            if kind == "none" or method == "vanilla":
+                assert got.stats.cycles == N - 1 and got.stats.tau == 1.0 and got.stats.draft_tokens == 0
+                continue
+            # Same trees as the in-process loop with the same drafter: same cycles and acceptance.
+            spec = local.run(prompt, kind, method)
+            assert spec.tokens == want.tokens
+            assert got.stats.cycles == spec.stats.cycles
+            assert got.stats.accepted_per_position == spec.stats.accepted_per_position
+            assert got.stats.draft_tokens == spec.stats.drafted
+            assert got.stats.accepted_tokens == spec.stats.accepted
+
+
+def test_stream_order_and_final_stats(stack):
+    with SpecdecClient(stack.address("eagle")) as client:
+        whole = client.complete(LONG_PROMPT, max_new_tokens=40)
+        stream = client.generate(LONG_PROMPT, max_new_tokens=40)
+        chunks = list(stream)
+    assert stream.stats is not None                  # the final message came last, after every chunk
+    assert all(c.token_ids or c.text for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert "".join(c.text for c in chunks) == whole.text
+    s = stream.stats
+    assert s.completion_tokens == 40 and s.prompt_tokens > 0 and s.finish_reason == "length"
+    # The first token comes from prefill; every cycle commits its accepted tokens + a bonus.
+    assert s.accepted_tokens + s.cycles >= 39 and s.tau == pytest.approx((s.accepted_tokens + s.cycles) / s.cycles)
+    assert sum(s.accepted_per_position) == s.accepted_tokens <= s.draft_tokens
+    assert s.draft_s + s.verify_s + s.network_s + s.other_s == pytest.approx(s.wall_s, rel=1e-6, abs=1e-6)
+    assert s.draft_s > 0 and s.verify_s > 0 and s.network_s > 0 and 0 < s.ttft_s < s.wall_s
+    assert s.request_id
+
+
+def test_request_id_is_echoed(stack):
+    with SpecdecClient(stack.address("none")) as client:
+        assert client.complete("x = 1", max_new_tokens=2, request_id="req-42").stats.request_id == "req-42"
+
+
+def test_stop_strings_end_the_output_before_them(stack, local):
+    with SpecdecClient(stack.address("eagle")) as client:
+        full = client.complete(LONG_PROMPT, max_new_tokens=40)
+        text = full.text
+        start = len(text) // 2
+        stop = text[start:start + 3]
+        cut = text.index(stop)
+        got = client.complete(LONG_PROMPT, max_new_tokens=40, stop=[stop, "\x00never"])
+        streamed = list(client.generate(LONG_PROMPT, max_new_tokens=40, stop=[stop]))
+    assert got.text == text[:cut] and got.stats.finish_reason == "stop"
+    assert got.token_ids == full.token_ids[:len(got.token_ids)]
+    assert local.text(got.token_ids).startswith(got.text)
+    assert "".join(c.text for c in streamed) == got.text
+    assert [t for c in streamed for t in c.token_ids] == got.token_ids
+
+
+def test_seeded_sampling_matches_in_process(stack, local):
+    params = dict(temperature=0.75, top_p=0.875, top_k=50, seed=7)
+    with SpecdecClient(stack.address("eagle")) as client:
+        a = client.complete(PROMPTS[0], max_new_tokens=N, **params)
+        b = client.complete(PROMPTS[0], max_new_tokens=N, **params)
+        vanilla = client.complete(PROMPTS[0], max_new_tokens=N, method="vanilla", **params)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids == local.run(PROMPTS[0], "eagle", "eagle2", **params).tokens
+    assert vanilla.token_ids == local.run(PROMPTS[0], **params).tokens
+
+
+def test_cancel_frees_both_sessions(stack):
+    before = sample("specdec_requests_total", status="CANCELLED")
+    with SpecdecClient(stack.address("eagle")) as client:
+        stream = client.generate(LONG_PROMPT, max_new_tokens=400)
+        next(stream)
+        # The first chunk may arrive before the drafter's prefill: wait for both sessions.
+        assert stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1, "drafter-eagle": 1}
+        stream.close()
+        # Well before the 400 tokens could have been generated (seconds here).
+        closed = stack.wait_sessions_closed("verifier", "drafter-eagle", timeout=1.0)
+        assert closed == {"verifier": 0, "drafter-eagle": 0}
+    deadline = time.monotonic() + 5
+    while sample("specdec_requests_total", status="CANCELLED") < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sample("specdec_requests_total", status="CANCELLED") == before + 1
+    assert stack.servicer("eagle").active == 0
+
+
+def test_deadline_exceeded_frees_both_sessions(stack):
+    with SpecdecClient(stack.address("eagle")) as client:
+        t0 = time.monotonic()
+        with pytest.raises(SpecdecDeadlineExceeded) as err:
+            client.complete(LONG_PROMPT, max_new_tokens=400, timeout=0.3)
+        assert time.monotonic() - t0 < 5
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        closed = stack.wait_sessions_closed("verifier", "drafter-eagle", timeout=1.0)
+        assert closed == {"verifier": 0, "drafter-eagle": 0}
+        stream = client.generate(LONG_PROMPT, max_new_tokens=400, timeout=0.3)
+        with pytest.raises(SpecdecDeadlineExceeded):
+            for _ in stream:
+                pass
+    assert stack.wait_sessions_closed("verifier", "drafter-eagle") == {"verifier": 0, "drafter-eagle": 0}
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("", {}, "prompt"),
+    ("x", {"max_new_tokens": -1}, "max_new_tokens"),
+    ("x", {"max_new_tokens": 5000}, "max_new_tokens"),
+    ("x", {"temperature": -0.5}, "temperature"),
+    ("x", {"top_p": 1.5}, "top_p"),
+    ("x", {"top_p": -0.25}, "top_p"),
+    ("x", {"top_k": -3}, "top_k"),
+    ("x", {"stop": [""]}, "stop"),
+    ("x", {"total_tokens": -2}, "tree.total_tokens"),
+    ("x = 1\n" * 200, {"max_new_tokens": 8}, "prompt"),
+    ("x", {"max_new_tokens": 600}, "max_new_tokens"),
+])
+def test_invalid_argument_names_the_field(stack, prompt, params, field):
+    with SpecdecClient(stack.address("eagle")) as client:
+        with pytest.raises(SpecdecInvalidArgument) as err:
+            client.complete(prompt, **params)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details
+        assert client.complete("x", max_new_tokens=2).stats.completion_tokens == 2   # the server is fine
+    assert stack.open_sessions("verifier", "drafter-eagle") == {"verifier": 0, "drafter-eagle": 0}
+
+
+def test_verifier_down_is_unavailable(stack):
+    stack.add_verifier("verifier-2")
+    stack.add_orchestrator("orch-2", verifier="verifier-2")
+    try:
+        with SpecdecClient(stack.address("orch-2"), retries=1, backoff_s=0.01) as client:
+            assert client.complete("x", max_new_tokens=2).stats.completion_tokens == 2
+            stack.stop("verifier-2")
+            with pytest.raises(SpecdecUnavailable) as err:
+                client.complete("x", max_new_tokens=2)
+            assert "verifier" in err.value.details
+    finally:
+        stack.stop("orch-2")
+
+
+def test_not_ready_until_the_backends_answer(stack):
+    stack.add_orchestrator("orch-waiting", verifier="127.0.0.1:1", connect=False)
+    try:
+        with SpecdecClient(stack.address("orch-waiting"), retries=0) as client:
+            with pytest.raises(SpecdecUnavailable):
+                client.complete("x", max_new_tokens=2)
+    finally:
+        stack.stop("orch-waiting")
+
+
+def test_drafter_down_falls_back_to_plain_decoding(stack, local):
+    stack.add_drafter("eagle-2", "eagle")
+    stack.add_orchestrator("orch-3", drafter="eagle-2")
+    try:
+        with SpecdecClient(stack.address("orch-3")) as client:
+            stack.stop("eagle-2")
+            got = client.complete(PROMPTS[0], max_new_tokens=N)
+        assert got.token_ids == local.run(PROMPTS[0]).tokens
+        assert got.stats.draft_tokens == 0 and got.stats.tau == 1.0
+        assert stack.wait_sessions_closed("verifier") == {"verifier": 0}
+    finally:
+        stack.stop("orch-3")
+
+
+def test_bearer_token_is_required_when_configured(stack):
+    stack.add_orchestrator("orch-auth", drafter="drafter-eagle", auth_token="s3cret")
+    try:
+        with SpecdecClient(stack.address("orch-auth")) as client:
+            with pytest.raises(SpecdecUnauthenticated):
+                client.complete("x", max_new_tokens=2)
+        with SpecdecClient(stack.address("orch-auth"), token="wrong") as client:
+            with pytest.raises(SpecdecUnauthenticated):
+                list(client.generate("x", max_new_tokens=2))
+        with SpecdecClient(stack.address("orch-auth"), token="s3cret") as client:
+            assert client.complete("x", max_new_tokens=2).stats.completion_tokens == 2
+    finally:
+        stack.stop("orch-auth")
+
+
+def test_metrics_count_each_request(stack):
+    names = ["specdec_draft_tokens_total", "specdec_accepted_tokens_total", "specdec_drafts_total",
+             "specdec_ttft_seconds_count", "specdec_request_duration_seconds_count"]
+    before = {n: sample(n) for n in names}
+    ok = sample("specdec_requests_total", status="OK")
+    itl = sample("specdec_inter_token_latency_seconds_count")
+    first = sample("specdec_accepted_tokens_per_position_total", position="1")
+    with SpecdecClient(stack.address("eagle")) as client:
+        s = client.complete(LONG_PROMPT, max_new_tokens=N).stats
+    after = {n: sample(n) for n in names}
+    assert after["specdec_draft_tokens_total"] - before["specdec_draft_tokens_total"] == s.draft_tokens > 0
+    assert after["specdec_accepted_tokens_total"] - before["specdec_accepted_tokens_total"] == s.accepted_tokens
+    # A cycle with one token left to generate skips the drafter.
+    assert s.cycles - 1 <= after["specdec_drafts_total"] - before["specdec_drafts_total"] <= s.cycles
+    assert after["specdec_ttft_seconds_count"] == before["specdec_ttft_seconds_count"] + 1
+    assert after["specdec_request_duration_seconds_count"] == before["specdec_request_duration_seconds_count"] + 1
+    assert sample("specdec_requests_total", status="OK") == ok + 1
+    assert sample("specdec_accepted_tokens_per_position_total", position="1") - first == (
+        s.accepted_per_position[0] if s.accepted_per_position else 0)
+    assert 0 < sample("specdec_inter_token_latency_seconds_count") - itl < N   # tokens after the first chunk
+
+
+def test_default_tree_knobs_match_the_core():
+    from dataclasses import asdict
+
+    from orchestrator.service import TreeDefaults
+    from specdec.tree import TreeConfig
+
+    core = asdict(TreeConfig())
+    assert asdict(TreeDefaults()) == {k: core[k] for k in ("method", "total_tokens", "depth", "expand_k")}

@@ -1,0 +1,432 @@
+"""Routing over several verifiers and drafters (orchestrator.routing): least
+loaded picks, sessions pinned to one backend of each role, load shedding with
+RESOURCE_EXHAUSTED, plain decoding when every drafter is full, discovery
+through DNS (re-resolved, vanished addresses drained). Real servers on
+127.0.0.1, port 0; engine calls are held at a gate where a test needs
+sessions to stay open."""
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from orchestrator.routing import Discovery, Pool, parse_addresses, split_address
+from running_stack import Stack, start_orchestrator
+from specdec.client import SpecdecClient, SpecdecResourceExhausted
+from specdec.errors import ResourceExhausted, Unavailable
+from specdec.metrics import REGISTRY
+from specdec.v1 import verifier_pb2
+
+PROMPT = "class Point:"
+N = 24
+
+
+class Tap:
+    """Wraps one engine method: records the session id of each call and, while
+    closed, holds the calls past a budget (``close(after=k)`` lets k more through)."""
+
+    def __init__(self, engine, method: str):
+        self.engine, self.method = engine, method
+        self.original = getattr(engine, method)
+        self.call = self.original          # what a let-through call runs
+        self.sessions: list[str] = []
+        self.held = 0                      # calls waiting at the tap now
+        self._limit: int | None = None
+        self._cond = threading.Condition()
+
+        def tapped(sid, *args, **kw):
+            with self._cond:
+                self.sessions.append(sid)
+                if self._limit is not None and len(self.sessions) > self._limit:
+                    self.held += 1
+                    self._cond.wait_for(lambda: self._limit is None, timeout=30)
+                    self.held -= 1
+            return self.call(sid, *args, **kw)
+
+        setattr(engine, method, tapped)
+
+    def close(self, after: int = 0) -> None:
+        with self._cond:
+            self._limit = len(self.sessions) + after
+
+    def open(self) -> None:
+        with self._cond:
+            self._limit = None
+            self._cond.notify_all()
+
+    def restore(self) -> None:
+        self.open()
+        setattr(self.engine, self.method, self.original)
+
+
+class Background:
+    """A generation consumed on a thread (a stream's first chunk may wait for
+    later tokens: text is released by whole characters)."""
+
+    def __init__(self, client, prompt=PROMPT, **params):
+        self.stream = client.generate(prompt, **params)
+        self.error = None
+        self.thread = threading.Thread(target=self._consume, daemon=True)
+        self.thread.start()
+
+    def _consume(self):
+        try:
+            for _ in self.stream:
+                pass
+        except Exception as exc:
+            self.error = exc
+
+    def result(self, timeout=60.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the generation did not end"
+        if self.error is not None:
+            raise self.error
+        return self.stream
+
+
+def verifier_tap(stack, name):
+    return Tap(stack.servicer(name).engine, "verify")
+
+
+def drafter_tap(stack, name):
+    return Tap(stack.servicer(name).drafter, "draft")
+
+
+def add_orchestrator(stack, name, verifiers, drafters=(), **cfg):
+    stack.servers[name] = stack.loop.run(start_orchestrator(
+        ",".join(stack.address(v) for v in verifiers), ",".join(stack.address(d) for d in drafters) or None,
+        stack.paths["target"], **cfg))
+    return stack.servicer(name)
+
+
+def sample(name, **labels):
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    s = Stack(tiny_family)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(stack):
+    """The greedy output of PROMPT on one undisturbed verifier, plain decoding."""
+    stack.add_verifier("ref-verifier")
+    add_orchestrator(stack, "ref", ["ref-verifier"])
+    with SpecdecClient(stack.address("ref"), timeout=60) as client:
+        tokens = client.complete(PROMPT, max_new_tokens=N).token_ids
+    stack.stop("ref")
+    stack.stop("ref-verifier")
+    return tokens
+
+
+# -- picking, unit level ----------------------------------------------------------------
+def info(max_sessions, active=0):
+    return verifier_pb2.VerifierGetInfoResponse(vocab_size=300, max_sessions=max_sessions, active_sessions=active)
+
+
+@pytest.mark.asyncio
+async def test_pick_is_least_loaded_relative_to_capacity_and_ties_are_random():
+    pool = Pool("verifier", Discovery(("10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1")))
+    a, b, c = pool.endpoints.values()
+    for endpoint, cap in ((a, 4), (b, 2), (c, 8)):
+        endpoint.probed(info(cap))
+    a.pinned, b.pinned, c.pinned = 2, 1, 1          # loads 0.5, 0.5, 0.125
+    picked, _ = pool.pick()
+    assert picked is c and c.pinned == 2
+    pool.unpin(c)
+    c.pinned = 4                                      # all at 0.5: each is picked some of the time
+    seen = Counter()
+    for _ in range(60):
+        e, _ = pool.pick()
+        seen[e.address] += 1
+        pool.unpin(e)
+    assert set(seen) == {a.address, b.address, c.address}
+    # other clients' sessions (from the last probe) count too
+    a.pinned = b.pinned = c.pinned = 0
+    a.probed(info(4, active=3))
+    picked, _ = pool.pick(exclude=frozenset({b.address}))
+    assert picked is c
+    await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_pick_skips_draining_unhealthy_and_misfit_endpoints_and_says_why():
+    pool = Pool("verifier", Discovery(("10.0.0.1:1", "10.0.0.2:1")))
+    a, b = pool.endpoints.values()
+    with pytest.raises(Unavailable, match="no verifier is reachable"):
+        pool.pick()                                   # never probed: not healthy
+    a.probed(info(1))
+    b.probed(info(1))
+    b.pinned = 1
+    a.draining = True                                 # least loaded, but leaving discovery
+    with pytest.raises(ResourceExhausted, match="all 1 verifiers are at capacity"):
+        pool.pick()
+    a.draining = False
+    a.problem = "vocabulary of 7 tokens"
+    assert pool.pick(optional=True) == (None, "full")
+    a.problem = None
+    pool.failed(a, "connection refused")
+    b.healthy = False
+    assert pool.pick(optional=True) == (None, "unavailable")
+    await pool.aclose()
+
+
+def test_addresses_parse_from_repeated_and_comma_separated_flags():
+    assert parse_addresses(["a:1,b:2", "c:3", "a:1"]) == ("a:1", "b:2", "c:3")
+    assert parse_addresses("x:5") == ("x:5",)
+    assert split_address("[::1]:50051") == ("::1", 50051)
+    for bad in ("nohost", "host:", ":80", "host:99999", "host:http"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_addresses([bad])
+
+
+# -- real servers ---------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_sessions_spread_to_the_least_loaded_and_stay_pinned(stack, reference):
+    for name in ("v1", "v2"):
+        stack.add_verifier(name, max_sessions=4)
+    for name in ("d1", "d2"):
+        stack.add_drafter(name, "eagle", max_sessions=4)
+    add_orchestrator(stack, "spread", ["v1", "v2"], ["d1", "d2"])
+    taps = [verifier_tap(stack, v) for v in ("v1", "v2")] + [drafter_tap(stack, d) for d in ("d1", "d2")]
+    try:
+        for tap in taps[:2]:
+            tap.close()
+        with SpecdecClient(stack.address("spread"), timeout=60) as client:
+            first = Background(client, max_new_tokens=N)
+            # prefilled on one verifier, held at its first Verify
+            wait_for(lambda: sum(stack.open_sessions("v1", "v2").values()) == 1, what="the first session")
+            second = Background(client, max_new_tokens=N)
+            # the second session went where the first was not: one per verifier, one per drafter
+            assert stack.wait_sessions("v1", "v2", "d1", "d2", count=1) == {"v1": 1, "v2": 1, "d1": 1, "d2": 1}
+            for tap in taps[:2]:
+                tap.open()
+            outputs = []
+            for gen in (first, second):
+                stream = gen.result()
+                outputs.append(stream.token_ids)
+                assert stream.stats.draft_tokens > 0
+        assert outputs == [reference, reference]
+        # every Verify of a session went to one verifier, every Draft to one drafter
+        for pair in (taps[:2], taps[2:]):
+            owners = [set(t.sessions) for t in pair]
+            assert all(owners) and not owners[0] & owners[1], owners
+        assert stack.wait_sessions_closed("v1", "v2", "d1", "d2") == {"v1": 0, "v2": 0, "d1": 0, "d2": 0}
+        router = stack.servicer("spread").router
+        assert all(e.pinned == 0 for pool in router.pools for e in pool.endpoints.values())
+    finally:
+        for tap in taps:
+            tap.restore()
+        for name in ("spread", "v1", "v2", "d1", "d2"):
+            stack.stop(name)
+
+
+@pytest.mark.timeout(120)
+def test_all_verifiers_full_is_resource_exhausted_until_one_frees(stack, reference):
+    for name in ("full-1", "full-2"):
+        stack.add_verifier(name, max_sessions=1)
+    add_orchestrator(stack, "full", ["full-1", "full-2"])
+    taps = [verifier_tap(stack, v) for v in ("full-1", "full-2")]
+    try:
+        for tap in taps:
+            tap.close()
+        with SpecdecClient(stack.address("full"), timeout=60) as client:
+            held = [Background(client, max_new_tokens=N) for _ in range(2)]
+            assert stack.wait_sessions("full-1", "full-2", count=1) == {"full-1": 1, "full-2": 1}
+            t0 = time.monotonic()
+            with pytest.raises(SpecdecResourceExhausted) as err:
+                client.complete(PROMPT, max_new_tokens=N)
+            assert "all 2 verifiers are at capacity" in err.value.details
+            assert time.monotonic() - t0 < 5                  # shed at once, not queued
+            for tap in taps:
+                tap.open()
+            for gen in held:
+                assert gen.result().token_ids == reference
+            router = stack.servicer("full").router
+            wait_for(lambda: all(e.pinned == 0 for e in router.verifiers.endpoints.values()), what="unpinning")
+            assert client.complete(PROMPT, max_new_tokens=N).token_ids == reference
+    finally:
+        for tap in taps:
+            tap.restore()
+        for name in ("full", "full-1", "full-2"):
+            stack.stop(name)
+
+
+@pytest.mark.timeout(120)
+def test_all_drafters_full_runs_plain_decoding_and_counts_it(stack, reference):
+    stack.add_verifier("pv", max_sessions=4)
+    stack.add_drafter("pd", "eagle", max_sessions=1)
+    add_orchestrator(stack, "plain", ["pv"], ["pd"])
+    tap = drafter_tap(stack, "pd")
+    before = sample("specdec_fallback_total", reason="drafters_full")
+    try:
+        tap.close()
+        with SpecdecClient(stack.address("plain"), timeout=60) as client:
+            held = Background(client, max_new_tokens=N)
+            wait_for(lambda: tap.held, what="the first session's draft")
+            second = client.complete(PROMPT, max_new_tokens=N)
+            assert second.token_ids == reference
+            assert second.stats.draft_tokens == 0 and second.stats.tau == 1.0
+            assert sample("specdec_fallback_total", reason="drafters_full") == before + 1
+            tap.open()
+            stream = held.result()
+            assert stream.token_ids == reference and stream.stats.draft_tokens > 0
+    finally:
+        tap.restore()
+        for name in ("plain", "pv", "pd"):
+            stack.stop(name)
+
+
+@pytest.mark.timeout(120)
+def test_dns_name_is_resolved_and_resolved_again(stack, reference):
+    verifier, _ = stack.add_verifier("dns-v")
+    drafter, _ = stack.add_drafter("dns-d", "eagle")
+    servicer = add_orchestrator(stack, "dns", [], [], verifier_dns=f"localhost:{verifier.port}",
+                                drafter_dns=f"localhost:{drafter.port}", resolve_interval_s=0.05)
+    router = servicer.router
+    lookups = []
+    for pool in router.pools:
+        real = pool._resolver
+
+        async def counting(host, port, real=real):
+            lookups.append(host)
+            return await real(host, port)
+
+        pool._resolver = counting
+    try:
+        for pool, port in ((router.verifiers, verifier.port), (router.drafters, drafter.port)):
+            assert f"127.0.0.1:{port}" in [e.address for e in pool.usable()]
+        wait_for(lambda: len(lookups) >= 6, timeout=10, what="lookups again")
+        assert set(lookups) == {"localhost"}
+        with SpecdecClient(stack.address("dns"), timeout=60) as client:
+            got = client.complete(PROMPT, max_new_tokens=N)
+        assert got.token_ids == reference and got.stats.draft_tokens > 0
+    finally:
+        for name in ("dns", "dns-v", "dns-d"):
+            stack.stop(name)
+
+
+@pytest.mark.timeout(120)
+def test_address_leaving_dns_is_drained_its_sessions_finish(stack, tiny_family, reference):
+    """The name first answers A, then only B: A takes no new session, the one it
+    holds runs to the end, then A is dropped."""
+    from orchestrator.service import OrchestratorConfig, OrchestratorService
+    from orchestrator.text import TextTokenizer
+    from specdec.server import ServerConfig, start_server
+
+    stack.add_verifier("drain-a")
+    stack.add_verifier("drain-b")
+    a, b = stack.address("drain-a"), stack.address("drain-b")
+    answer = {"verifiers.test": [a]}
+
+    async def resolver(host, port):
+        return list(answer[host])
+
+    async def start():
+        config = OrchestratorConfig(verifier_dns="verifiers.test:50051", resolve_interval_s=0.05,
+                                    probe_interval_s=0.05)
+        servicer = OrchestratorService(config, TextTokenizer.load(tiny_family["target"]), resolver=resolver)
+        server = await start_server(ServerConfig(metrics_port=None), [servicer.registration()], "orchestrator")
+        await asyncio.wait_for(servicer.connect(retry_s=0.05), 30)
+        server.set_ready(True)
+        return server, servicer
+
+    stack.servers["drain"] = stack.loop.run(start())
+    pool = stack.servicer("drain").router.verifiers
+    tap_a, tap_b = verifier_tap(stack, "drain-a"), verifier_tap(stack, "drain-b")
+    try:
+        tap_a.close()
+        with SpecdecClient(stack.address("drain"), timeout=60) as client:
+            held = Background(client, max_new_tokens=N)
+            assert stack.wait_sessions("drain-a", count=1) == {"drain-a": 1}
+            answer["verifiers.test"] = [b]
+            wait_for(lambda: b in pool.endpoints and pool.endpoints[a].draining, what="A draining")
+            wait_for(lambda: pool.endpoints[b].usable, what="B usable")
+            for _ in range(3):
+                assert client.complete(PROMPT, max_new_tokens=N).token_ids == reference
+            assert tap_b.sessions and a in pool.endpoints        # A still serves its session
+            tap_a.open()
+            assert held.result().token_ids == reference
+        wait_for(lambda: a not in pool.endpoints, what="A dropped after its last session")
+    finally:
+        tap_a.restore()
+        tap_b.restore()
+        for name in ("drain", "drain-a", "drain-b"):
+            stack.stop(name)
+
+
+@pytest.mark.timeout(60)
+def test_drafter_with_another_vocabulary_is_refused_at_once(stack):
+    from drafter.ngram import NgramDrafter
+    from drafter.service import DrafterService
+    from specdec.server import ServerConfig, start_server
+
+    async def start_misfit():
+        servicer = DrafterService()
+        server = await start_server(ServerConfig(metrics_port=None), [servicer.registration()], "drafter")
+        await servicer.load(lambda: NgramDrafter(7))
+        server.set_ready(True)
+        return server, servicer
+
+    stack.add_verifier("vocab-v")
+    stack.servers["vocab-d"] = stack.loop.run(start_misfit())
+    add_orchestrator(stack, "vocab", ["vocab-v"], ["vocab-d"], connect=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="vocabulary of 7 tokens"):
+            stack.loop.run(stack.servicer("vocab").connect(retry_s=0.05))
+        assert time.monotonic() - t0 < 10           # not after the wait for a drafter to come up
+    finally:
+        for name in ("vocab", "vocab-v", "vocab-d"):
+            stack.stop(name)
+
+
+@pytest.mark.timeout(60)
+def test_draining_verifier_gets_no_new_sessions(stack, reference):
+    """SIGTERM's drain turns readiness off: the probe sees it and new sessions
+    go elsewhere without first being refused there."""
+    names = ("drain-x", "drain-y")
+    for name in names:
+        stack.add_verifier(name)
+    add_orchestrator(stack, "drains", names, probe_interval_s=0.05)
+    router = stack.servicer("drains").router
+    taps = {name: verifier_tap(stack, name) for name in names}
+    refused = sample("specdec_rpcs_total", service="specdec.v1.VerifierService", method="Prefill",
+                     code="UNAVAILABLE")
+    try:
+        for tap in taps.values():
+            tap.close()
+        with SpecdecClient(stack.address("drains"), timeout=60) as client:
+            held = Background(client, max_new_tokens=N)
+            wait_for(lambda: any(t.held for t in taps.values()), what="a held session")
+            busy = next(name for name in names if taps[name].held)
+            calm = next(name for name in names if name != busy)
+            taps[calm].open()
+            endpoint = router.verifiers.endpoints[stack.address(busy)]
+            # drain: readiness off, the open session gets up to 30 s
+            asyncio.run_coroutine_threadsafe(stack.servers[busy][0].stop(30), stack.loop.loop)
+            wait_for(lambda: not endpoint.healthy, what="the probe to see the drain")
+            for _ in range(3):
+                assert client.complete(PROMPT, max_new_tokens=N).token_ids == reference
+            taps[busy].open()
+            assert held.result().token_ids == reference          # the open session finished there
+        assert sample("specdec_rpcs_total", service="specdec.v1.VerifierService", method="Prefill",
+                      code="UNAVAILABLE") == refused
+        assert len(set(taps[busy].sessions)) == 1 and len(set(taps[calm].sessions)) == 3
+    finally:
+        for tap in taps.values():
+            tap.restore()
+        for name in ("drains", *names):
+            stack.stop(name)

@@ -1,0 +1,109 @@
+"""The three services in-process on 127.0.0.1 (port 0), on an event loop of their own.
+
+The servers run on a daemon thread's loop so that a test may block on the
+synchronous SDK, the CLI or a subprocess while they keep answering.
+
+    stack = Stack(tiny_family)
+    stack.add_verifier("verifier")
+    stack.add_drafter("drafter-eagle", kind="eagle")
+    stack.add_orchestrator("eagle", verifier="verifier", drafter="drafter-eagle")
+    with SpecdecClient(stack.address("eagle")) as client: ...
+    stack.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import fields
+
+from services.helpers import start_drafter, start_verifier
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="stack-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+async def start_orchestrator(verifier: str, drafter: str | None, tokenizer_dir, connect: bool = True, **cfg):
+    """(RunningServer, OrchestratorService) calling the given backends; ``cfg``
+    splits into ServerConfig fields and OrchestratorConfig fields."""
+    from orchestrator.service import OrchestratorConfig, OrchestratorService
+    from orchestrator.text import TextTokenizer
+    from specdec.server import ServerConfig, start_server
+
+    server_fields = {f.name for f in fields(ServerConfig)}
+    server_cfg = ServerConfig(**{"metrics_port": None, **{k: v for k, v in cfg.items() if k in server_fields}})
+    config = OrchestratorConfig(verifier=verifier, drafter=drafter,
+                                **{k: v for k, v in cfg.items() if k not in server_fields})
+    servicer = OrchestratorService(config, TextTokenizer.load(tokenizer_dir))
+    server = await start_server(server_cfg, [servicer.registration()], "orchestrator")
+    if connect:
+        await asyncio.wait_for(servicer.connect(retry_s=0.05), 30)
+        server.set_ready(True)
+    return server, servicer
+
+
+class Stack:
+    def __init__(self, paths) -> None:
+        self.paths = paths
+        self.loop = LoopThread()
+        self.servers: dict[str, tuple[object, object]] = {}
+
+    def add_verifier(self, name: str = "verifier", **cfg):
+        self.servers[name] = self.loop.run(start_verifier(self.paths, metrics_port=None, **cfg))
+        return self.servers[name]
+
+    def add_drafter(self, name: str, kind: str, **cfg):
+        self.servers[name] = self.loop.run(start_drafter(self.paths, kind, metrics_port=None, **cfg))
+        return self.servers[name]
+
+    def add_orchestrator(self, name: str, verifier: str = "verifier", drafter: str | None = None,
+                         connect: bool = True, **cfg):
+        """``verifier`` / ``drafter``: names of servers in this stack, or HOST:PORT."""
+        self.servers[name] = self.loop.run(start_orchestrator(
+            self.address(verifier) if verifier in self.servers else verifier,
+            self.address(drafter) if drafter else None, self.paths["target"], connect=connect, **cfg))
+        return self.servers[name]
+
+    def address(self, name: str) -> str:
+        return f"127.0.0.1:{self.servers[name][0].port}"
+
+    def servicer(self, name: str):
+        return self.servers[name][1]
+
+    def stop(self, name: str) -> None:
+        server, _ = self.servers.pop(name)
+        self.loop.run(server.stop())
+
+    def open_sessions(self, *names: str) -> dict[str, int]:
+        """Sessions open on the named verifier / drafter servicers."""
+        return {name: len(self.servicer(name).sessions) for name in names}
+
+    def wait_sessions(self, *names: str, count: int, timeout: float = 10.0) -> dict[str, int]:
+        """Poll until each named servicer holds ``count`` sessions (or time runs out)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = self.open_sessions(*names)
+            if all(c == count for c in counts.values()) or time.monotonic() > deadline:
+                return counts
+            time.sleep(0.01)
+
+    def wait_sessions_closed(self, *names: str, timeout: float = 10.0) -> dict[str, int]:
+        return self.wait_sessions(*names, count=0, timeout=timeout)
+
+    def close(self) -> None:
+        for name in reversed(list(self.servers)):   # orchestrators before their backends
+            self.stop(name)
+        self.loop.close()
