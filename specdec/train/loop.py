@@ -107,7 +107,7 @@ def train(
             log["train_seconds"] += time.perf_counter() - t0
             log["history"].append({"step": step, "loss": float(loss.detach()), **extra})
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
             if eval_fn is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 with torch.no_grad():
                     for m in modules.values():

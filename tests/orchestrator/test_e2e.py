@@ -170,7 +170,7 @@ def test_deadline_exceeded_frees_both_sessions(stack):
         t0 = time.monotonic()
         with pytest.raises(SpecdecDeadlineExceeded) as err:
             client.complete(LONG_PROMPT, max_new_tokens=400, timeout=0.3)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 8
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         closed = stack.wait_sessions_closed("verifier", "drafter-eagle", timeout=1.0)
         assert closed == {"verifier": 0, "drafter-eagle": 0}

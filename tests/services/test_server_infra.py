@@ -85,11 +85,11 @@ async def test_health_loading_ready_draining(tiny_family):
 
         # the event loop keeps answering health checks while the model loads on the worker thread
         build = verifier_builder(tiny_family)
-        loading = asyncio.create_task(servicer.load(lambda: (time.sleep(1.0), build())[1]))
+        loading = asyncio.create_task(servicer.load(lambda: (time.sleep(4.0), build())[1]))
         await asyncio.sleep(0.1)
         t = time.perf_counter()
-        assert await health(ch, "readiness", timeout=0.5) == NOT_SERVING and not loading.done()
-        assert time.perf_counter() - t < 0.5
+        assert await health(ch, "readiness", timeout=3.0) == NOT_SERVING and not loading.done()
+        assert time.perf_counter() - t < 3.0          # answered while the 4 s load still runs
         await loading
         server.set_ready(True)
         for service in ("readiness", "", "specdec.v1.VerifierService", "liveness"):
@@ -104,10 +104,8 @@ async def test_health_loading_ready_draining(tiny_family):
         assert err.code() == CODE.UNAVAILABLE and "draining" in err.details()
         await stub.Verify(VerifyRequest(session_id="a", tree=DraftTree(tokens=[first], parents=[-1])))
         assert not stopping.done()
-        t = time.perf_counter()
         await stub.Release(VerifierReleaseRequest(session_id="a"))
-        await asyncio.wait_for(stopping, 3.0)                  # no open session left: stops well before 10 s
-        assert time.perf_counter() - t < 2.0
+        await asyncio.wait_for(stopping, 8.0)                  # no open session left: stops before the 10 s grace
         err = await rpc_error(stub.GetInfo(VerifierGetInfoRequest(), timeout=1.0))
         assert err.code() == CODE.UNAVAILABLE
 
@@ -119,7 +117,7 @@ async def test_drain_gives_up_after_grace(verifier):
         await VerifierServiceStub(ch).Prefill(VerifierPrefillRequest(session_id="left-open", prompt_ids=PROMPT))
     t = time.perf_counter()
     await server.stop(grace=0.3)
-    assert 0.25 < time.perf_counter() - t < 2.0
+    assert 0.25 < time.perf_counter() - t < 8.0       # waited for the grace, then gave up
 
 
 @pytest.mark.asyncio
@@ -318,7 +316,7 @@ def test_cli_bad_setup_is_one_line_exit_2(argv, words, capsys):
 def test_cli_verifier_process_announces_serves_and_drains_on_sigterm(tiny_family, tmp_path):
     ready_file = tmp_path / "ready.json"
     cmd = [sys.executable, "-m", "specdec.cli.main", "verifier", "serve", "--target", str(tiny_family["target"]),
-           "--port", "0", "--metrics-port", "0", "--ready-file", str(ready_file), "--drain-s", "5"]
+           "--port", "0", "--metrics-port", "0", "--ready-file", str(ready_file), "--drain-s", "120"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -334,10 +332,9 @@ def test_cli_verifier_process_announces_serves_and_drains_on_sigterm(tiny_family
                 return await health(ch, "readiness")
         assert asyncio.run(probe()) == SERVING
 
-        t = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - t < 5                      # nothing open: no need to wait out the grace
+        # nothing open: it must exit without waiting out its 120 s grace
+        assert proc.wait(timeout=60) == 0
         logs = [json.loads(line) for line in proc.stderr.read().splitlines()]
         assert [r["msg"] for r in logs if r["msg"] in ("ready", "draining", "stopped")] == ["ready", "draining", "stopped"]
         assert all(r["service"] == "verifier" for r in logs)
