@@ -96,11 +96,13 @@ def collect(demo: Path, measure: bool = True) -> dict:
             continue
         log = _log(d)
         evals = log.get("evals", [])
+        tail = log.get("history_tail") or [{}]
+        steps = tail[-1].get("step", log.get("config", {}).get("steps"))   # trained, not scheduled
         card["models"][name] = {
             "params": _params(d), "bytes_on_disk": sum(f.stat().st_size for f in d.glob("*.safetensors")),
-            "steps": log.get("config", {}).get("steps"), "batch": log.get("config", {}).get("batch"),
+            "steps": steps, "batch": log.get("config", {}).get("batch"),
             "seq_len": log.get("config", {}).get("seq_len"), "train_seconds": round(log.get("train_seconds", 0.0)),
-            "train_tokens_seen": (log.get("config", {}).get("steps") or 0) * (log.get("config", {}).get("batch") or 0)
+            "train_tokens_seen": (steps or 0) * (log.get("config", {}).get("batch") or 0)
             * (log.get("config", {}).get("seq_len") or 0),
             "last_eval": evals[-1] if evals else None, "unigram_loss": log.get("unigram_loss"),
         }
@@ -168,10 +170,17 @@ def render(card: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for name, info in m.items():
         ev = info.get("last_eval") or {}
-        loss = ev.get("heldout_loss", ev.get("heldout_cls"))
+        loss = ev.get("heldout_loss")
         lines.append(f"| {name} | {info['params'] / 1e6:.2f} M | {info['bytes_on_disk'] / 2**20:.1f} MiB | "
                      f"{info['steps']} × {info['batch']} × {info['seq_len']} | {info['train_seconds'] / 60:.0f} min | "
                      f"{_num(loss)} | {_num(info.get('unigram_loss'))} |")
+    eagle = (m.get("eagle") or {}).get("last_eval") or {}
+    if eagle:
+        lines += ["", f"EAGLE head on held-out text: top-1 agreement with the target "
+                      f"{_num(eagle.get('heldout_top1'))}, feature regression (smooth-L1) {_num(eagle.get('heldout_reg'))}, "
+                      f"soft cross-entropy to the target's distribution {_num(eagle.get('heldout_cls'))} "
+                      "(includes the target's own entropy, so not comparable with the LM losses)."]
+    lines += ["", "Train time is wall time on a 2-core machine shared with other work."]
     if "step_costs" in card:
         c = card["step_costs"]
         lines += ["", "## Cost of a step (2 threads, 200-token prefix)", "",
