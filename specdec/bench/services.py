@@ -64,7 +64,7 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
 
 @contextmanager
 def _threads_env(threads: int) -> Iterator[None]:
-    """Children inherit OMP_NUM_THREADS = the bench's torch threads."""
+    """Children inherit OMP_NUM_THREADS = ``threads``."""
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
@@ -87,7 +87,9 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
                 "--log-level", "WARNING"]
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     mine = []
-    with _threads_env(torch.get_num_threads()):
+    # The same core budget as the in-process methods, split between the two
+    # torch processes (oversubscribed OpenMP threads spin on each other).
+    with _threads_env(max(1, torch.get_num_threads() // 2)):
         mine.append(stack._spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                       "--dtype", cfg.dtype, *internal]))
         mine.append(stack._spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
