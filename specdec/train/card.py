@@ -165,6 +165,11 @@ def render(card: dict) -> str:
              "Python source of the standard library of CPython 3.11.7 (`sysconfig` stdlib path, every `*.py` "
              "outside `site-packages`), split by file: held out when `sha1(relative path) % 20 == 0` "
              "(see `specdec/train/corpus.py`).", "",
+             "## Commands", "",
+             "```", "specdec train tokenizer                  # byte-level BPE, vocab 4096",
+             "specdec train target --steps 1000        # this target: 1000 steps (batch 16 x 256 tokens)",
+             "specdec train draft-lm", "specdec train eagle --steps 600          # head on the target's features",
+             "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
              "|---|---|---|---|---|---|---|"]
