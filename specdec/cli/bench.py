@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from specdec import knobs
+from specdec.cli.main import model_dir
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency
@@ -82,17 +83,6 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
-    from specdec.cli.main import CliError
-    from specdec.models import demo_path
-
-    chosen = path or str(demo_path(demo))
-    if not Path(chosen, "config.json").is_file():
-        hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
-        raise CliError(f"{what} directory {chosen} has no config.json{hint}")
-    return chosen
-
-
 def _methods(text: str) -> tuple[str, ...]:
     from specdec.bench.runner import ALL_METHODS
     from specdec.cli.main import CliError
@@ -126,10 +116,10 @@ def config_from(args, sweep: bool):
     else:
         methods = with_references(_methods(args.methods or ",".join(DEFAULT_METHODS)))
     kinds = {SPECULATIVE[m][0] for m in methods if m in SPECULATIVE}
-    target = _model_dir(args.target, "target", "target model", "--target")
-    eagle = _model_dir(args.eagle, "eagle", "EAGLE head", "--eagle") if "eagle" in kinds else args.eagle
+    target = model_dir(args.target, "target", "target model", "--target")
+    eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle") if "eagle" in kinds else args.eagle
     needs_lm = "draft-lm" in kinds or "hf-assisted" in methods
-    draft_lm = _model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm") if needs_lm else args.draft_lm
+    draft_lm = model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm") if needs_lm else args.draft_lm
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype)

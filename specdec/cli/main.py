@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specdec.errors import SpecdecError
 
@@ -31,9 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
+    """``path``, or the bundled demo model ``demo``; a directory without a
+    config.json is a one-line error saying which flag to pass."""
+    from specdec.models import demo_path
+
+    chosen = path or str(demo_path(demo))
+    if not Path(chosen, "config.json").is_file():
+        hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
+        raise CliError(f"{what} directory {chosen} has no config.json{hint}")
+    return chosen
+
+
+def run_parsed(args) -> int:
+    """Run a parsed subcommand: expected failures -> one line, status 2."""
     try:
         return int(args.run(args) or 0)
     except (CliError, SpecdecError, ValueError, FileNotFoundError) as exc:
@@ -42,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_parsed(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from pathlib import Path
 
+from specdec.cli.main import model_dir
 from specdec.server import ServerConfig
 
 VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
@@ -89,17 +89,6 @@ def _check_sessions(args) -> None:
         raise CliError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if not args.session_ttl > 0:
         raise CliError(f"--session-ttl must be > 0, got {args.session_ttl}")
-
-
-def _model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
-    from specdec.cli.main import CliError
-    from specdec.models import demo_path
-
-    chosen = path or str(demo_path(demo))
-    if not Path(chosen, "config.json").is_file():
-        hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
-        raise CliError(f"{what} directory {chosen} has no config.json{hint}")
-    return chosen
 
 
 def add_parsers(sub) -> None:
@@ -170,7 +159,7 @@ def run_verifier(args) -> int:
 
     _check_sessions(args)
     cfg = server_config_from(args)
-    spec = ModelSpec(path=_model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
+    spec = ModelSpec(path=model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
                      device=args.device, attn_implementation=args.attn_implementation)
     from verifier.service import VerifierService, VerifierServiceConfig
 
@@ -219,7 +208,7 @@ def _drafter_builder(args):
                 raise CliError(f"--vocab-size must be >= 1, got {args.vocab_size}")
             vocab = args.vocab_size
         else:
-            vocab = int(read_config(_model_dir(args.target, "target", "target model", "--target"))["vocab_size"])
+            vocab = int(read_config(model_dir(args.target, "target", "target model", "--target"))["vocab_size"])
 
         def build():
             from drafter.ngram import NgramDrafter
@@ -227,7 +216,7 @@ def _drafter_builder(args):
             return NgramDrafter(vocab, **sessions)
         return build
     if args.draft_lm:
-        spec = ModelSpec(path=_model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
+        spec = ModelSpec(path=model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
                          device=args.device)
 
         def build():
@@ -235,8 +224,8 @@ def _drafter_builder(args):
 
             return DraftLmDrafter(spec, **sessions)
         return build
-    head = _model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
-    target = _model_dir(args.target, "target", "target model", "--target")
+    head = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
+    target = model_dir(args.target, "target", "target model", "--target")
     dtype = torch_dtype(args.dtype)
 
     def build():

@@ -455,20 +455,11 @@ def _demo(address: str, max_new_tokens: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m specdec.cli.stack orchestrator serve ...``: errors as in ``specdec``."""
-    from specdec.cli.main import CliError
-    from specdec.errors import SpecdecError
+    from specdec.cli.main import run_parsed
 
     parser = argparse.ArgumentParser(prog="specdec")
     add_orchestrator_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return int(args.run(args) or 0)
-    except (CliError, SpecdecError, ValueError, FileNotFoundError) as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"specdec: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_parsed(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
