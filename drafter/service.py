@@ -18,7 +18,8 @@ import torch
 
 from specdec import kv, metrics, wire
 from specdec.errors import InvalidArgument
-from specdec.server import EngineServicer, abort_from
+from specdec.engine_servicer import EngineServicer
+from specdec.server import abort_from
 from specdec.tree import TreeConfig, tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 

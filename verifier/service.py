@@ -20,7 +20,8 @@ from typing import Callable
 from specdec import metrics, wire
 from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams
-from specdec.server import EngineServicer, abort_from
+from specdec.engine_servicer import EngineServicer
+from specdec.server import abort_from
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 

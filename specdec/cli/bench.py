@@ -33,7 +33,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     from specdec.bench.concurrency import DEFAULT_REQUESTS_PER_LEVEL
-    from specdec.bench.runner import ALL_METHODS, DEFAULT_METHODS
+    from specdec.bench.runner import ALL_METHODS
     from specdec.bench.sweep import DEPTHS, TOTALS
 
     p = sub.add_parser("bench", help="benchmark methods side by side (speedup, tau, acceptance, plots)",
