@@ -57,7 +57,7 @@ from orchestrator.failover import (
     OPEN_MOVE_CODES,
     FeatureLog,
 )
-from orchestrator.routing import Endpoint, Pool, Router
+from orchestrator.routing import PROBE_TIMEOUT_S, Endpoint, Pool, Router
 from orchestrator.text import Delta, TextStream
 from specdec import metrics
 from specdec.decoding import Decoding
@@ -154,9 +154,9 @@ class Generation:
     # -- the loop -------------------------------------------------------------------------
     async def _generate(self, emit) -> None:
         job = self.job
-        self.verifier, _ = self.router.verifiers.pick()
+        self.verifier, _ = await self.router.verifiers.acquire(timeout_s=self._probe_timeout())
         if job.tree is not None:
-            self._pin_drafter(first=True)
+            await self._pin_drafter(first=True)
         first = await self._on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=job.session_id, prompt_ids=job.prompt_ids, sampling=job.sampling,
             max_new_tokens=job.max_new_tokens, return_features=self.features is not None))
@@ -202,7 +202,7 @@ class Generation:
             try:
                 draft = await self._call("drafter", self.drafter, "Draft", request)
             except BackendError as exc:
-                if self._leave_drafter(exc, opening=False):
+                if await self._leave_drafter(exc, opening=False):
                     await self._open_drafter()
                 continue
             self.pending_tokens = []
@@ -248,7 +248,7 @@ class Generation:
             try:
                 return await self._call("verifier", self.verifier, name, request)
             except BackendError as exc:
-                self._leave_verifier(exc, opening=not self.opened)
+                await self._leave_verifier(exc, opening=not self.opened)
             if self.opened:
                 await self._resume_verifier()
 
@@ -263,9 +263,9 @@ class Generation:
                 await self._call("verifier", self.verifier, "Prefill", request)
                 return
             except BackendError as exc:
-                self._leave_verifier(exc, opening=True)
+                await self._leave_verifier(exc, opening=True)
 
-    def _leave_verifier(self, exc: BackendError, opening: bool) -> None:
+    async def _leave_verifier(self, exc: BackendError, opening: bool) -> None:
         """Give up the pinned verifier after ``exc`` and pin another one; raises
         ``exc`` when it is not a reason to move, Unavailable / ResourceExhausted
         when no verifier can take the session."""
@@ -279,7 +279,8 @@ class Generation:
         self.moves["verifier"] += 1
         self.verifier = None
         try:
-            self.verifier, _ = pool.pick(frozenset(self._excluded["verifier"]))
+            self.verifier, _ = await pool.acquire(frozenset(self._excluded["verifier"]),
+                                                  timeout_s=self._probe_timeout())
         except (Unavailable, ResourceExhausted) as none_left:
             if not self.opened and (self._refused_full or isinstance(none_left, ResourceExhausted)):
                 raise ResourceExhausted(f"all verifiers are at capacity ({self._refused_full} refused "
@@ -295,14 +296,15 @@ class Generation:
                 "committed": len(self.committed)})
 
     # -- the drafter, replaced when lost -------------------------------------------------------
-    def _pin_drafter(self, first: bool = False) -> bool:
+    async def _pin_drafter(self, first: bool = False) -> bool:
         """Pin the least loaded drafter that can continue this session; False
         (and plain decoding from now on) when there is none."""
         if first:
             accept = None
         else:     # a drafter that needs features can only take over if they were kept
             accept = (lambda e: self.features is not None or not e.info.needs_features)
-        endpoint, reason = self.router.drafters.pick(frozenset(self._excluded["drafter"]), accept, optional=True)
+        endpoint, reason = await self.router.drafters.acquire(frozenset(self._excluded["drafter"]), accept,
+                                                              optional=True, timeout_s=self._probe_timeout())
         if endpoint is None:
             self._fall_back(f"drafters_{reason}", f"no drafter can take the session ({reason})")
             return False
@@ -322,13 +324,13 @@ class Generation:
             try:
                 await self._call("drafter", self.drafter, "Prefill", request)
             except BackendError as exc:
-                self._leave_drafter(exc, opening=True)
+                await self._leave_drafter(exc, opening=True)
                 continue
             self.pending_tokens = []
             self.pending_features.clear()
             return
 
-    def _leave_drafter(self, exc: BackendError, opening: bool) -> bool:
+    async def _leave_drafter(self, exc: BackendError, opening: bool) -> bool:
         """Give up the pinned drafter after ``exc``; True when another one was pinned
         (it needs ``_open_drafter``), False when the request goes on without."""
         if exc.status in FATAL_CODES:
@@ -344,7 +346,7 @@ class Generation:
             self._fall_back("moves_exhausted", str(exc))
             return False
         self.moves["drafter"] += 1
-        if not self._pin_drafter():
+        if not await self._pin_drafter():
             return False
         FAILOVERS.labels("drafter").inc()
         log.warning("drafter lost, re-prefilling another", extra={
@@ -377,6 +379,11 @@ class Generation:
             self._abandoned.append((pool, endpoint))
 
     # -- calls ----------------------------------------------------------------------------
+    def _probe_timeout(self) -> float:
+        """How long a probe made on behalf of this request may take."""
+        left = self.deadline.remaining()
+        return PROBE_TIMEOUT_S if left is None else min(PROBE_TIMEOUT_S, left)
+
     async def _call(self, backend: str, endpoint: Endpoint, name: str, request):
         """One backend call under the request's deadline; accounts its time."""
         start = time.perf_counter()

@@ -8,9 +8,13 @@ never blocks); an address that disappears is *drained*: it gets no new
 sessions, the ones pinned to it go on until they end or fail, then its channel
 is closed. Every ``probe_interval_s`` each endpoint is probed: healthy means
 its grpc.health.v1 "readiness" is SERVING (not while loading or draining) and
-GetInfo answers; GetInfo's ``max_sessions`` is the capacity. A call that fails
-with UNAVAILABLE marks an endpoint unhealthy at once (``Pool.failed``); the
-next good probe brings it back.
+GetInfo answers; GetInfo's ``max_sessions`` is the capacity. A probe that is
+refused (UNAVAILABLE, not ready) marks an endpoint unhealthy at once, and so
+does a call that fails with UNAVAILABLE (``Pool.failed``); a probe that only
+times out does so after ``SLOW_PROBES`` in a row (a server busy with a long
+prefill on a loaded host is slow, not gone). The next good probe brings it
+back. When a request finds no usable endpoint, ``Pool.acquire`` probes the
+unhealthy ones once more before answering UNAVAILABLE.
 
 Every backend must use the first verifier's vocabulary; one that does not is
 logged and gets no sessions. Load = sessions / capacity, where sessions counts what this orchestrator has
@@ -43,6 +47,8 @@ from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2
 log = logging.getLogger("specdec.orchestrator")
 
 PROBE_TIMEOUT_S = 2.0
+SLOW_PROBES = 3                # probes in a row that time out before an endpoint counts as lost
+REPROBE_AFTER_S = 0.5          # a request probes an unhealthy endpoint again at most this often
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 Fits = Callable[[str, object], "str | None"]      # (role, GetInfo answer) -> why it cannot serve, or None
 
@@ -120,6 +126,8 @@ class Endpoint:
         self.pinned = 0                    # sessions this orchestrator has pinned here
         self._others = 0                   # sessions other clients held at the last probe
         self._last_error: str | None = None
+        self.slow_probes = 0               # probes in a row that timed out
+        self.probed_at = -math.inf         # time.monotonic() of the last probe's start
 
     @property
     def capacity(self) -> float:
@@ -153,6 +161,7 @@ class Endpoint:
                                           "max_sessions": info.max_sessions})
         self.healthy = True
         self._last_error = None
+        self.slow_probes = 0
 
     def lost(self, error: str) -> None:
         if self.healthy or self._last_error is None:
@@ -236,10 +245,15 @@ class Pool:
                    else drafter_pb2.DrafterGetInfoRequest())
         readiness = health_pb2.HealthCheckRequest(service="readiness")
         pinned = endpoint.pinned
+        endpoint.probed_at = time.monotonic()
         try:
             info, ready = await asyncio.gather(endpoint.stub.GetInfo(request, timeout=timeout_s),
                                                endpoint.health.Check(readiness, timeout=timeout_s))
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                endpoint.slow_probes += 1
+                if endpoint.slow_probes < SLOW_PROBES:
+                    return
             endpoint.lost(exc.details() or exc.code().name)
             return
         if ready.status != health_pb2.HealthCheckResponse.SERVING:
@@ -280,6 +294,22 @@ class Pool:
         if optional:
             return None, reason
         raise (ResourceExhausted if candidates else Unavailable)(message)
+
+    async def acquire(self, exclude: frozenset[str] = frozenset(), accept: Callable[[Endpoint], bool] | None = None,
+                      optional: bool = False, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[Endpoint | None, str]:
+        """``pick``, but when no endpoint is usable, probe the unhealthy ones now
+        (they may have come back since the last round) and pick again."""
+        endpoint, reason = self.pick(exclude, accept, optional=True)
+        if endpoint is None and reason == "unavailable":
+            recent = time.monotonic() - REPROBE_AFTER_S
+            stale = [e for e in self.endpoints.values() if e.address not in exclude and not e.draining
+                     and not e.healthy and e.probed_at < recent]
+            if stale:
+                await asyncio.gather(*(self._probe(e, timeout_s) for e in stale))
+            endpoint, reason = self.pick(exclude, accept, optional=True)
+        if endpoint is None and not optional:
+            self.pick(exclude, accept)            # raises with the reason
+        return endpoint, reason
 
     def unpin(self, endpoint: Endpoint) -> None:
         endpoint.pinned = max(0, endpoint.pinned - 1)

@@ -10,9 +10,11 @@ import threading
 import time
 from collections import Counter
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
-from orchestrator.routing import Discovery, Pool, parse_addresses, split_address
+from orchestrator.routing import REPROBE_AFTER_S, SLOW_PROBES, Discovery, Pool, parse_addresses, split_address
 from running_stack import Stack, start_orchestrator
 from specdec.client import SpecdecClient, SpecdecResourceExhausted
 from specdec.errors import ResourceExhausted, Unavailable
@@ -180,6 +182,72 @@ async def test_pick_skips_draining_unhealthy_and_misfit_endpoints_and_says_why()
     pool.failed(a, "connection refused")
     b.healthy = False
     assert pool.pick(optional=True) == (None, "unavailable")
+    await pool.aclose()
+
+
+class ProbeAnswers:
+    """Stands in for one endpoint's GetInfo and health stubs: each probe takes
+    the next outcome ("ok", "slow" = DEADLINE_EXCEEDED, "refused" = UNAVAILABLE)."""
+
+    def __init__(self, endpoint, outcomes):
+        self.outcomes = list(outcomes)
+        self.calls = 0
+        endpoint.stub = self
+        endpoint.health = self
+
+    async def GetInfo(self, request, timeout=None):
+        self.calls += 1
+        outcome = self.outcomes.pop(0)
+        if outcome != "ok":
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if outcome == "slow" else grpc.StatusCode.UNAVAILABLE
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=outcome)
+        return info(2)
+
+    async def Check(self, request, timeout=None):
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.mark.asyncio
+async def test_slow_probes_lose_an_endpoint_only_in_a_row_refused_at_once():
+    pool = Pool("verifier", Discovery(("10.0.0.1:1", "10.0.0.2:1")))
+    slow, refused = pool.endpoints.values()
+    ProbeAnswers(slow, ["ok"] + ["slow"] * (SLOW_PROBES - 1) + ["ok"] + ["slow"] * SLOW_PROBES)
+    ProbeAnswers(refused, ["ok", "refused"])
+    await pool.probe()
+    assert slow.healthy and refused.healthy
+    await pool.probe()
+    assert not refused.healthy                       # refused: lost at once
+    for _ in range(SLOW_PROBES - 2):
+        await pool._probe(slow, 1.0)
+    assert slow.healthy                              # busy, not gone
+    await pool._probe(slow, 1.0)                     # one good answer resets the count
+    for _ in range(SLOW_PROBES):
+        assert slow.healthy
+        await pool._probe(slow, 1.0)
+    assert not slow.healthy
+    await pool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_acquire_probes_unhealthy_endpoints_again_before_answering_unavailable():
+    pool = Pool("verifier", Discovery(("10.0.0.1:1", "10.0.0.2:1")))
+    back, gone = pool.endpoints.values()
+    came_back = ProbeAnswers(back, ["ok"])
+    still_gone = ProbeAnswers(gone, ["refused", "refused"])
+    back.lost("probe timed out")
+    gone.lost("connection refused")
+    with pytest.raises(Unavailable):
+        pool.pick()
+    endpoint, _ = await pool.acquire()
+    assert endpoint is back and back.pinned == 1 and came_back.calls == 1
+    # nothing usable, and the last probe was just now: answered without probing again
+    back.lost("connection refused")
+    assert await pool.acquire(optional=True) == (None, "unavailable")
+    assert still_gone.calls == 1
+    gone.probed_at -= 10 * REPROBE_AFTER_S
+    with pytest.raises(Unavailable, match="no verifier is reachable"):
+        await pool.acquire(exclude=frozenset({back.address}))
+    assert still_gone.calls == 2
     await pool.aclose()
 
 
