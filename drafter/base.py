@@ -10,9 +10,12 @@ that was not committed.
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -31,24 +34,57 @@ class DraftSession:
     state: object = None                   # drafter-specific (the n-gram index)
     root_out: tuple | None = None          # (hidden [H], log-probs [V]) of the last fed input
     lock: threading.Lock = field(default_factory=threading.Lock)
+    greedy: bool = False                   # the verifier accepts by argmax (temperature 0)
+
+
+CALIBRATION_FILE = "calibration.json"
+
+
+def read_value_temperature(model_dir: str | Path | None) -> float:
+    """The greedy value temperature fitted for a draft model (``calibration.json``
+    beside its weights, written by ``specdec train eagle`` / ``calibrate``); 1.0
+    when the directory has none, as for a released EAGLE head."""
+    if model_dir is None:
+        return 1.0
+    path = Path(model_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return 1.0
+    try:
+        value = json.loads(path.read_text())["greedy_value_temperature"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: expected a JSON object with greedy_value_temperature ({exc})") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{path}: greedy_value_temperature must be a number > 0, got {value!r}")
+    return float(value)
 
 
 class Drafter(ABC):
-    """prefill -> (draft -> commit)* -> release, per session id."""
+    """prefill -> (draft -> commit)* -> release, per session id.
+
+    Node values rank the draft tree; they should estimate how likely the
+    verifier is to accept a path. A greedy verifier accepts a token when it is
+    the target's argmax, which a head trained on the target's soft distribution
+    under-states: for greedy sessions the log-probs are sharpened by
+    ``greedy_value_temperature`` (fitted on held-out text), sampled sessions use
+    the draft distribution as it is. Either way the output is unchanged."""
 
     needs_features = False
     name = "drafter"
 
-    def __init__(self, vocab_size: int, max_sessions: int = 64, ttl_s: float = 600.0):
+    def __init__(self, vocab_size: int, max_sessions: int = 64, ttl_s: float = 600.0,
+                 greedy_value_temperature: float = 1.0):
         self.vocab_size = vocab_size
         self.sessions: SessionTable[DraftSession] = SessionTable(max_sessions, ttl_s)
+        self.greedy_value_temperature = greedy_value_temperature
 
-    def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
+    def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
+                greedy: bool = False) -> None:
         """tokens: prompt + first generated token; features: [len(tokens) - 1, H]
-        target hidden states at the prompt positions (EAGLE only)."""
+        target hidden states at the prompt positions (EAGLE only); greedy: the
+        session's verifier decodes at temperature 0."""
         if not tokens:
             raise InvalidArgument("drafter prefill needs at least one token")
-        sess = DraftSession(tokens=[])
+        sess = DraftSession(tokens=[], greedy=greedy)
         self._append(sess, tokens, features, first=True)
         self.sessions.add(sid, sess, replace=True)
 
@@ -77,6 +113,8 @@ class Drafter(ABC):
 
     def draft(self, sid: str, cfg: TreeConfig) -> DraftTree:
         sess = self.sessions.get(sid)
+        if cfg.value_temperature is None:
+            cfg = replace(cfg, value_temperature=self.greedy_value_temperature if sess.greedy else 1.0)
         with sess.lock:
             return self._draft(sess, cfg)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter.base import CachedTreeDrafter, DraftSession
+from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
 from specdec.models import ModelSpec, load_causal_lm
 
 
@@ -16,7 +16,8 @@ class DraftLmDrafter(CachedTreeDrafter):
         self.model = model if model is not None else load_causal_lm(spec)
         self.body = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
-        super().__init__(vocab_size=int(self.model.config.vocab_size), max_sessions=max_sessions, ttl_s=ttl_s)
+        super().__init__(vocab_size=int(self.model.config.vocab_size), max_sessions=max_sessions, ttl_s=ttl_s,
+                         greedy_value_temperature=read_value_temperature(spec.path if spec is not None else None))
 
     def _new_cache(self):
         from transformers import DynamicCache

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from drafter.base import CachedTreeDrafter, DraftSession
+from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
 from drafter.eagle_head import load_head, load_target_embeddings
+from specdec.models import torch_device
 
 
 class EagleDrafter(CachedTreeDrafter):
@@ -30,8 +31,9 @@ class EagleDrafter(CachedTreeDrafter):
         if embed.shape[1] != head.config.hidden_size:
             raise ValueError(f"EAGLE head hidden size {head.config.hidden_size} does not match the "
                              f"target's {embed.shape[1]}")
-        super().__init__(vocab_size=embed.shape[0], max_sessions=max_sessions, ttl_s=ttl_s)
-        self.device = torch.device(device)
+        super().__init__(vocab_size=embed.shape[0], max_sessions=max_sessions, ttl_s=ttl_s,
+                         greedy_value_temperature=read_value_temperature(head_dir))
+        self.device = torch_device(device)
         self.head, self.embed, self.lm_head = head.to(self.device), embed.to(self.device), lm_head.to(self.device)
         self.hidden_size = embed.shape[1]
 
@@ -44,7 +46,7 @@ class EagleDrafter(CachedTreeDrafter):
         return n_tokens - 1
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax((hidden @ self.lm_head.T).float(), dim=-1)
+        return torch.log_softmax(torch.nn.functional.linear(hidden, self.lm_head).float(), dim=-1)
 
     def _feed_pending(self, sess: DraftSession):
         start, end = sess.fed, len(sess.tokens) - 1          # pairs (f_t, x_{t+1})

@@ -320,7 +320,8 @@ class Generation:
         while self.drafter is not None:
             request = drafter_pb2.DrafterPrefillRequest(
                 session_id=self.job.session_id, token_ids=self.committed,
-                features=self.features.tensor() if self.drafter.info.needs_features else None)
+                features=self.features.tensor() if self.drafter.info.needs_features else None,
+                greedy=self.job.sampling.temperature <= 0.0)
             try:
                 await self._call("drafter", self.drafter, "Prefill", request)
             except BackendError as exc:

@@ -42,7 +42,7 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     if choice.kind == "eagle":
         from drafter.eagle import EagleDrafter
 
-        drafter = EagleDrafter(choice.path, target.path)
+        drafter = EagleDrafter(choice.path, target.path, device=target.device)
     elif choice.kind == "draft-lm":
         from drafter.draft_lm import DraftLmDrafter
 
@@ -77,7 +77,8 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
         dec.add([first.token])
         if use_drafter and not dec.done:
             t = time.perf_counter()
-            drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None)
+            drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None,
+                            greedy=params.greedy)
             times["commit"] += time.perf_counter() - t
         while not dec.done:
             t = time.perf_counter()

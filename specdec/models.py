@@ -47,6 +47,22 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
+def torch_device(name: str):
+    """``torch.device(name)``, or ValueError saying why it cannot be used here."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be a torch device such as cpu or cuda:0, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name} asked for, but this torch ({torch.__version__}) sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
+
+
 def quiet_transformers() -> None:
     """No download/loading progress bars in service logs and CLI output."""
     from transformers.utils import logging
@@ -61,11 +77,12 @@ def load_causal_lm(spec: ModelSpec):
 
     quiet_transformers()
     path = require_model_dir(spec.path)
+    device = torch_device(spec.device)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(spec.dtype), attn_implementation=spec.attn_implementation,
         local_files_only=True,
     )
-    return model.to(spec.device).eval()
+    return model.to(device).eval()
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -28,6 +28,7 @@ Methods (the paper's Table 3 ablations are the project's baselines):
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ class TreeConfig:
     depth: int = DEFAULT_DEPTH  # deepest draft level (root is level 0); at most this many expand() calls
     expand_k: int = DEFAULT_EXPAND_K  # children per expanded node and frontier width
     static_shape: Shape | None = None  # "static": rank paths, e.g. ((0,), (1,), (0, 0)); None = default
+    # Draft logits are divided by this before the log-probs that make node values
+    # (rank and rerank); None: the drafter's choice (its calibration for greedy
+    # sessions, else 1). Output never depends on it: proposals are one-hot.
+    value_temperature: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -68,6 +73,9 @@ class TreeConfig:
                 raise ValueError(f"static_shape must be a sequence of rank paths: {e}") from None
             check_shape(shape)
             object.__setattr__(self, "static_shape", shape)
+        t = self.value_temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
+            raise ValueError(f"value_temperature must be a number > 0, got {t!r}")
 
 
 @dataclass(frozen=True)
@@ -246,8 +254,9 @@ def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 class _Pool:
     """Every node created while drafting, in creation order (pool id = position)."""
 
-    def __init__(self, root_token: int, expand: ExpandFn):
+    def __init__(self, root_token: int, expand: ExpandFn, value_temperature: float = 1.0):
         self.expand = expand
+        self.value_temperature = float(value_temperature)
         self.vocab: int | None = None
         self.tokens = torch.tensor([root_token], dtype=torch.int64)  # [P]
         self.parents = torch.tensor([-1], dtype=torch.int64)  # [P]
@@ -270,7 +279,13 @@ class _Pool:
             self.vocab = logp.shape[1]
         if logp.shape[1] != self.vocab or self.vocab == 0:
             raise ValueError(f"expand() returned vocab {logp.shape[1]}, expected {self.vocab} (> 0)")
-        return _top_tokens(logp, k)
+        lp, tok = _top_tokens(logp, k)
+        t = self.value_temperature
+        if t != 1.0:
+            # log softmax(logits / t) at the same tokens: the order within a row is unchanged
+            scaled = logp.float() / t
+            lp = (lp / t - torch.logsumexp(scaled, dim=-1, keepdim=True).cpu()).clamp(max=0.0)
+        return lp, tok
 
     def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Append nodes (parents, tokens, logp all [m]) and return their pool ids [m]."""
@@ -310,7 +325,7 @@ def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
         raise TreeError(f"root_token must be a token id >= 0, got {root_token!r}")
     if cfg.method == "static":
         return _build_static(root_token, expand, cfg)
-    pool = _Pool(root_token, expand)
+    pool = _Pool(root_token, expand, cfg.value_temperature or 1.0)
     width = 1 if cfg.method == "chain" else cfg.expand_k
     frontier = torch.zeros(1, dtype=torch.int64)  # [f] pool ids, the root to start
     chosen = []  # the frontier picked at each level
@@ -338,7 +353,7 @@ def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTr
     shape = cfg.static_shape if cfg.static_shape is not None else default_static_shape()
     # prefixes of a shape are connected trees, and dropping deep paths keeps that true
     paths = [p for p in shape if len(p) <= cfg.depth][: cfg.total_tokens - 1]
-    pool = _Pool(root_token, expand)
+    pool = _Pool(root_token, expand, cfg.value_temperature or 1.0)
     index = {(): 0}  # rank path -> pool id
     for depth in range(1, max(map(len, paths), default=0) + 1):
         # a path whose parent needed a rank beyond the vocabulary is dropped too

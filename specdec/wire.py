@@ -129,7 +129,8 @@ def tree_params_to_proto(cfg: TreeConfig | None) -> common_pb2.TreeParams:
     if cfg is None:
         return common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA)
     return common_pb2.TreeParams(method=METHOD_TO_PROTO[cfg.method], total_tokens=cfg.total_tokens,
-                                 depth=cfg.depth, expand_k=cfg.expand_k)
+                                 depth=cfg.depth, expand_k=cfg.expand_k,
+                                 value_temperature=cfg.value_temperature or 0.0)
 
 
 def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeConfig, limits: TreeConfig,
@@ -153,4 +154,8 @@ def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeConfig, limi
             raise InvalidArgument(f"{field}.{name} must be >= 0 (0 = server default), got {value}")
         knobs[name] = min(value or getattr(default, name), getattr(limits, name))
     static_shape = default.static_shape if method == default.method else None
-    return replace(default, method=method, static_shape=static_shape, **knobs)
+    t = msg.value_temperature
+    if not (t >= 0 and math.isfinite(t)):
+        raise InvalidArgument(f"{field}.value_temperature must be >= 0 (0 = the drafter's choice), got {t}")
+    return replace(default, method=method, static_shape=static_shape, value_temperature=t or default.value_temperature,
+                   **knobs)

@@ -259,7 +259,7 @@ def run_concurrency(cfg: BenchConfig, plan: ConcurrencyPlan, texts: Sequence[str
     concurrency, speedups = summarize(pools, cfg.params.greedy)
     tree = cfg.tree
     return {
-        "device": device_name(),
+        "device": device_name(cfg.device),
         "target": cfg.target,
         "temperature": float(cfg.temperature),
         "prompts": min(len(texts), plan.requests),       # prompts actually used

@@ -58,7 +58,7 @@ class HfPeer:
 
     @torch.inference_mode()
     def run(self, prompt: Prompt, seed: int | None) -> Sample:
-        ids = torch.tensor([prompt.ids], dtype=torch.long)  # [1, P]
+        ids = torch.tensor([prompt.ids], dtype=torch.long, device=self.model.device)  # [1, P]
         if seed is not None:
             torch.manual_seed(seed)
         t = time.perf_counter()

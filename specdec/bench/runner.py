@@ -223,9 +223,13 @@ def measure(methods: dict[str, Method], prompts: Sequence[Prompt], repeats: int 
     return totals
 
 
-def device_name() -> str:
-    """CPU model and the number of threads torch uses, e.g. 'AMD EPYC 7B13, 2 threads'."""
+def device_name(device: str = "cpu") -> str:
+    """The GPU's name for a CUDA device; else the CPU model and the number of
+    threads torch uses, e.g. 'AMD EPYC 7B13, 2 threads (of 2 cores)'."""
     import torch
+
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
 
     model = None
     try:
@@ -261,6 +265,7 @@ class BenchConfig:
     seed: int = 0
     grpc: bool = False
     dtype: str = "float32"
+    device: str = "cpu"             # torch device of every model, e.g. cuda:0
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -293,7 +298,7 @@ class Models:
         from verifier.engine import TargetModel, VerifierEngine
 
         self.cfg = cfg
-        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype)
+        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
         self.verifier = VerifierEngine(self.target)
@@ -329,7 +334,8 @@ class Models:
             if kind == "eagle":
                 from drafter.eagle import EagleDrafter
 
-                self._drafters[kind] = EagleDrafter(self._need(self.cfg.eagle, "EAGLE head"), self.cfg.target)
+                self._drafters[kind] = EagleDrafter(self._need(self.cfg.eagle, "EAGLE head"), self.cfg.target,
+                                                    device=self.cfg.device)
             elif kind == "ngram":
                 from drafter.ngram import NgramDrafter
 
@@ -393,7 +399,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         totals = measure(methods, prompts, cfg.repeats, cfg.seed, on_warm=recorder.clear, progress=progress)
     points = recorder.points()
     return {
-        "device": device_name(),
+        "device": device_name(cfg.device),
         "target": cfg.target,
         "temperature": float(cfg.temperature),
         "prompts": len(prompts),

@@ -54,11 +54,11 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     limits = ["--max-total-tokens", str(max(64, tree.total_tokens)), "--max-depth", str(max(8, tree.depth)),
               "--max-expand-k", str(max(10, tree.expand_k))]
     if kind == "eagle":
-        return ["--eagle", cfg.eagle, "--target", cfg.target, "--dtype", cfg.dtype, *limits]
+        return ["--eagle", cfg.eagle, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":
-        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, *limits]
+        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
     raise ValueError(f"unknown drafter kind {kind!r}")
 
 
@@ -91,7 +91,8 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
     # torch processes (oversubscribed OpenMP threads spin on each other).
     with _threads_env(max(1, torch.get_num_threads() // 2)):
         mine.append(stack._spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
-                                                      "--dtype", cfg.dtype, *internal]))
+                                                      "--dtype", cfg.dtype, "--device", cfg.device,
+                                                      *internal]))
         mine.append(stack._spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
         children.extend(mine)
         stack._wait_listening(mine, deadline)

@@ -60,7 +60,7 @@ def run_sweep(cfg: BenchConfig, texts: Sequence[str], totals: Sequence[int] = TO
     over_total, over_depth = [point(t) for t in by_total], [point(t) for t in by_depth]
     best = max(over_total + over_depth, key=lambda p: p["tokens_per_s"])
     return {
-        "device": device_name(),
+        "device": device_name(cfg.device),
         "target": cfg.target,
         "temperature": float(cfg.temperature),
         "prompts": len(prompts),

@@ -46,6 +46,7 @@ def add_parser(sub) -> None:
     g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
     p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
                    help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -65,6 +66,9 @@ def add_parser(sub) -> None:
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
+    p.add_argument("--value-temperature", type=float, metavar="T",
+                   help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
+                        "for greedy, 1 when sampling); never changes the output")
     c = p.add_argument_group("concurrency (through the gRPC services)")
     c.add_argument("--concurrency", type=_int_list, metavar="LIST",
                    help="e.g. 1,2,4,8: for each C, keep C requests in flight through the services and report "
@@ -106,7 +110,8 @@ def config_from(args, sweep: bool):
             raise CliError(f"{flag} must be >= {low}, got {value}")
     from specdec.tree import TreeConfig
 
-    tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
+    tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
+                      value_temperature=args.value_temperature)
     if sweep:
         methods = ("vanilla", "eagle2")
     elif args.concurrency:
@@ -122,7 +127,8 @@ def config_from(args, sweep: bool):
     draft_lm = model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm") if needs_lm else args.draft_lm
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
-                       repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype)
+                       repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
+                       device=args.device)
 
 
 def concurrency_plan(args):

@@ -23,6 +23,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
 
 
 def add_decoding_flags(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,9 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
+    p.add_argument("--value-temperature", type=float, metavar="T",
+                   help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
+                        "for greedy, 1 when sampling); never changes the output")
 
 
 def add_parser(sub) -> None:
@@ -90,7 +94,8 @@ def tree_from(args):
 
     if args.method == "vanilla":
         return None
-    return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
+    return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
+                      value_temperature=args.value_temperature)
 
 
 def resolve_models(args):
@@ -104,7 +109,7 @@ def resolve_models(args):
     if not Path(target, "config.json").is_file():
         hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
         raise CliError(f"target model directory {target} has no config.json{hint}")
-    spec = ModelSpec(path=target, dtype=args.dtype)
+    spec = ModelSpec(path=target, dtype=args.dtype, device=args.device)
     if args.method == "vanilla":
         return spec, DrafterChoice("none")
     if args.ngram:

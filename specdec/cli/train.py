@@ -80,6 +80,14 @@ def add_parser(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.set_defaults(run=run_card)
 
+    t = tsub.add_parser("calibrate", help="fit an EAGLE head's greedy value temperature on held-out text "
+                                          "(writes calibration.json beside the head; train eagle does it too)")
+    t.add_argument("--target", default=str(demo_path("target")))
+    t.add_argument("--eagle", default=str(demo_path("eagle")), help="head directory (written into)")
+    t.add_argument("--data", nargs="+", help="text files (default: the Python standard library's held-out part)")
+    t.add_argument("--seq-len", type=int, default=256)
+    t.set_defaults(run=run_calibrate, name="calibrate")
+
     t = tsub.add_parser("eagle", help="EAGLE-1/2 head for any local Llama-family target")
     t.add_argument("--target", default=str(demo_path("target")))
     t.add_argument("--out", default=str(demo_path("eagle")))
@@ -136,6 +144,26 @@ def run_eagle(args) -> int:
     log = train_eagle(Path(args.target), train_texts, heldout, Path(args.out), _workdir(args), _config(args),
                       EagleLoss(args.w_reg, args.w_cls, args.noise), progress=not args.no_progress)
     _report(log, args.out)
+    return 0
+
+
+def run_calibrate(args) -> int:
+    import json
+
+    import torch
+
+    from drafter.eagle_head import load_head
+    from specdec.models import ModelSpec, load_causal_lm, load_tokenizer, require_model_dir
+    from specdec.train.data import tokenize_stream
+    from specdec.train.eagle import calibrate_head
+
+    require_model_dir(args.target, "target")
+    require_model_dir(args.eagle, "EAGLE head")
+    _, heldout = _corpus(args)
+    target = load_causal_lm(ModelSpec(args.target))
+    stream = tokenize_stream(heldout, load_tokenizer(args.target))
+    result = calibrate_head(load_head(args.eagle, torch.float32), target, stream, Path(args.eagle), args.seq_len)
+    print(json.dumps(result))
     return 0
 
 

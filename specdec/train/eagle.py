@@ -63,6 +63,53 @@ def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLo
     return loss_cfg.w_reg * reg + loss_cfg.w_cls * cls, {"reg": float(reg), "cls": float(cls), "top1": float(top1)}
 
 
+# Candidate greedy value temperatures, 0.10 to 2.00.
+TEMPERATURE_GRID = tuple(round(0.05 * i, 2) for i in range(2, 41))
+
+
+@torch.no_grad()
+def heldout_head_logits(head: EagleHead, target, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's next-token logits on held-out windows [B, L+1] (teacher-forced
+    with the target's features, as at the first draft level) and the target's
+    argmax at each position: ([N, V] fp32, [N] int64)."""
+    tokens = windows[:, :-1]
+    feats = target.get_decoder()(input_ids=tokens).last_hidden_state.float()
+    lm_head = target.get_output_embeddings()
+    labels = lm_head(feats).argmax(-1)[:, 1:]
+    embed = target.get_input_embeddings()(tokens[:, 1:]).float()
+    positions = torch.arange(feats.shape[1] - 1)[None].expand(feats.shape[0], -1)
+    logits = lm_head(head.float()(embed, feats[:, :-1], positions)).float()
+    return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+
+
+def fit_value_temperature(logits: torch.Tensor, labels: torch.Tensor,
+                          grid=TEMPERATURE_GRID) -> tuple[float, dict[float, float]]:
+    """Temperature scaling for argmax acceptance: the t on ``grid`` whose
+    softmax(logits / t) gives the target's argmax ``labels`` the least
+    negative log-likelihood. Returns (t, {t: NLL})."""
+    nll = {t: float(F.cross_entropy(logits / t, labels)) for t in grid}
+    return min(nll, key=nll.get), nll
+
+
+def calibrate_head(head: EagleHead, target, heldout_stream: torch.Tensor, out_dir: Path,
+                   seq_len: int = 256, windows: int = 8) -> dict:
+    """Fit the head's greedy value temperature on held-out text and write it to
+    ``out_dir/calibration.json`` (read by the drafter)."""
+    from drafter.base import CALIBRATION_FILE
+
+    logits, labels = heldout_head_logits(head, target, eval_windows(heldout_stream, seq_len, max_windows=windows))
+    t, nll = fit_value_temperature(logits, labels)
+    top = torch.softmax(logits / t, -1).max(-1).values.mean()
+    result = {"greedy_value_temperature": t,
+              "fitted_on": f"{labels.numel()} held-out positions: NLL of the target's argmax",
+              "heldout_nll": {"1.0": round(nll[1.0], 4), str(t): round(nll[t], 4)},
+              "top1_agreement": round(float((logits.argmax(-1) == labels).float().mean()), 4),
+              "mean_top1_confidence": {"1.0": round(float(torch.softmax(logits, -1).max(-1).values.mean()), 4),
+                                       str(t): round(float(top), 4)}}
+    Path(out_dir, CALIBRATION_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
                 workdir: Path, cfg: TrainConfig, loss_cfg: EagleLoss = EagleLoss(), progress: bool = True) -> dict:
     from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
@@ -93,6 +140,7 @@ def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[st
         return log          # interrupted: the checkpoint resumes it; export only a finished head
     head.eval()
     save_head(head, out_dir)
+    calibrate_head(head, target, heldout_stream, out_dir, cfg.seq_len)
     (Path(out_dir) / "training_log.json").write_text(json.dumps(
         {k: v for k, v in log.items() if k != "history"} | {"history_tail": log["history"][-20:],
                                                             "target": str(target_dir)}, indent=1))

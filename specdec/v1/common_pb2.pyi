@@ -47,16 +47,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("method", "total_tokens", "depth", "expand_k")
+    __slots__ = ("method", "total_tokens", "depth", "expand_k", "value_temperature")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     EXPAND_K_FIELD_NUMBER: _ClassVar[int]
+    VALUE_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     method: TreeMethod
     total_tokens: int
     depth: int
     expand_k: int
-    def __init__(self, method: _Optional[_Union[TreeMethod, str]] = ..., total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., expand_k: _Optional[int] = ...) -> None: ...
+    value_temperature: float
+    def __init__(self, method: _Optional[_Union[TreeMethod, str]] = ..., total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., expand_k: _Optional[int] = ..., value_temperature: _Optional[float] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("tokens", "parents", "values")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -288,10 +289,35 @@ def test_expand_output_is_checked():
     ({"static_shape": ((0,), (-1,))}, "static_shape"),
     ({"static_shape": ((0,), (0,))}, "static_shape"),
     ({"static_shape": ()}, "static_shape"),
+    ({"value_temperature": 0}, "value_temperature"),
+    ({"value_temperature": -0.5}, "value_temperature"),
+    ({"value_temperature": math.inf}, "value_temperature"),
+    ({"value_temperature": True}, "value_temperature"),
 ])
 def test_config_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         TreeConfig(**kwargs)
+
+
+def test_value_temperature_sharpens_values_and_deepens_the_tree():
+    """Values are sums of log softmax(logits / t): the same candidates in the
+    same order per row, but a confident token's path outranks wide siblings."""
+    vocab = 8
+
+    def next_logp(path):                  # token 1 always at 0.5, token 2 at 0.3
+        return log_dist(vocab, {1: 0.5, 2: 0.3})
+
+    base = TreeConfig(method="eagle2", total_tokens=5, depth=4, expand_k=2)
+    plain = build_tree(0, PathDraft(0, next_logp), base)
+    draft = PathDraft(0, next_logp)
+    sharp = build_tree(0, draft, TreeConfig(method="eagle2", total_tokens=5, depth=4, expand_k=2,
+                                            value_temperature=0.25))
+    assert max(plain.depths.tolist()) == 2          # 0.5 * 0.5 < 0.3: the runner-up joins first
+    assert sharp.depths.tolist() == [0, 1, 2, 3, 4]   # sharpened: the top path all the way down
+    scaled = torch.log_softmax(log_dist(vocab, {1: 0.5, 2: 0.3}).double() / 0.25, -1)
+    for i in range(1, sharp.size):
+        assert sharp.values[i].item() == pytest.approx(i * scaled[1].item(), rel=1e-5)
+    assert build_tree(0, PathDraft(0, next_logp), replace(base, value_temperature=1.0)).values.equal(plain.values)
 
 
 def test_config_accepts_list_shape():

@@ -84,3 +84,39 @@ def test_drafting_twice_without_commit_gives_the_same_tree(tiny_family):
     assert first.tokens.tolist() == again.tokens.tolist() and first.parents.tolist() == again.parents.tolist()
     drafter.rollback("s", 3)
     assert int(drafter.draft("s", cfg).tokens[0]) == 5
+
+
+def copy_head(src, dst):
+    for name in ("config.json", "model.safetensors"):
+        (dst / name).write_bytes((src / name).read_bytes())
+    return dst
+
+
+def test_calibration_file_sets_the_greedy_value_temperature(tiny_family, tmp_path):
+    """A greedy session ranks its tree with the head's fitted temperature, a
+    sampled one with the plain draft log-probs; an explicit knob wins over both."""
+    head_dir = copy_head(tiny_family["eagle"], tmp_path)
+    assert EagleDrafter(head_dir, tiny_family["target"]).greedy_value_temperature == 1.0   # no file: as released
+    (head_dir / "calibration.json").write_text(json.dumps({"greedy_value_temperature": 0.3}))
+    drafter = EagleDrafter(head_dir, tiny_family["target"])
+    assert drafter.greedy_value_temperature == 0.3
+    feats = torch.randn(3, drafter.hidden_size, generator=torch.Generator().manual_seed(0))
+    cfg = TreeConfig(total_tokens=8, depth=3, expand_k=2)
+    trees = {}
+    for sid, greedy in (("greedy", True), ("sampled", False)):
+        drafter.prefill(sid, [3, 4, 5, 6], feats, greedy=greedy)
+        trees[sid] = drafter.draft(sid, cfg)
+        for t in (0.3, 1.0):
+            trees[sid, t] = drafter.draft(sid, TreeConfig(total_tokens=8, depth=3, expand_k=2, value_temperature=t))
+    assert torch.equal(trees["greedy"].values, trees["greedy", 0.3].values)
+    assert torch.equal(trees["sampled"].values, trees["sampled", 1.0].values)
+    assert torch.equal(trees["greedy", 1.0].values, trees["sampled", 1.0].values)
+    assert not torch.equal(trees["greedy"].values, trees["sampled"].values)
+
+
+@pytest.mark.parametrize("text", ['{"greedy_value_temperature": 0}', '{"t": 1}', "not json", "[1]"])
+def test_bad_calibration_file_names_it(tiny_family, tmp_path, text):
+    head_dir = copy_head(tiny_family["eagle"], tmp_path)
+    (head_dir / "calibration.json").write_text(text)
+    with pytest.raises(ValueError, match="calibration.json"):
+        EagleDrafter(head_dir, tiny_family["target"])

@@ -56,6 +56,16 @@ def test_greedy_identical_to_vanilla(stacks, reference, drafter, method):
     assert len(stack.verifier.sessions) == 0 and len(stack.drafter.sessions) == 0
 
 
+@pytest.mark.parametrize("value_temperature", [0.2, 3.0])
+@pytest.mark.parametrize("drafter", ["eagle", "draft-lm"])
+def test_greedy_identical_whatever_the_value_temperature(stacks, reference, drafter, value_temperature):
+    stack = stacks[drafter]
+    cfg = TreeConfig(total_tokens=10, depth=4, expand_k=3, value_temperature=value_temperature)
+    stop = StopCriteria(max_new_tokens=NEW_TOKENS)
+    for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
+        assert generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg).tokens == want
+
+
 def test_vanilla_matches_plain_hf_loop(tiny_family, reference):
     """The baseline itself is plain decoding: argmax of a full-sequence forward each step."""
     from transformers import AutoModelForCausalLM

@@ -37,9 +37,10 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:
     return joint.reshape([V] * NEW)
 
 
-def sampled_joint(verifier, drafter, params: SamplingParams, method: str) -> torch.Tensor:
+def sampled_joint(verifier, drafter, params: SamplingParams, method: str,
+                  value_temperature: float | None = None) -> torch.Tensor:
     counts = torch.zeros([V] * NEW)
-    cfg = TreeConfig(method=method, total_tokens=6, depth=2, expand_k=2)
+    cfg = TreeConfig(method=method, total_tokens=6, depth=2, expand_k=2, value_temperature=value_temperature)
     stop = StopCriteria(max_new_tokens=NEW)
     for seed in range(RUNS):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
@@ -72,15 +73,16 @@ def engines():
     return target, verifier, DraftLmDrafter(model=draft)
 
 
-@pytest.mark.parametrize("params,method", [
-    (SamplingParams(temperature=1.0), "eagle2"),
-    (SamplingParams(temperature=0.7, top_p=0.9), "eagle2"),
-    (SamplingParams(temperature=1.0), "chain"),
+@pytest.mark.parametrize("params,method,value_temperature", [
+    (SamplingParams(temperature=1.0), "eagle2", None),
+    (SamplingParams(temperature=0.7, top_p=0.9), "eagle2", None),
+    (SamplingParams(temperature=1.0), "chain", None),
+    (SamplingParams(temperature=1.0), "eagle2", 0.3),     # another tree shape, the same distribution
 ])
-def test_speculative_sampling_matches_target_distribution(engines, params, method):
+def test_speculative_sampling_matches_target_distribution(engines, params, method, value_temperature):
     target, verifier, drafter = engines
     probs = exact_joint(target, params)
-    counts = sampled_joint(verifier, drafter, params, method)
+    counts = sampled_joint(verifier, drafter, params, method, value_temperature)
     assert chi2_pvalue(counts, probs) > 1e-4
 
 

@@ -48,7 +48,10 @@ async def test_draft_with_commit_matches_in_process_drafter(tiny_family, kind, l
             first = local_verifier.prefill("d", PROMPT, SamplingParams())
             f0 = first.features if eagle else None
             reference.prefill("d", PROMPT + [first.token], f0)
-            await stub.Prefill(DrafterPrefillRequest(session_id="d", token_ids=PROMPT + [first.token], features=feats(f0)))
+            await stub.Prefill(DrafterPrefillRequest(session_id="d", token_ids=PROMPT + [first.token], features=feats(f0),
+                                                     greedy=True))
+            assert servicer.drafter.sessions.get("d").greedy
+            reference.sessions.get("d").greedy = True
             commit, commit_f = [], None
             for cycle in range(4):
                 knobs = TreeConfig(method=("eagle2", "chain", "no-rerank", "static")[cycle],

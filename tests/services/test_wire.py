@@ -130,7 +130,8 @@ def test_tree_knobs_default_clamp_and_vanilla():
                                        DEFAULT, LIMITS) is None
 
 
-@pytest.mark.parametrize("cfg", [None, TreeConfig(method="no-rerank", total_tokens=9, depth=3, expand_k=2)])
+@pytest.mark.parametrize("cfg", [None, TreeConfig(method="no-rerank", total_tokens=9, depth=3, expand_k=2),
+                                 TreeConfig(total_tokens=9, depth=3, expand_k=2, value_temperature=0.5)])
 def test_tree_params_round_trip(cfg):
     msg = wire.tree_params_to_proto(cfg)
     assert wire.tree_config_from_proto(msg, DEFAULT, LIMITS) == cfg
@@ -141,6 +142,8 @@ def test_tree_params_round_trip(cfg):
     (common_pb2.TreeParams(depth=-3), r"^tree\.depth must be >= 0"),
     (common_pb2.TreeParams(expand_k=-1), r"^tree\.expand_k must be >= 0"),
     (common_pb2.TreeParams(method=42), r"^tree\.method 42 is not a known TreeMethod"),
+    (common_pb2.TreeParams(value_temperature=-1), r"^tree\.value_temperature must be >= 0"),
+    (common_pb2.TreeParams(value_temperature=math.nan), r"^tree\.value_temperature must be >= 0"),
 ])
 def test_bad_tree_knobs_name_the_field(msg, message):
     with pytest.raises(InvalidArgument, match=message):

@@ -76,6 +76,34 @@ def test_artifacts_load_through_public_loaders(trained):
     assert drafter.draft("s", TreeConfig(total_tokens=6, depth=2, expand_k=2)).size == 6
 
 
+def test_eagle_head_ships_its_fitted_value_temperature(trained, corpus, capsys):
+    from drafter.eagle import EagleDrafter
+    from specdec.train.eagle import TEMPERATURE_GRID
+
+    written = json.loads((trained / "eagle" / "calibration.json").read_text())
+    assert written["greedy_value_temperature"] in TEMPERATURE_GRID
+    assert EagleDrafter(trained / "eagle", trained / "target").greedy_value_temperature == \
+        written["greedy_value_temperature"]
+    (trained / "eagle" / "calibration.json").unlink()
+    assert main(["train", "calibrate", "--target", str(trained / "target"), "--eagle", str(trained / "eagle"),
+                 "--data", *corpus, "--seq-len", "32"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads((trained / "eagle" / "calibration.json").read_text())
+    assert printed["greedy_value_temperature"] == written["greedy_value_temperature"]   # deterministic
+
+
+@pytest.mark.parametrize("true_t", [0.4, 1.0, 1.6])
+def test_temperature_fit_recovers_the_temperature_labels_were_drawn_at(true_t):
+    from specdec.train.eagle import fit_value_temperature
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(20000, 12, generator=gen) * 2
+    labels = torch.multinomial(torch.softmax(logits / true_t, -1), 1, generator=gen)[:, 0]
+    fitted, nll = fit_value_temperature(logits, labels)
+    assert abs(fitted - true_t) <= 0.1
+    assert nll[fitted] == min(nll.values())
+
+
 def test_interrupted_run_resumes_bit_identically(tmp_path, corpus, trained):
     """Stopped after 12 of 20 steps and rerun, a run ends exactly where an
     uninterrupted run ends: same data order, same optimizer state."""
