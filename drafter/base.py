@@ -84,6 +84,10 @@ class Drafter(ABC):
         session's verifier decodes at temperature 0."""
         if not tokens:
             raise InvalidArgument("drafter prefill needs at least one token")
+        if self.needs_features and len(tokens) < 2:
+            # its first input pairs a prompt token's feature with the token after it
+            raise InvalidArgument(f"{self.name} drafter prefill needs at least 2 tokens (prompt + first "
+                                  f"generated token), got {len(tokens)}")
         sess = DraftSession(tokens=[], greedy=greedy)
         self._append(sess, tokens, features, first=True)
         self.sessions.add(sid, sess, replace=True)
@@ -113,10 +117,14 @@ class Drafter(ABC):
 
     def draft(self, sid: str, cfg: TreeConfig) -> DraftTree:
         sess = self.sessions.get(sid)
-        if cfg.value_temperature is None:
-            cfg = replace(cfg, value_temperature=self.greedy_value_temperature if sess.greedy else 1.0)
         with sess.lock:
-            return self._draft(sess, cfg)
+            return self._draft(sess, self.session_config(sess, cfg))
+
+    def session_config(self, sess: DraftSession, cfg: TreeConfig) -> TreeConfig:
+        """``cfg`` with the value temperature this session drafts with."""
+        if cfg.value_temperature is not None:
+            return cfg
+        return replace(cfg, value_temperature=self.greedy_value_temperature if sess.greedy else 1.0)
 
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod

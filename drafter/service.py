@@ -4,7 +4,11 @@ small LM or n-gram).
 ``Draft`` is the per-cycle call: commit the tokens the verifier accepted last
 cycle (with their target features for EAGLE), then build a tree with the
 request's knobs, 0 meaning the server default and every knob clamped to the
-server's limits. Status mapping as in ``verifier.service``.
+server's limits. Status mapping as in ``verifier.service``. With
+``batch_window_ms`` > 0, concurrent sessions' Draft calls are collected by a
+``drafter.batch.DraftScheduler`` and drafted together, one model forward per
+tree level for all of them (``drafter.batch.draft_batch``); each still gets
+the tree it would get alone.
 """
 
 from __future__ import annotations
@@ -32,8 +36,13 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 class DrafterServiceConfig:
     default_tree: TreeConfig = TreeConfig()                          # knobs a request leaves at 0
     limits: TreeConfig = TreeConfig(total_tokens=64, depth=8, expand_k=10)   # clamps; method unused
+    batch_window_ms: float = 0.0       # >0: draft concurrent sessions' trees in shared forwards
+    max_batch: int = 16
 
     def __post_init__(self):
+        if not self.batch_window_ms >= 0 or isinstance(self.max_batch, bool) or not self.max_batch >= 1:
+            raise ValueError(f"batch_window_ms must be >= 0 and max_batch >= 1, got {self.batch_window_ms} "
+                             f"and {self.max_batch}")
         # the default itself obeys the limits
         clamped = {k: min(getattr(self.default_tree, k), getattr(self.limits, k))
                    for k in ("total_tokens", "depth", "expand_k")}
@@ -47,6 +56,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         super().__init__()
         self.config = config
         self.drafter = None                # drafter.base.Drafter, once loaded
+        self.scheduler = None              # drafter.batch.DraftScheduler when batching is on
 
     def registration(self) -> tuple[Callable, object, str]:
         """The (add_to_server, servicer, service name) triple for ``start_server``."""
@@ -58,6 +68,12 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         drafter, seconds = await self.run(build)
         _, warm_s = await self.run(self._warm_up, drafter)
         self.drafter, self.sessions = drafter, drafter.sessions
+        if self.config.batch_window_ms > 0:
+            from drafter.batch import DraftScheduler, draft_batch
+
+            self.scheduler = DraftScheduler(lambda items: self.run(draft_batch, self.drafter, items),
+                                            lambda: len(self.sessions), self.config.batch_window_ms / 1000,
+                                            self.config.max_batch)
         self._refresh_stats()
         self.start_sweeper()
         log.info("drafter loaded", extra={"kind": drafter.name, "load_s": round(seconds, 3),
@@ -101,6 +117,11 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             return tree_from_lists([self.drafter.sessions.get(sid).tokens[-1]], [-1])
         return self.drafter.draft(sid, cfg)
 
+    async def aclose(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.close()
+        await super().aclose()
+
     # -- RPCs -------------------------------------------------------------------------------------
     async def Prefill(self, request, context):
         try:
@@ -122,7 +143,10 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 raise InvalidArgument("commit_features given without commit_tokens")
             feats = self._feature_tensor(request.commit_features, "commit_features", len(tokens)) if tokens else None
             cfg = self._tree_config(request.tree)
-            tree, seconds = await self.run(self._commit_and_draft, request.session_id, tokens, feats, cfg)
+            if self.scheduler is not None:
+                tree, seconds = await self.scheduler.draft(request.session_id, tokens, feats, cfg)
+            else:
+                tree, seconds = await self.run(self._commit_and_draft, request.session_id, tokens, feats, cfg)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.DRAFT_DURATION.observe(seconds)

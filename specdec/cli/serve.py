@@ -136,6 +136,12 @@ def add_parsers(sub) -> None:
     t.add_argument("--max-total-tokens", type=int, default=64)
     t.add_argument("--max-depth", type=int, default=8)
     t.add_argument("--max-expand-k", type=int, default=10)
+    p.add_argument("--batch-window-ms", type=float, default=_env("SPECDEC_BATCH_WINDOW_MS", 2.0),
+                   help="collect concurrent sessions' drafts for up to this long and expand their trees "
+                        "together, one forward per level (0 = off; a lone session never waits; "
+                        "env SPECDEC_BATCH_WINDOW_MS)")
+    p.add_argument("--max-batch", type=int, default=_env("SPECDEC_MAX_BATCH", 16),
+                   help="sessions per batched draft at most (env SPECDEC_MAX_BATCH)")
     _add_session_flags(p)
     add_server_flags(p, *DRAFTER_PORTS)
     p.set_defaults(run=run_drafter)
@@ -243,8 +249,13 @@ def run_drafter(args) -> int:
     default = TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
                          expand_k=args.expand_k)
     limits = TreeConfig(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
+    from specdec.cli.main import CliError
+
+    if not args.batch_window_ms >= 0 or args.max_batch < 1:
+        raise CliError("--batch-window-ms must be >= 0 and --max-batch >= 1")
     build = _drafter_builder(args)
     from drafter.service import DrafterService, DrafterServiceConfig
 
-    servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits))
+    servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits,
+                                                   batch_window_ms=args.batch_window_ms, max_batch=args.max_batch))
     return _serve(cfg, servicer, "drafter", build, args)

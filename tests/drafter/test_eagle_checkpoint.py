@@ -120,3 +120,10 @@ def test_bad_calibration_file_names_it(tiny_family, tmp_path, text):
     (head_dir / "calibration.json").write_text(text)
     with pytest.raises(ValueError, match="calibration.json"):
         EagleDrafter(head_dir, tiny_family["target"])
+
+
+def test_one_token_session_is_refused_up_front(tiny_family):
+    drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
+    with pytest.raises(InvalidArgument, match="at least 2 tokens"):
+        drafter.prefill("s", [3], torch.zeros(0, drafter.hidden_size))
+    assert len(drafter.sessions) == 0
