@@ -119,11 +119,21 @@ def clamp_tree(params: common_pb2.TreeParams, limits: common_pb2.TreeParams) -> 
     return out
 
 
+MIN_SHARED_TREE = 4     # a tree cut for load keeps at least this many nodes (root included)
+
+
+def shared_tree_tokens(budget: int, sessions: int) -> int:
+    """This session's tree size when ``sessions`` share a verify budget of ``budget`` nodes."""
+    return max(MIN_SHARED_TREE, budget // max(1, sessions))
+
+
 class Generation:
     """Runs one Job on the backends the router gives it, feeding a Decoding and a TextStream."""
 
-    def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline):
+    def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
+                 verify_token_budget: int = 0):
         self.router = router
+        self.verify_token_budget = verify_token_budget
         self.job = job
         self.dec = decoding
         self.text = text
@@ -218,6 +228,9 @@ class Generation:
         params = common_pb2.TreeParams()
         params.CopyFrom(self.tree)
         params.depth = min(params.depth, remaining - 1)
+        if self.verify_token_budget > 0 and self.verifier is not None:
+            share = shared_tree_tokens(self.verify_token_budget, self.verifier.sessions)
+            params.total_tokens = min(params.total_tokens, share) if params.total_tokens else share
         return params
 
     async def _commit(self, tokens: list[int], emit) -> None:

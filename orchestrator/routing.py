@@ -165,7 +165,9 @@ class Endpoint:
 
     def lost(self, error: str) -> None:
         if self.healthy or self._last_error is None:
-            log.warning("backend unreachable", extra={"role": self.role, "address": self.address, "error": error})
+            # not up yet (never answered a probe): still starting, not a problem
+            log.log(logging.WARNING if self.info is not None else logging.INFO, "backend unreachable",
+                    extra={"role": self.role, "address": self.address, "error": error})
         self.healthy = False
         self._last_error = error
 

@@ -80,6 +80,10 @@ class OrchestratorConfig:
     max_new_tokens_limit: int = 2048
     backend_tls: ClientTls | None = None
     backend_token: str | None = None
+    # >0: tree nodes one verifier step should carry over all its sessions; each
+    # session's tree is cut to budget / sessions on that verifier (at least
+    # MIN_SHARED_TREE): under load a wide tree mostly verifies rejected tokens.
+    verify_token_budget: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -96,6 +100,8 @@ class OrchestratorConfig:
                 raise ValueError(f"{name.replace('_', ' ')} must be > 0, got {getattr(self, name)}")
         if self.max_new_tokens_limit < 1:
             raise ValueError(f"max_new_tokens limit must be >= 1, got {self.max_new_tokens_limit}")
+        if isinstance(self.verify_token_budget, bool) or not self.verify_token_budget >= 0:
+            raise ValueError(f"verify token budget must be >= 0 (0 = off), got {self.verify_token_budget}")
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default max_new_tokens must be >= 1, got {self.default_max_new_tokens}")
 
@@ -241,7 +247,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": METHOD_FROM_PROTO[tree.method] if tree else "vanilla"})
-        return Generation(self.router, job, Decoding(stop), text, deadline)
+        return Generation(self.router, job, Decoding(stop), text, deadline, self.config.verify_token_budget)
 
     def _max_new_tokens(self, value: int) -> int:
         limit = self.config.max_new_tokens_limit

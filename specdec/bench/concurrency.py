@@ -269,7 +269,8 @@ def run_concurrency(cfg: BenchConfig, plan: ConcurrencyPlan, texts: Sequence[str
         "repeats": cfg.repeats,
         "concurrency": concurrency,
         "speedup_vs_vanilla": speedups,
-        "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "expand_k": tree.expand_k},
+        "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "expand_k": tree.expand_k,
+                 "verify_token_budget": cfg.verify_token_budget},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
         "notes": ["C requests in flight per pool (closed loop), through orchestrator, drafter and verifier "
                   "processes; vanilla = method VANILLA on the same services",

@@ -227,7 +227,9 @@ def concurrency_markdown(result: dict) -> str:
         f"- temperature: {result['temperature']}, prompts: {result['prompts']} (cycled), "
         f"max_new_tokens: {result['max_new_tokens']}, requests per level: {result['requests_per_level']}, "
         f"repeats: {result.get('repeats', 1)}",
-        f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}",
+        f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}"
+        + (f"; verify token budget {tree['verify_token_budget']} (each session's tree cut to budget / sessions, "
+           f"at least 4)" if tree.get("verify_token_budget") else ""),
         "- C requests in flight at a time through the orchestrator, drafter and verifier services; "
         "vanilla = method VANILLA on the same services",
         "- aggregate tokens/s = all requests' tokens / pool wall time; latency and TTFT measured at the client",

@@ -266,6 +266,7 @@ class BenchConfig:
     grpc: bool = False
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
+    verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in ALL_METHODS]

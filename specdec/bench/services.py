@@ -99,7 +99,8 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
         verifier, drafter = mine
         orchestrator = stack._spawn(f"{kind} orchestrator", [
             "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
-            "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)), *internal])
+            "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
+            "--verify-token-budget", str(cfg.verify_token_budget), *internal])
     mine.append(orchestrator)
     children.append(orchestrator)
     stack._wait_listening(mine, deadline)

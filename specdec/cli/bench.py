@@ -76,6 +76,9 @@ def add_parser(sub) -> None:
     c.add_argument("--requests-per-level", type=int, default=DEFAULT_REQUESTS_PER_LEVEL, metavar="N",
                    help=f"timed requests per method and level, over the prompts in turn "
                         f"(default {DEFAULT_REQUESTS_PER_LEVEL}; at least the largest C)")
+    c.add_argument("--verify-token-budget", type=int, default=0, metavar="N",
+                   help="the services' orchestrator cuts each session's tree to N / sessions on its verifier "
+                        "(at least 4) under load; 0 = off (default)")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
                    help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
@@ -105,7 +108,8 @@ def config_from(args, sweep: bool):
     from specdec.cli.main import CliError
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
-                             ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1)):
+                             ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1),
+                             ("--verify-token-budget", args.verify_token_budget, 0)):
         if value is not None and value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
     from specdec.tree import TreeConfig
@@ -128,7 +132,7 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
-                       device=args.device)
+                       device=args.device, verify_token_budget=args.verify_token_budget)
 
 
 def concurrency_plan(args):

@@ -95,6 +95,9 @@ def add_orchestrator_parser(sub) -> None:
     t.add_argument("--depth", type=int, default=TreeDefaults.depth)
     t.add_argument("--expand-k", type=int, default=TreeDefaults.expand_k)
     t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--verify-token-budget", type=int, metavar="N", default=_env("SPECDEC_VERIFY_TOKEN_BUDGET", 0),
+                   help="tree nodes per verifier step over all its sessions: each session's tree is cut to "
+                        "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
     t.add_argument("--max-new-tokens-limit", type=int, default=2048, help="larger requests: INVALID_ARGUMENT")
     b = p.add_argument_group("calls to the backends")
     b.add_argument("--backend-ca", default=_env("SPECDEC_BACKEND_CA"), help="CA of the backends' certificates (TLS)")
@@ -135,7 +138,7 @@ def orchestrator_config(args):
                               probe_interval_s=args.probe_interval_s, tree=tree,
                               default_max_new_tokens=args.max_new_tokens,
                               max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
-                              backend_token=args.backend_token)
+                              backend_token=args.backend_token, verify_token_budget=args.verify_token_budget)
 
 
 def run_orchestrator(args) -> int:

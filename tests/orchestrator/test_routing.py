@@ -498,3 +498,36 @@ def test_draining_verifier_gets_no_new_sessions(stack, reference):
             tap.restore()
         for name in ("drains", *names):
             stack.stop(name)
+
+
+def test_shared_tree_tokens_split_the_budget_with_a_floor():
+    from orchestrator.loop import MIN_SHARED_TREE, shared_tree_tokens
+    from orchestrator.service import OrchestratorConfig
+
+    assert [shared_tree_tokens(64, s) for s in (0, 1, 2, 4, 8, 64)] == [64, 64, 32, 16, 8, MIN_SHARED_TREE]
+    with pytest.raises(ValueError, match="verify token budget"):
+        OrchestratorConfig(verifier="127.0.0.1:1", verify_token_budget=-1)
+
+
+@pytest.mark.timeout(120)
+def test_verify_token_budget_cuts_trees_and_keeps_the_output(stack, reference):
+    stack.add_verifier("vb")
+    stack.add_drafter("db", "eagle")
+    add_orchestrator(stack, "budget", ["vb"], ["db"], verify_token_budget=6)
+    drafter = stack.servicer("db").drafter
+    original, sizes = drafter.draft, []
+
+    def recording(sid, cfg):
+        sizes.append(cfg.total_tokens)
+        return original(sid, cfg)
+
+    drafter.draft = recording
+    try:
+        with SpecdecClient(stack.address("budget"), timeout=60) as client:
+            result = client.complete(PROMPT, max_new_tokens=N, total_tokens=16)
+        assert result.token_ids == reference
+        assert sizes and all(size == 6 for size in sizes), sizes      # one session: the whole budget
+    finally:
+        drafter.draft = original
+        for name in ("budget", "vb", "db"):
+            stack.stop(name)
