@@ -106,6 +106,9 @@ def collect(demo: Path, measure: bool = True) -> dict:
             * (log.get("config", {}).get("seq_len") or 0),
             "last_eval": evals[-1] if evals else None, "unigram_loss": log.get("unigram_loss"),
         }
+    calibration = demo / "eagle" / "calibration.json"
+    if "eagle" in card["models"] and calibration.is_file():
+        card["models"]["eagle"]["calibration"] = json.loads(calibration.read_text())
     if measure and (demo / "target").is_dir() and (demo / "eagle").is_dir():
         card["step_costs"] = step_costs(demo / "target", demo / "eagle")
     return card
@@ -197,8 +200,17 @@ def render(card: dict) -> str:
         lines += ["", f"## Acceptance on held-out code ({h['prompts']} prompts, greedy, "
                       f"{h['max_new_tokens']} new tokens)", "", "| tree | tau (bonus token included) |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in h["tau"].items()]
-        lines += ["", "### Calibration (EAGLE-2 §3.2, Figure 6): draft confidence vs acceptance rate", "",
-                  "![calibration](calibration.png)", "", "| confidence | nodes | accepted | rate |", "|---|---|---|---|"]
+        lines += ["", "### Calibration (EAGLE-2 §3.2, Figure 6): draft confidence vs acceptance rate", ""]
+        fitted = card["models"].get("eagle", {}).get("calibration")
+        if fitted:
+            t = fitted["greedy_value_temperature"]
+            conf = fitted.get("mean_top1_confidence", {})
+            lines += [f"Greedy sessions rank the tree with the head's logits divided by T = {t} "
+                      f"(`eagle/calibration.json`, fitted by temperature scaling on held-out text: mean top-1 "
+                      f"confidence {conf.get('1.0')} at T = 1, {conf.get(str(t))} at T = {t}, against a top-1 "
+                      f"agreement of {fitted.get('top1_agreement')}); the confidences below are those tempered "
+                      "probabilities, the values the tree was built from.", ""]
+        lines += ["![calibration](calibration.png)", "", "| confidence | nodes | accepted | rate |", "|---|---|---|---|"]
         lines += [f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {_num(b['rate'])} |"
                   for b in h["calibration"]]
     lines += ["", f"Measured on: {card['machine']}.", ""]
