@@ -181,6 +181,7 @@ class Generation:
             result = await self._on_verifier("Verify", verifier_pb2.VerifyRequest(
                 session_id=job.session_id, tree=tree, return_features=self._wants_features))
             self.dec.stats.record_cycle(len(tree.tokens), len(result.accepted_nodes))
+            self.dec.gate.record(len(tree.tokens) > 1, len(result.tokens))
             await self._committed(list(result.tokens), result.features, emit)
 
     @property
@@ -223,7 +224,7 @@ class Generation:
 
     def _cycle_tree(self, remaining: int) -> common_pb2.TreeParams | None:
         """This cycle's tree knobs: never deeper than the tokens still wanted."""
-        if self.tree is None or remaining <= 1:
+        if self.tree is None or remaining <= 1 or not self.dec.gate.speculate():
             return None
         params = common_pb2.TreeParams()
         params.CopyFrom(self.tree)

@@ -84,6 +84,7 @@ class OrchestratorConfig:
     # session's tree is cut to budget / sessions on that verifier (at least
     # MIN_SHARED_TREE): under load a wide tree mostly verifies rejected tokens.
     verify_token_budget: int = 0
+    min_tau: float = 0.0          # SpeculationGate: pause drafting below this recent τ (0 = always draft)
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -100,6 +101,8 @@ class OrchestratorConfig:
                 raise ValueError(f"{name.replace('_', ' ')} must be > 0, got {getattr(self, name)}")
         if self.max_new_tokens_limit < 1:
             raise ValueError(f"max_new_tokens limit must be >= 1, got {self.max_new_tokens_limit}")
+        if not self.min_tau >= 0:
+            raise ValueError(f"min tau must be >= 0 (0 = always draft), got {self.min_tau}")
         if isinstance(self.verify_token_budget, bool) or not self.verify_token_budget >= 0:
             raise ValueError(f"verify token budget must be >= 0 (0 = off), got {self.verify_token_budget}")
         if self.default_max_new_tokens < 1:
@@ -247,7 +250,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": METHOD_FROM_PROTO[tree.method] if tree else "vanilla"})
-        return Generation(self.router, job, Decoding(stop), text, deadline, self.config.verify_token_budget)
+        return Generation(self.router, job, Decoding(stop, self.config.min_tau), text, deadline,
+                          self.config.verify_token_budget)
 
     def _max_new_tokens(self, value: int) -> int:
         limit = self.config.max_new_tokens_limit

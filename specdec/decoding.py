@@ -12,6 +12,7 @@ tau = mean tokens committed per draft/verify cycle, bonus included (vLLM's
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -62,11 +63,59 @@ class DecodeStats:
                 "ttft_s": round(self.ttft_s, 6), "wall_s": round(self.wall_s, 6)}
 
 
-class Decoding:
-    """Committed output of one request; decides when to stop."""
+class SpeculationGate:
+    """Drafting pays only while a drafted cycle commits more tokens than the
+    plain cycles its time would buy: below ``min_tau`` (the break-even τ of
+    the deployment's draft + verify cost against a one-token step) the
+    session pauses drafting and runs root-only cycles.
 
-    def __init__(self, stop: StopCriteria):
+    Deterministic: it looks at committed-token counts only, never at clocks,
+    so a seeded request gives the same output every run and in-process and
+    through the services. The mean over the last ``window`` drafted cycles
+    decides; a pause lasts ``window`` cycles and doubles while the session
+    keeps failing (up to ``max_pause``); after a pause one drafted cycle is
+    enough to judge again (it joins the window). ``min_tau`` 0: always draft.
+    Output is unchanged either way: a root-only cycle is plain decoding."""
+
+    def __init__(self, min_tau: float = 0.0, window: int = 4, max_pause: int = 32):
+        if not min_tau >= 0:
+            raise ValueError(f"min_tau must be >= 0 (0 = always draft), got {min_tau}")
+        self.min_tau = float(min_tau)
+        self.recent: deque[int] = deque(maxlen=window)
+        self.pause_len = window
+        self.max_pause = max_pause
+        self.pause_left = 0
+        self.paused_cycles = 0
+
+    def speculate(self) -> bool:
+        return self.min_tau <= 0 or self.pause_left == 0
+
+    def record(self, drafted: bool, committed: int) -> None:
+        """One cycle: whether it drafted (a tree beyond the root) and the tokens it committed."""
+        if self.min_tau <= 0:
+            return
+        if not drafted:
+            if self.pause_left > 0:
+                self.pause_left -= 1
+                self.paused_cycles += 1
+            return
+        self.recent.append(committed)
+        if len(self.recent) < self.recent.maxlen:
+            return
+        if sum(self.recent) / len(self.recent) < self.min_tau:
+            self.pause_left = self.pause_len
+            self.pause_len = min(2 * self.pause_len, self.max_pause)
+        else:
+            self.pause_len = self.recent.maxlen
+
+
+class Decoding:
+    """Committed output of one request; decides when to stop (and, through
+    ``gate``, whether the next cycle drafts)."""
+
+    def __init__(self, stop: StopCriteria, min_tau: float = 0.0):
         self.stop = stop
+        self.gate = SpeculationGate(min_tau)
         self.tokens: list[int] = []
         self.stats = DecodeStats()
         self.finish_reason: str | None = None

@@ -12,3 +12,7 @@ DEFAULT_METHOD = "eagle2"
 DEFAULT_TOTAL_TOKENS = 16     # nodes incl. the root
 DEFAULT_DEPTH = 5             # deepest draft level
 DEFAULT_EXPAND_K = 4          # top-k per expansion
+# Pause drafting while a session's recent cycles commit fewer tokens than this
+# (specdec.decoding.SpeculationGate). On the 2-core CPU a 16-node EAGLE cycle
+# costs ~2.3 one-token steps; on a GPU the break-even is nearer 1.2-1.5.
+DEFAULT_MIN_TAU = 2.0

@@ -64,10 +64,11 @@ def cycle_config(cfg: TreeConfig, remaining: int) -> TreeConfig | None:
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
-             tree_cfg: TreeConfig | None) -> Decoding:
-    """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla."""
+             tree_cfg: TreeConfig | None, min_tau: float = 0.0) -> Decoding:
+    """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla.
+    ``min_tau``: pause drafting while recent cycles commit fewer tokens (``SpeculationGate``)."""
     sid = uuid.uuid4().hex
-    dec = Decoding(stop)
+    dec = Decoding(stop, min_tau)
     times = dec.stats.time_s
     use_drafter = drafter is not None and tree_cfg is not None
     try:
@@ -82,7 +83,8 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
             times["commit"] += time.perf_counter() - t
         while not dec.done:
             t = time.perf_counter()
-            cfg = cycle_config(tree_cfg, stop.max_new_tokens - len(dec.tokens)) if use_drafter else None
+            drafting = use_drafter and dec.gate.speculate()
+            cfg = cycle_config(tree_cfg, stop.max_new_tokens - len(dec.tokens)) if drafting else None
             tree = drafter.draft(sid, cfg) if cfg is not None else tree_from_lists([dec.tokens[-1]], [-1])
             t2 = time.perf_counter()
             result = verifier.verify(sid, tree)
@@ -90,6 +92,7 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
             times["draft"] += t2 - t
             times["verify"] += t3 - t2
             dec.stats.record_cycle(tree.size, len(result.accepted))
+            dec.gate.record(tree.size > 1, len(result.tokens))
             dec.add(result.tokens)
             if use_drafter and not dec.done:
                 drafter.commit(sid, result.tokens, result.features if drafter.needs_features else None)

@@ -270,7 +270,7 @@ def run_concurrency(cfg: BenchConfig, plan: ConcurrencyPlan, texts: Sequence[str
         "concurrency": concurrency,
         "speedup_vs_vanilla": speedups,
         "tree": {"total_tokens": tree.total_tokens, "depth": tree.depth, "expand_k": tree.expand_k,
-                 "verify_token_budget": cfg.verify_token_budget},
+                 "verify_token_budget": cfg.verify_token_budget, "min_tau": cfg.min_tau},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
         "notes": ["C requests in flight per pool (closed loop), through orchestrator, drafter and verifier "
                   "processes; vanilla = method VANILLA on the same services",

@@ -18,6 +18,12 @@ from specdec.bench.runner import GRPC_SUFFIX, PEER_METHODS, REFERENCES
 _COLOURS = {"reference": "#8c8c8c", "peer": "#e08a2c", "ours": "#2b6cb0", "grpc": "#7fb3e6"}
 
 
+
+def _gate(tree: dict) -> str:
+    t = tree.get("min_tau")
+    return (f"; drafting paused while a session's recent τ < {t:g} (`--min-tau`; τ counts those root-only "
+            f"cycles too)") if t else ""
+
 def family(name: str) -> str:
     if name.endswith(GRPC_SUFFIX):
         return "grpc"
@@ -79,7 +85,8 @@ def markdown(result: dict) -> str:
         f"- target: `{result['target']}`",
         f"- temperature: {result['temperature']}, prompts: {result['prompts']}, "
         f"max_new_tokens: {result['max_new_tokens']}, repeats: {result.get('repeats', 1)}",
-        f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}",
+        f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}"
+        + _gate(tree),
         "- τ = tokens committed per draft/verify cycle, **bonus token included** (vanilla: 1.00); "
         "– where a peer does not expose its cycles",
         "- methods interleaved per prompt (order rotated), one warm-up per method excluded",
@@ -228,7 +235,7 @@ def concurrency_markdown(result: dict) -> str:
         f"max_new_tokens: {result['max_new_tokens']}, requests per level: {result['requests_per_level']}, "
         f"repeats: {result.get('repeats', 1)}",
         f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}"
-        + (f"; verify token budget {tree['verify_token_budget']} (each session's tree cut to budget / sessions, "
+        + _gate(tree) + (f"; verify token budget {tree['verify_token_budget']} (each session's tree cut to budget / sessions, "
            f"at least 4)" if tree.get("verify_token_budget") else ""),
         "- C requests in flight at a time through the orchestrator, drafter and verifier services; "
         "vanilla = method VANILLA on the same services",

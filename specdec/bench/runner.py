@@ -98,15 +98,17 @@ def schedule(methods: Sequence[str], n_prompts: int, repeats: int = 1) -> list[S
 class LocalMethod:
     """``specdec.local.generate``: vanilla with no drafter / tree, else speculative."""
 
-    def __init__(self, verifier, drafter, tree: TreeConfig | None, params: SamplingParams, stop: StopCriteria):
+    def __init__(self, verifier, drafter, tree: TreeConfig | None, params: SamplingParams, stop: StopCriteria,
+                 min_tau: float = 0.0):
         self.verifier, self.drafter, self.tree, self.params, self.stop = verifier, drafter, tree, params, stop
+        self.min_tau = min_tau
 
     def run(self, prompt: Prompt, seed: int | None) -> Sample:
         from specdec.local import generate
 
         params = self.params if self.params.greedy else replace(self.params, seed=seed)
         t = time.perf_counter()
-        dec = generate(self.verifier, self.drafter, prompt.ids, params, self.stop, self.tree)
+        dec = generate(self.verifier, self.drafter, prompt.ids, params, self.stop, self.tree, self.min_tau)
         wall = time.perf_counter() - t
         s, ts = dec.stats, dec.stats.time_s
         # with no drafter, the loop's "draft" time is building root-only trees: bookkeeping (other)
@@ -267,6 +269,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
+    min_tau: float = 0.0            # SpeculationGate of every speculative method (0 = always draft)
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -365,7 +368,7 @@ class Models:
             return LocalMethod(verifier, None, None, self.cfg.params, self.stop())
         kind, method = SPECULATIVE[name]
         return LocalMethod(verifier, self.drafter(kind), replace(tree or self.cfg.tree, method=method),
-                           self.cfg.params, self.stop())
+                           self.cfg.params, self.stop(), self.cfg.min_tau)
 
     def peer(self, name: str):
         from specdec.bench.peers import HfPeer
@@ -406,7 +409,8 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "methods": summarize(totals, greedy=cfg.params.greedy),
-        "tree": {"total_tokens": cfg.tree.total_tokens, "depth": cfg.tree.depth, "expand_k": cfg.tree.expand_k},
+        "tree": {"total_tokens": cfg.tree.total_tokens, "depth": cfg.tree.depth, "expand_k": cfg.tree.expand_k,
+                 "min_tau": cfg.min_tau},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
         "repeats": cfg.repeats,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},

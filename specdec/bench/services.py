@@ -100,7 +100,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
         orchestrator = stack._spawn(f"{kind} orchestrator", [
             "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
             "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
-            "--verify-token-budget", str(cfg.verify_token_budget), *internal])
+            "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.min_tau), *internal])
     mine.append(orchestrator)
     children.append(orchestrator)
     stack._wait_listening(mine, deadline)

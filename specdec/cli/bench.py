@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
+    p.add_argument("--min-tau", type=float, default=knobs.DEFAULT_MIN_TAU, metavar="TAU",
+                   help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
+                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft)")
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")
@@ -109,7 +112,7 @@ def config_from(args, sweep: bool):
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
                              ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1),
-                             ("--verify-token-budget", args.verify_token_budget, 0)):
+                             ("--verify-token-budget", args.verify_token_budget, 0), ("--min-tau", args.min_tau, 0)):
         if value is not None and value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
     from specdec.tree import TreeConfig
@@ -132,7 +135,7 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
-                       device=args.device, verify_token_budget=args.verify_token_budget)
+                       device=args.device, verify_token_budget=args.verify_token_budget, min_tau=args.min_tau)
 
 
 def concurrency_plan(args):

@@ -37,6 +37,9 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
+    p.add_argument("--min-tau", type=float, default=knobs.DEFAULT_MIN_TAU, metavar="TAU",
+                   help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
+                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft)")
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")
@@ -150,7 +153,7 @@ def run(args) -> int:
             raise CliError("prompt must not be empty")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
-        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg)
+        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, args.min_tau)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
         if args.json:
             print(json.dumps(result_record(dec.tokens, text, dec.stats)), flush=True)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.service import TreeDefaults
+from specdec import knobs
 from specdec.cli.serve import add_server_flags, server_config_from
 from specdec.wire import METHOD_TO_PROTO
 
@@ -95,6 +96,9 @@ def add_orchestrator_parser(sub) -> None:
     t.add_argument("--depth", type=int, default=TreeDefaults.depth)
     t.add_argument("--expand-k", type=int, default=TreeDefaults.expand_k)
     t.add_argument("--max-new-tokens", type=int, default=128)
+    t.add_argument("--min-tau", type=float, metavar="TAU", default=_env("SPECDEC_MIN_TAU", knobs.DEFAULT_MIN_TAU),
+                   help="pause a session's drafting while its recent cycles commit fewer tokens than this on "
+                        "average (0 = always draft; env SPECDEC_MIN_TAU)")
     t.add_argument("--verify-token-budget", type=int, metavar="N", default=_env("SPECDEC_VERIFY_TOKEN_BUDGET", 0),
                    help="tree nodes per verifier step over all its sessions: each session's tree is cut to "
                         "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
@@ -138,7 +142,8 @@ def orchestrator_config(args):
                               probe_interval_s=args.probe_interval_s, tree=tree,
                               default_max_new_tokens=args.max_new_tokens,
                               max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
-                              backend_token=args.backend_token, verify_token_budget=args.verify_token_budget)
+                              backend_token=args.backend_token, verify_token_budget=args.verify_token_budget,
+                              min_tau=args.min_tau)
 
 
 def run_orchestrator(args) -> int:

@@ -66,6 +66,17 @@ def test_greedy_identical_whatever_the_value_temperature(stacks, reference, draf
         assert generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg).tokens == want
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "ngram"])
+def test_greedy_identical_with_drafting_paused_by_the_gate(stacks, reference, drafter):
+    stack = stacks[drafter]
+    cfg = TreeConfig(total_tokens=10, depth=4, expand_k=3)
+    stop = StopCriteria(max_new_tokens=NEW_TOKENS)
+    for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
+        gated = generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg, min_tau=100.0)
+        assert gated.tokens == want
+        assert gated.stats.drafted < generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg).stats.drafted
+
+
 def test_vanilla_matches_plain_hf_loop(tiny_family, reference):
     """The baseline itself is plain decoding: argmax of a full-sequence forward each step."""
     from transformers import AutoModelForCausalLM

@@ -38,13 +38,13 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:
 
 
 def sampled_joint(verifier, drafter, params: SamplingParams, method: str,
-                  value_temperature: float | None = None) -> torch.Tensor:
+                  value_temperature: float | None = None, min_tau: float = 0.0) -> torch.Tensor:
     counts = torch.zeros([V] * NEW)
     cfg = TreeConfig(method=method, total_tokens=6, depth=2, expand_k=2, value_temperature=value_temperature)
     stop = StopCriteria(max_new_tokens=NEW)
     for seed in range(RUNS):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        tokens = generate(verifier, drafter, PROMPT, p, stop, cfg).tokens
+        tokens = generate(verifier, drafter, PROMPT, p, stop, cfg, min_tau).tokens
         counts[tuple(tokens)] += 1
     return counts
 
@@ -73,16 +73,17 @@ def engines():
     return target, verifier, DraftLmDrafter(model=draft)
 
 
-@pytest.mark.parametrize("params,method,value_temperature", [
-    (SamplingParams(temperature=1.0), "eagle2", None),
-    (SamplingParams(temperature=0.7, top_p=0.9), "eagle2", None),
-    (SamplingParams(temperature=1.0), "chain", None),
-    (SamplingParams(temperature=1.0), "eagle2", 0.3),     # another tree shape, the same distribution
+@pytest.mark.parametrize("params,method,value_temperature,min_tau", [
+    (SamplingParams(temperature=1.0), "eagle2", None, 0.0),
+    (SamplingParams(temperature=0.7, top_p=0.9), "eagle2", None, 0.0),
+    (SamplingParams(temperature=1.0), "chain", None, 0.0),
+    (SamplingParams(temperature=1.0), "eagle2", 0.3, 0.0),     # another tree shape, the same distribution
+    (SamplingParams(temperature=1.0), "eagle2", None, 1.5),    # drafting paused after poor cycles
 ])
-def test_speculative_sampling_matches_target_distribution(engines, params, method, value_temperature):
+def test_speculative_sampling_matches_target_distribution(engines, params, method, value_temperature, min_tau):
     target, verifier, drafter = engines
     probs = exact_joint(target, params)
-    counts = sampled_joint(verifier, drafter, params, method, value_temperature)
+    counts = sampled_joint(verifier, drafter, params, method, value_temperature, min_tau)
     assert chi2_pvalue(counts, probs) > 1e-4
 
 

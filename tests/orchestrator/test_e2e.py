@@ -45,7 +45,7 @@ class Local:
         self.drafters = {kind: drafter_builder(paths, kind)() for kind in ("eagle", "draft-lm", "ngram")}
         self.tok = load_tokenizer(paths["target"])
 
-    def run(self, prompt, kind=None, method=None, n=N, **sampling):
+    def run(self, prompt, kind=None, method=None, n=N, min_tau=0.0, **sampling):
         from specdec.decoding import StopCriteria
         from specdec.local import generate
         from specdec.sampling import SamplingParams
@@ -55,7 +55,7 @@ class Local:
         stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset([self.tok.eos_token_id]))
         cfg = TreeConfig(method=method) if method not in (None, "vanilla") else None
         drafter = self.drafters[kind] if kind in self.drafters else None
-        return generate(self.verifier, drafter, ids, SamplingParams(**sampling), stop, cfg)
+        return generate(self.verifier, drafter, ids, SamplingParams(**sampling), stop, cfg, min_tau)
 
     def text(self, tokens):
         return self.tok.decode(tokens, skip_special_tokens=True)
@@ -94,6 +94,27 @@ def test_greedy_matches_in_process_vanilla(stack, local, kind, method):
             assert got.stats.accepted_per_position == spec.stats.accepted_per_position
             assert got.stats.draft_tokens == spec.stats.drafted
             assert got.stats.accepted_tokens == spec.stats.accepted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculation_gate_pauses_the_same_cycles_as_in_process(stack, local, temperature):
+    """A gate set above what these tiny drafters reach pauses drafting; the
+    orchestrator pauses exactly the cycles the in-process loop does (it looks
+    at committed tokens, not clocks), so stats and sampled output agree."""
+    stack.add_orchestrator("gated", drafter="drafter-eagle", min_tau=3.0)
+    try:
+        with SpecdecClient(stack.address("gated")) as client:
+            for prompt in PROMPTS:
+                got = client.complete(prompt, max_new_tokens=N, method="eagle2", temperature=temperature, seed=7)
+                want = local.run(prompt, "eagle", "eagle2", min_tau=3.0, temperature=temperature, seed=7)
+                ungated = local.run(prompt, "eagle", "eagle2", temperature=temperature, seed=7)
+                assert got.token_ids == want.tokens
+                assert (got.stats.cycles, got.stats.draft_tokens) == (want.stats.cycles, want.stats.drafted)
+                assert want.stats.drafted < ungated.stats.drafted           # some cycles ran root-only
+                if temperature == 0.0:
+                    assert want.tokens == ungated.tokens == local.run(prompt).tokens
+    finally:
+        stack.stop("gated")
 
 
 def test_stream_order_and_final_stats(stack):
