@@ -15,12 +15,11 @@ beats B forwards by far (see ``specdec bench --concurrency``).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 
 import torch
 
+import specdec.batching
 from specdec import kv
 from specdec.acceptance import accept
 from specdec.errors import FailedPrecondition, InvalidArgument
@@ -135,68 +134,11 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
     return results
 
 
-class BatchScheduler:
-    """Collects concurrent verify calls and runs them as one batched forward.
-
-    A batch closes when it holds ``max_batch`` calls, when every session that
-    could still join (``expected()``: sessions open on the engine) has joined,
-    or ``window_s`` after its first call; a lone session therefore never waits.
-    ``runner(items)`` runs ``engine.verify_batch(items)`` where the model lives
-    and returns (results, seconds)."""
-
-    def __init__(self, runner, expected, window_s: float = 0.003, max_batch: int = 16):
-        self.runner, self.expected = runner, expected
-        self.window_s, self.max_batch = window_s, max_batch
-        self._pending: list[tuple[str, DraftTree, asyncio.Future]] = []
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self.batches = 0
-        self.batched_items = 0
+class BatchScheduler(specdec.batching.BatchScheduler):
+    """Concurrent verify calls run as one batched forward (``specdec.batching``:
+    a lone session never waits); ``runner(items)`` runs
+    ``engine.verify_batch(items)`` where the model lives."""
 
     async def verify(self, sid: str, tree: DraftTree) -> tuple[VerifyResult, float]:
         """(result, seconds of the batched forward it was part of)."""
-        if self._task is None:
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((sid, tree, fut))
-        self._wake.set()
-        return await fut
-
-    def _full(self) -> bool:
-        return len(self._pending) >= min(self.max_batch, max(1, self.expected()))
-
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            deadline = time.monotonic() + self.window_s
-            while not self._full() and time.monotonic() < deadline:
-                await asyncio.sleep(min(0.0005, max(0.0, deadline - time.monotonic())))
-            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
-            if not self._pending:
-                self._wake.clear()
-            live = [(sid, tree, fut) for sid, tree, fut in batch if not fut.cancelled()]
-            if not live:
-                continue
-            self.batches += 1
-            self.batched_items += len(live)
-            try:
-                results, seconds = await self.runner([(sid, tree) for sid, tree, _ in live])
-            except Exception as exc:  # noqa: BLE001 - an unexpected failure fails the whole batch
-                results, seconds = [exc] * len(live), 0.0
-            for (_, _, fut), res in zip(live, results):
-                if fut.cancelled():
-                    continue
-                if isinstance(res, Exception):
-                    fut.set_exception(res)
-                else:
-                    fut.set_result((res, seconds))
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        return await self.submit((sid, tree))

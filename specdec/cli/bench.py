@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec import knobs
+from specdec.cli.generate import add_tree_flags
 from specdec.cli.main import model_dir
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -62,16 +62,7 @@ def add_parser(sub) -> None:
                         "on 127.0.0.1, as METHOD@grpc")
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set this many times")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
-                   help="draft tree size incl. the root")
-    p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
-    p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
-    p.add_argument("--min-tau", type=float, default=knobs.DEFAULT_MIN_TAU, metavar="TAU",
-                   help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
-                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft)")
-    p.add_argument("--value-temperature", type=float, metavar="T",
-                   help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
-                        "for greedy, 1 when sampling); never changes the output")
+    add_tree_flags(p)
     c = p.add_argument_group("concurrency (through the gRPC services)")
     c.add_argument("--concurrency", type=_int_list, metavar="LIST",
                    help="e.g. 1,2,4,8: for each C, keep C requests in flight through the services and report "

@@ -26,13 +26,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
 
 
-def add_decoding_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="eagle2", choices=("vanilla",) + METHODS)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+def add_tree_flags(p: argparse.ArgumentParser) -> None:
+    """Draft tree knobs and the speculation gate (generate and bench)."""
     p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
@@ -43,6 +38,16 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")
+
+
+def add_decoding_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="eagle2", choices=("vanilla",) + METHODS)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    add_tree_flags(p)
 
 
 def add_parser(sub) -> None:
