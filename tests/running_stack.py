@@ -14,6 +14,7 @@ synchronous SDK, the CLI or a subprocess while they keep answering.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import fields
@@ -55,6 +56,14 @@ async def start_orchestrator(verifier: str, drafter: str | None, tokenizer_dir, 
     return server, servicer
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class Stack:
     def __init__(self, paths) -> None:
         self.paths = paths
@@ -64,6 +73,20 @@ class Stack:
     def add_verifier(self, name: str = "verifier", **cfg):
         self.servers[name] = self.loop.run(start_verifier(self.paths, metrics_port=None, **cfg))
         return self.servers[name]
+
+    def plain_output(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """Greedy output of ``prompt`` on a fresh verifier, plain decoding: the
+        reference a disturbed run (failover, routing) must reproduce."""
+        from specdec.client import SpecdecClient
+
+        self.add_verifier("ref-verifier")
+        self.add_orchestrator("ref", verifier="ref-verifier")
+        try:
+            with SpecdecClient(self.address("ref"), timeout=60) as client:
+                return client.complete(prompt, max_new_tokens=max_new_tokens).token_ids
+        finally:
+            self.stop("ref")
+            self.stop("ref-verifier")
 
     def add_drafter(self, name: str, kind: str, **cfg):
         self.servers[name] = self.loop.run(start_drafter(self.paths, kind, metrics_port=None, **cfg))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from running_stack import alive
 from specdec.cli.main import main
 from specdec.client import SpecdecClient
 
@@ -21,12 +22,6 @@ def env():
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def wait_for(predicate, timeout, what):

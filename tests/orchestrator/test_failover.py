@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from orchestrator.failover import FeatureLog
-from running_stack import Stack
+from running_stack import Stack, alive
 from services.helpers import channel_to, drafter_builder, rpc_error, start_verifier, verifier_builder
 from specdec import wire
 from specdec.client import SpecdecClient, SpecdecClientError, SpecdecUnavailable
@@ -149,13 +149,7 @@ def stack(tiny_family):
 
 @pytest.fixture(scope="module")
 def reference(stack):
-    stack.add_verifier("ref-v")
-    add_orchestrator(stack, "ref", ["ref-v"])
-    with SpecdecClient(stack.address("ref"), timeout=60) as client:
-        tokens = client.complete(PROMPT, max_new_tokens=N).token_ids
-    stack.stop("ref")
-    stack.stop("ref-v")
-    return tokens
+    return stack.plain_output(PROMPT, N)
 
 
 @pytest.fixture
@@ -313,12 +307,6 @@ def active(addr: str, role: str) -> int:
             return 0
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class Up:

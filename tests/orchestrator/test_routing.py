@@ -124,13 +124,7 @@ def stack(tiny_family):
 @pytest.fixture(scope="module")
 def reference(stack):
     """The greedy output of PROMPT on one undisturbed verifier, plain decoding."""
-    stack.add_verifier("ref-verifier")
-    add_orchestrator(stack, "ref", ["ref-verifier"])
-    with SpecdecClient(stack.address("ref"), timeout=60) as client:
-        tokens = client.complete(PROMPT, max_new_tokens=N).token_ids
-    stack.stop("ref")
-    stack.stop("ref-verifier")
-    return tokens
+    return stack.plain_output(PROMPT, N)
 
 
 # -- picking, unit level ----------------------------------------------------------------
