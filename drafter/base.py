@@ -22,7 +22,7 @@ import torch
 from specdec import kv
 from specdec.errors import InvalidArgument
 from specdec.sessions import SessionTable
-from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree
+from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree_ids, subtree
 
 
 @dataclass
@@ -35,6 +35,45 @@ class DraftSession:
     root_out: tuple | None = None          # (hidden [H], log-probs [V]) of the last fed input
     lock: threading.Lock = field(default_factory=threading.Lock)
     greedy: bool = False                   # the verifier accepts by argmax (temperature 0)
+    record: TreeRecord | None = None       # the tree handed out by the last draft (drafting ahead)
+    ahead: dict = field(default_factory=dict)   # commit tokens -> TreeRecord of a tree drafted ahead
+
+
+@dataclass(frozen=True)
+class TreeRecord:
+    """A drafted tree with its model's output at every node, kept so that the
+    next round can be drafted from it while the verifier checks it."""
+
+    tree: DraftTree
+    hidden: torch.Tensor                   # [n, H] model output at each node (row 0: the root)
+    logp: torch.Tensor                     # [n, V] next-token log-probs after each node
+    value_temperature: float               # the one the tree's values were made with
+
+
+def likely_stops(rec: TreeRecord, count: int) -> list[list[int]]:
+    """The ``count`` accepted paths (tree nodes, root first) the drafter thinks
+    most likely to be what verifying ``rec.tree`` accepts, best first.
+
+    Node i's value estimates P(path to i accepted); the verifier stops there
+    when the target's next token is none of i's children:
+    P(stop at i) ~ exp(value_i) * (1 - sum of q(child | i)), with q the draft
+    distribution at the value temperature."""
+    tree = rec.tree
+    q = torch.softmax(rec.logp.float() / rec.value_temperature, dim=-1)     # [n, V]
+    stay = torch.ones(tree.size)
+    for i, kids in enumerate(tree.children()):
+        if kids:
+            stay[i] = (1.0 - q[i, tree.tokens[kids]].sum()).clamp(min=1e-12)
+    score = tree.values + stay.log()
+    best = torch.sort(score, descending=True, stable=True).indices[:count].tolist()
+    parents = tree.parents.tolist()
+    out = []
+    for node in best:
+        path = [node]
+        while path[-1] != 0:
+            path.append(parents[path[-1]])
+        out.append(path[::-1])
+    return out
 
 
 CALIBRATION_FILE = "calibration.json"
@@ -70,6 +109,7 @@ class Drafter(ABC):
 
     needs_features = False
     name = "drafter"
+    drafts_ahead = False                   # draft_ahead can return trees
 
     def __init__(self, vocab_size: int, max_sessions: int = 64, ttl_s: float = 600.0,
                  greedy_value_temperature: float = 1.0):
@@ -97,6 +137,7 @@ class Drafter(ABC):
         sess = self.sessions.get(sid)
         with sess.lock:
             self._append(sess, tokens, features, first=False)
+            sess.record, sess.ahead = None, {}       # what was drafted ahead assumed other commits
 
     def rollback(self, sid: str, length: int) -> None:
         """Keep the first ``length`` committed tokens."""
@@ -108,6 +149,7 @@ class Drafter(ABC):
             del sess.features[length - 1:]
             sess.state = None
             sess.root_out = None
+            sess.record, sess.ahead = None, {}
             if sess.cache is not None and sess.fed >= self._inputs_for(length):
                 sess.fed = max(0, self._inputs_for(length) - 1)   # re-feed the root's input next draft
                 kv.truncate(sess.cache, sess.fed)
@@ -115,10 +157,43 @@ class Drafter(ABC):
     def release(self, sid: str) -> bool:
         return self.sessions.pop(sid) is not None
 
-    def draft(self, sid: str, cfg: TreeConfig) -> DraftTree:
+    def draft(self, sid: str, cfg: TreeConfig, ahead: bool = False) -> DraftTree:
+        """The session's tree; ``ahead``: keep what ``draft_ahead`` needs to draft
+        the next round from it (model drafters only)."""
         sess = self.sessions.get(sid)
         with sess.lock:
+            sess.record, sess.ahead = None, {}
+            if ahead:
+                tree, sess.record = self._draft_recorded(sess, self.session_config(sess, cfg))
+                return tree
             return self._draft(sess, self.session_config(sess, cfg))
+
+    def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeConfig,
+                    count: int, tokens_left: int = 0) -> list[tuple[list[int], DraftTree]]:
+        """Draft the next round while the verifier checks the session's current tree.
+
+        The current tree is the last one ``draft(ahead=True)`` returned, or, when
+        ``tokens`` (committed since, with their features) match one of the last
+        call's outcomes, the tree drafted ahead for that outcome. ``tokens`` are
+        committed first. Then, for each of the ``count`` likeliest outcomes of the
+        current tree, the tree the next cycle would use if that outcome is what
+        the verifier commits: drafted from the drafter's own outputs along the
+        accepted path in place of the target's features (the session itself is
+        left as it was). Returns [(the outcome's commit tokens, its tree)], none
+        when the current tree is unknown. ``tokens_left``: tokens the request
+        still wants before the current tree's outcome (0: no limit); no tree
+        drafted ahead reaches past it.
+        Which trees come back depends only on the tokens, so a request drafts the
+        same trees however its calls are timed."""
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            current = sess.ahead.get(tuple(int(t) for t in tokens)) if tokens else sess.record
+            sess.record, sess.ahead = None, {}
+            if tokens:
+                self._append(sess, tokens, features, first=False)
+            if current is None or count <= 0 or int(current.tree.tokens[0]) != sess.tokens[-1]:
+                return []
+            return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left)
 
     def session_config(self, sess: DraftSession, cfg: TreeConfig) -> TreeConfig:
         """``cfg`` with the value temperature this session drafts with."""
@@ -129,6 +204,14 @@ class Drafter(ABC):
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod
     def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree: ...
+
+    def _draft_recorded(self, sess: DraftSession, cfg: TreeConfig) -> tuple[DraftTree, TreeRecord | None]:
+        """``_draft`` and its record for drafting ahead (None: this drafter cannot)."""
+        return self._draft(sess, cfg), None
+
+    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeConfig, count: int,
+                     tokens_left: int) -> list[tuple[list[int], DraftTree]]:
+        return []
 
     def _inputs_for(self, n_tokens: int) -> int:
         """How many model inputs ``n_tokens`` committed tokens make."""
@@ -150,6 +233,8 @@ class Drafter(ABC):
 class CachedTreeDrafter(Drafter):
     """A drafter whose model runs over a KV cache (EAGLE head or small LM)."""
 
+    drafts_ahead = True
+
     @abstractmethod
     def _new_cache(self): ...
 
@@ -163,23 +248,85 @@ class CachedTreeDrafter(Drafter):
         """One tree level: tokens [k], parent_hidden [k, H], positions [k], additive
         mask [1, 1, k, cache + k]. Returns hidden [k, H], log-probs [k, V]."""
 
-    @torch.inference_mode()
     def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree:
+        return self._build(sess, cfg, record=False)[0]
+
+    def _draft_recorded(self, sess: DraftSession, cfg: TreeConfig) -> tuple[DraftTree, TreeRecord | None]:
+        return self._build(sess, cfg, record=True)
+
+    @torch.inference_mode()
+    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeConfig, count: int,
+                     tokens_left: int) -> list[tuple[list[int], DraftTree]]:
+        """For each likely accepted path: a tree rooted at its last node, one level
+        deeper and twice the size, whose first level holds candidates for the bonus
+        token (never a child the current tree already had there: the verifier
+        would have accepted it); under each candidate b, the subtree is the tree
+        for the outcome (path, b)."""
+        if sess.cache is None:
+            sess.cache = self._new_cache()
+        if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
+            sess.root_out = self._feed_pending(sess)     # the real commit stays fed
+        root_hidden = sess.root_out[0]
+        kids = current.tree.children()
+        out = []
+        for path in likely_stops(current, count):
+            accepted = current.tree.tokens[path[1:]].tolist()
+            left = tokens_left - len(accepted) - 1 if tokens_left else 0   # wanted after (path, bonus)
+            if tokens_left and left <= 1:
+                continue
+            depth = cfg.depth if not tokens_left else min(cfg.depth, left - 1)
+            big = replace(cfg, depth=depth + 1, total_tokens=2 * cfg.total_tokens)
+            # the target's features along the path, as the drafter predicted them
+            feats = (torch.stack([root_hidden, *current.hidden[path[1:-1]]]) if self.needs_features and accepted
+                     else None)
+            taken = current.tree.tokens[kids[path[-1]]].tolist()
+            tree, rec = self._on_outcome(sess, accepted, feats, big, taken)
+            for child in tree.children()[0]:
+                sub, keep = subtree(tree, child, cfg.total_tokens)
+                sub_rec = TreeRecord(sub, rec.hidden[keep], rec.logp[keep], rec.value_temperature)
+                commit = accepted + [int(tree.tokens[child])]
+                sess.ahead[tuple(commit)] = sub_rec
+                out.append((commit, sub))
+        return out
+
+    def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeConfig, exclude: list[int]):
+        """Draft (recorded) as if ``accepted`` had been committed, with ``exclude``
+        kept off the first level; then put the session back."""
+        n_tokens, n_feats, fed, root_out = len(sess.tokens), len(sess.features), sess.fed, sess.root_out
+        try:
+            if accepted:
+                self._append(sess, accepted, feats, first=False)
+            return self._build(sess, cfg, record=True, exclude=exclude)
+        finally:
+            del sess.tokens[n_tokens:]
+            del sess.features[n_feats:]
+            kv.truncate(sess.cache, fed)
+            sess.fed, sess.root_out = fed, root_out
+
+    @torch.inference_mode()
+    def _build(self, sess: DraftSession, cfg: TreeConfig, record: bool,
+               exclude: list[int] | None = None) -> tuple[DraftTree, TreeRecord | None]:
+        """The tree (and its record); ``exclude``: tokens kept off the first level
+        (the others' log-probs renormalised)."""
         if sess.cache is None:
             sess.cache = self._new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
             sess.root_out = self._feed_pending(sess)
         root_hidden, root_logp = sess.root_out    # a second draft with nothing new reuses it
+        if exclude:
+            root_logp = root_logp.clone()
+            root_logp[exclude] = -math.inf
+            root_logp = root_logp - torch.logsumexp(root_logp, dim=-1)
         committed = kv.seq_len(sess.cache)
         root_pos = committed - 1
         hidden = {0: root_hidden}          # pool id -> model output at that node
+        logps = {0: root_logp}             # pool id -> next-token log-probs after that node
         slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
         parent_of: dict[int, int] = {0: -1}
 
-        def expand(frontier: Frontier) -> torch.Tensor:
-            if frontier.depth == 0:
-                return root_logp[None]
-            nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
+        def step(nodes: list[int], parents: list[int], tokens: torch.Tensor, depths: list[int]) -> torch.Tensor:
+            """One model call over draft nodes whose parents have outputs; each sees
+            the committed prefix, its ancestors' slots and itself."""
             k, used = len(nodes), len(slot)
             allowed = torch.zeros(k, used + k, dtype=torch.bool)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
@@ -191,15 +338,34 @@ class CachedTreeDrafter(Drafter):
                 allowed[row, used + row] = True
             mask = torch.zeros(k, committed + used + k)
             mask[:, committed:].masked_fill_(~allowed, torch.finfo(torch.float32).min)
-            positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
+            positions = torch.tensor([root_pos + d for d in depths], dtype=torch.long)
             parent_h = torch.stack([hidden[p] for p in parents])
-            out_h, logp = self._step(sess, frontier.tokens, parent_h, positions, mask[None, None])
+            out_h, logp = self._step(sess, tokens, parent_h, positions, mask[None, None])
             for row, node in enumerate(nodes):
                 slot[node] = used + row
                 hidden[node] = out_h[row]
+                if record:
+                    logps[node] = logp[row]
             return logp
 
+        def expand(frontier: Frontier) -> torch.Tensor:
+            if frontier.depth == 0:
+                return root_logp[None]
+            nodes = frontier.nodes.tolist()
+            return step(nodes, frontier.parents.tolist(), frontier.tokens, [frontier.depth] * len(nodes))
+
         try:
-            return build_tree(sess.tokens[-1], expand, cfg)
+            tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg)
+            if not record:
+                return tree, None
+            pool_ids = ids.tolist()
+            # the kept nodes never expanded (leaves, mostly) get their outputs in one more call
+            rest = [i for i, node in enumerate(pool_ids) if node not in hidden]
+            if rest:
+                parent_ids = [pool_ids[p] for p in tree.parents[rest].tolist()]
+                step([pool_ids[i] for i in rest], parent_ids, tree.tokens[rest], tree.depths[rest].tolist())
+            rec = TreeRecord(tree, torch.stack([hidden[n] for n in pool_ids]).float().cpu(),
+                             torch.stack([logps[n] for n in pool_ids]).float().cpu(), cfg.value_temperature or 1.0)
+            return tree, rec
         finally:
             kv.truncate(sess.cache, committed)

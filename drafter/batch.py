@@ -175,6 +175,7 @@ def draft_batch(drafter: Drafter, items: list[DraftItem]) -> list[DraftTree | Ex
     for i, sid, cfg in todo:
         try:
             sess = drafter.sessions.get(sid)
+            sess.record, sess.ahead = None, {}      # a batched tree is not kept for drafting ahead
             rows.append(_Row(i, sess, drafter.session_config(sess, cfg)))
         except Exception as exc:  # noqa: BLE001
             results[i] = exc

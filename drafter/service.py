@@ -9,6 +9,12 @@ server's limits. Status mapping as in ``verifier.service``. With
 ``drafter.batch.DraftScheduler`` and drafted together, one model forward per
 tree level for all of them (``drafter.batch.draft_batch``); each still gets
 the tree it would get alone.
+
+``DraftAhead`` (drafting one round ahead, ``Drafter.draft_ahead``) runs while
+the verifier checks the session's tree: it commits the last cycle's tokens and
+drafts the trees the next cycle would use for the likeliest outcomes, so that
+on a hit the orchestrator skips the next Draft round trip. It uses a drafter
+that would otherwise sit idle, so with other sessions open it only commits.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specdec.drafter")
 
+MAX_AHEAD_PATHS = 8                    # accepted paths one DraftAhead may draft for
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
@@ -110,12 +117,18 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     def _tree_config(self, msg) -> TreeConfig | None:
         return wire.tree_config_from_proto(msg, self.config.default_tree, self.config.limits)
 
-    def _commit_and_draft(self, sid: str, tokens: list[int], feats, cfg: TreeConfig | None):
+    def _commit_and_draft(self, sid: str, tokens: list[int], feats, cfg: TreeConfig | None, ahead: bool = False):
         if tokens:
             self.drafter.commit(sid, tokens, feats)
         if cfg is None:                   # VANILLA: no drafting, the tree is the root alone
             return tree_from_lists([self.drafter.sessions.get(sid).tokens[-1]], [-1])
-        return self.drafter.draft(sid, cfg)
+        return self.drafter.draft(sid, cfg, ahead=True) if ahead else self.drafter.draft(sid, cfg)
+
+    def _draft_ahead(self, sid: str, tokens: list[int], feats, cfg: TreeConfig, count: int, tokens_left: int):
+        # another session's work comes first: drafting ahead uses a drafter that would sit idle
+        if len(self.sessions) > 1:
+            count = 0
+        return self.drafter.draft_ahead(sid, tokens, feats, cfg, count, tokens_left)
 
     async def aclose(self) -> None:
         if self.scheduler is not None:
@@ -143,14 +156,38 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
                 raise InvalidArgument("commit_features given without commit_tokens")
             feats = self._feature_tensor(request.commit_features, "commit_features", len(tokens)) if tokens else None
             cfg = self._tree_config(request.tree)
-            if self.scheduler is not None:
+            # a tree to draft ahead from is drafted alone (with one session there is nothing to batch)
+            if self.scheduler is not None and not (request.ahead and len(self.sessions) <= 1):
                 tree, seconds = await self.scheduler.draft(request.session_id, tokens, feats, cfg)
             else:
-                tree, seconds = await self.run(self._commit_and_draft, request.session_id, tokens, feats, cfg)
+                tree, seconds = await self.run(self._commit_and_draft, request.session_id, tokens, feats, cfg,
+                                               request.ahead)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.DRAFT_DURATION.observe(seconds)
         return drafter_pb2.DraftResponse(tree=wire.tree_to_proto(tree), compute_s=seconds)
+
+    async def DraftAhead(self, request, context):
+        try:
+            self.check()
+            tokens = list(request.commit_tokens)
+            if not tokens and (request.commit_features.data or request.commit_features.shape):
+                raise InvalidArgument("commit_features given without commit_tokens")
+            if request.count < 0 or request.tokens_left < 0:
+                raise InvalidArgument(f"count and tokens_left must be >= 0, got {request.count} and "
+                                      f"{request.tokens_left}")
+            feats = self._feature_tensor(request.commit_features, "commit_features", len(tokens)) if tokens else None
+            cfg = self._tree_config(request.tree)
+            if cfg is None:
+                raise InvalidArgument("tree: DraftAhead needs tree knobs (method VANILLA drafts nothing)")
+            trees, seconds = await self.run(self._draft_ahead, request.session_id, tokens, feats, cfg,
+                                            min(request.count, MAX_AHEAD_PATHS), request.tokens_left)
+        except Exception as exc:
+            await abort_from(context, exc)
+        metrics.DRAFT_AHEAD_DURATION.observe(seconds)
+        return drafter_pb2.DraftAheadResponse(
+            trees=[drafter_pb2.AheadTree(commit_tokens=commit, tree=wire.tree_to_proto(tree)) for commit, tree in trees],
+            compute_s=seconds)
 
     async def Commit(self, request, context):
         try:
@@ -186,6 +223,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         limits = self.config.limits
         return drafter_pb2.DrafterGetInfoResponse(
             kind=self.drafter.name, needs_features=self.drafter.needs_features, vocab_size=self.drafter.vocab_size,
+            drafts_ahead=self.drafter.drafts_ahead,
             active_sessions=self.stats.active, max_sessions=self.sessions.max_sessions,
             max_tree=common_pb2.TreeParams(total_tokens=limits.total_tokens, depth=limits.depth,
                                            expand_k=limits.expand_k))

@@ -131,9 +131,10 @@ class Generation:
     """Runs one Job on the backends the router gives it, feeding a Decoding and a TextStream."""
 
     def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
-                 verify_token_budget: int = 0):
+                 verify_token_budget: int = 0, lookahead: int = 0):
         self.router = router
         self.verify_token_budget = verify_token_budget
+        self.lookahead = lookahead
         self.job = job
         self.dec = decoding
         self.text = text
@@ -174,15 +175,78 @@ class Generation:
         await self._committed([first.token], first.features, emit)
         if self.drafter is not None and not self.dec.done:
             await self._open_drafter()
+        ahead: dict[tuple[int, ...], common_pb2.DraftTree] = {}
+        last: tuple[int, ...] = ()
         while not self.dec.done:
-            tree = await self._draft()
+            params = self._cycle_tree(self.job.max_new_tokens - len(self.dec.tokens))
+            tree = ahead.get(last) if params is not None and self.drafter is not None else None
+            if tree is not None:
+                self.dec.stats.ahead_hits += 1
+            if ahead:
+                metrics.AHEAD_CYCLES.labels("hit" if tree is not None else "miss").inc()
+            ahead = {}
+            if tree is None and params is not None:
+                tree = await self._draft(params)
+            drafted = tree is not None
             if tree is None:
                 tree = common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
-            result = await self._on_verifier("Verify", verifier_pb2.VerifyRequest(
-                session_id=job.session_id, tree=tree, return_features=self._wants_features))
+            request = verifier_pb2.VerifyRequest(session_id=job.session_id, tree=tree,
+                                                 return_features=self._wants_features)
+            if drafted and self._looks_ahead:
+                result, ahead = await self._verify_and_draft_ahead(request, params)
+            else:
+                result = await self._on_verifier("Verify", request)
             self.dec.stats.record_cycle(len(tree.tokens), len(result.accepted_nodes))
             self.dec.gate.record(len(tree.tokens) > 1, len(result.tokens))
+            last = tuple(result.tokens)
             await self._committed(list(result.tokens), result.features, emit)
+
+    @property
+    def _looks_ahead(self) -> bool:
+        """Draft one round ahead: greedy sessions (the outcome is the target's
+        argmax, the most predictable) on a drafter that can."""
+        return (self.lookahead > 0 and self.drafter is not None and self.job.sampling.temperature <= 0.0
+                and self.drafter.info.drafts_ahead)
+
+    async def _verify_and_draft_ahead(self, request, params: common_pb2.TreeParams):
+        """Verify the tree while the drafter drafts the next round for its likeliest
+        outcomes -> (verify result, {outcome tokens: tree}). Time the drafter
+        needs beyond the verify counts as drafting; the rest is hidden."""
+        verify_end = [0.0]
+
+        async def verify_call():
+            try:
+                return await self._on_verifier("Verify", request)
+            finally:
+                verify_end[0] = time.perf_counter()
+
+        verify = asyncio.ensure_future(verify_call())
+        try:
+            ahead = await self._draft_ahead(params, self.job.max_new_tokens - len(self.dec.tokens))
+            ahead_end = time.perf_counter()
+            result = await verify
+        finally:
+            if not verify.done():
+                verify.cancel()
+        self.times["draft"] += max(0.0, ahead_end - verify_end[0])
+        return result, ahead
+
+    async def _draft_ahead(self, params: common_pb2.TreeParams, tokens_left: int) -> dict:
+        """DraftAhead carrying the pending commit; {} when it fails (the drafter
+        is then replaced, as for a failed Draft)."""
+        request = drafter_pb2.DraftAheadRequest(
+            session_id=self.job.session_id, commit_tokens=self.pending_tokens, tree=params, count=self.lookahead,
+            tokens_left=tokens_left,
+            commit_features=self.pending_features.tensor() if self.pending_tokens else None)
+        try:
+            response = await self._call("drafter", self.drafter, "DraftAhead", request, account=False)
+        except BackendError as exc:
+            if await self._leave_drafter(exc, opening=False):
+                await self._open_drafter()
+            return {}
+        self.pending_tokens = []
+        self.pending_features.clear()
+        return {tuple(t.commit_tokens): t.tree for t in response.trees}
 
     @property
     def _wants_features(self) -> bool:
@@ -201,15 +265,13 @@ class Generation:
             self.pending_tokens.extend(tokens)
         await self._commit(tokens, emit)
 
-    async def _draft(self) -> common_pb2.DraftTree | None:
+    async def _draft(self, params: common_pb2.TreeParams) -> common_pb2.DraftTree | None:
         """This cycle's tree (carrying the pending commit), or None for a root-only tree."""
         while self.drafter is not None:
-            params = self._cycle_tree(self.job.max_new_tokens - len(self.dec.tokens))
-            if params is None:
-                return None
             request = drafter_pb2.DraftRequest(
                 session_id=self.job.session_id, commit_tokens=self.pending_tokens, tree=params,
-                commit_features=self.pending_features.tensor() if self.pending_tokens else None)
+                commit_features=self.pending_features.tensor() if self.pending_tokens else None,
+                ahead=self._looks_ahead)
             try:
                 draft = await self._call("drafter", self.drafter, "Draft", request)
             except BackendError as exc:
@@ -399,14 +461,18 @@ class Generation:
         left = self.deadline.remaining()
         return PROBE_TIMEOUT_S if left is None else min(PROBE_TIMEOUT_S, left)
 
-    async def _call(self, backend: str, endpoint: Endpoint, name: str, request):
-        """One backend call under the request's deadline; accounts its time."""
+    async def _call(self, backend: str, endpoint: Endpoint, name: str, request, account: bool = True):
+        """One backend call under the request's deadline; accounts its time
+        (``account``: a call that runs beside another is accounted by the caller)."""
         start = time.perf_counter()
         try:
             response = await getattr(endpoint.stub, name)(request, timeout=self.deadline.remaining())
         except grpc.aio.AioRpcError as exc:
-            self.times["network"] += time.perf_counter() - start
+            if account:
+                self.times["network"] += time.perf_counter() - start
             raise BackendError(backend, name, exc, endpoint.address) from None
+        if not account:
+            return response
         wall = time.perf_counter() - start
         compute = min(getattr(response, "compute_s", wall), wall)
         self.times["draft" if backend == "drafter" else "verify"] += compute

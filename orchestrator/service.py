@@ -85,6 +85,9 @@ class OrchestratorConfig:
     # MIN_SHARED_TREE): under load a wide tree mostly verifies rejected tokens.
     verify_token_budget: int = 0
     min_tau: float = 0.0          # SpeculationGate: pause drafting below this recent τ (0 = always draft)
+    # greedy sessions: accepted paths the drafter drafts the next round for while
+    # the verifier checks the current tree (0 = off; ``Drafter.draft_ahead``)
+    lookahead: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -103,6 +106,8 @@ class OrchestratorConfig:
             raise ValueError(f"max_new_tokens limit must be >= 1, got {self.max_new_tokens_limit}")
         if not self.min_tau >= 0:
             raise ValueError(f"min tau must be >= 0 (0 = always draft), got {self.min_tau}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 0 <= self.lookahead <= 8:
+            raise ValueError(f"lookahead must be an integer in [0, 8] (0 = off), got {self.lookahead}")
         if isinstance(self.verify_token_budget, bool) or not self.verify_token_budget >= 0:
             raise ValueError(f"verify token budget must be >= 0 (0 = off), got {self.verify_token_budget}")
         if self.default_max_new_tokens < 1:
@@ -251,7 +256,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": METHOD_FROM_PROTO[tree.method] if tree else "vanilla"})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau), text, deadline,
-                          self.config.verify_token_budget)
+                          self.config.verify_token_budget, self.config.lookahead)
 
     def _max_new_tokens(self, value: int) -> int:
         limit = self.config.max_new_tokens_limit
@@ -282,7 +287,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return orchestrator_pb2.GenerationStats(
             prompt_tokens=len(gen.job.prompt_ids), completion_tokens=len(gen.dec.tokens), cycles=s.cycles,
             tau=s.tau, accepted_per_position=s.accepted_per_position, draft_tokens=s.drafted,
-            accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s,
+            accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s, ahead_hits=s.ahead_hits,
             finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), **gen.timing())
 
     @staticmethod

@@ -41,6 +41,7 @@ class DecodeStats:
                                                                "commit": 0.0, "network": 0.0})
     ttft_s: float = 0.0
     wall_s: float = 0.0
+    ahead_hits: int = 0                           # cycles whose tree was drafted one round ahead
 
     @property
     def tau(self) -> float:
@@ -59,6 +60,7 @@ class DecodeStats:
     def as_dict(self) -> dict:
         return {"cycles": self.cycles, "tau": round(self.tau, 4), "draft_tokens": self.drafted,
                 "accepted_tokens": self.accepted, "accepted_per_position": list(self.accepted_per_position),
+                "ahead_hits": self.ahead_hits,
                 "time_split_s": {k: round(v, 6) for k, v in self.time_s.items()},
                 "ttft_s": round(self.ttft_s, 6), "wall_s": round(self.wall_s, 6)}
 

@@ -16,3 +16,11 @@ DEFAULT_EXPAND_K = 4          # top-k per expansion
 # (specdec.decoding.SpeculationGate). On the 2-core CPU a 16-node EAGLE cycle
 # costs ~2.3 one-token steps; on a GPU the break-even is nearer 1.2-1.5.
 DEFAULT_MIN_TAU = 2.0
+# Accepted paths the drafter drafts the next round for while the verifier
+# checks a greedy session's tree (drafting one round ahead; each path gives one
+# tree per bonus candidate); on a hit the next Draft round trip is skipped.
+# Off by default: on the 2-core CPU the drafter and the verifier share the
+# cores, and the trees drafted ahead (hit on ~20% of cycles with 1 path, ~30%
+# with 2) slowed the services by 3% (1 path) and 22% (2 paths). It is meant
+# for a drafter on its own device; measure with `specdec bench --grpc --lookahead N`.
+DEFAULT_LOOKAHEAD = 0

@@ -64,13 +64,18 @@ def cycle_config(cfg: TreeConfig, remaining: int) -> TreeConfig | None:
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
-             tree_cfg: TreeConfig | None, min_tau: float = 0.0) -> Decoding:
+             tree_cfg: TreeConfig | None, min_tau: float = 0.0, lookahead: int = 0) -> Decoding:
     """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla.
-    ``min_tau``: pause drafting while recent cycles commit fewer tokens (``SpeculationGate``)."""
+    ``min_tau``: pause drafting while recent cycles commit fewer tokens (``SpeculationGate``).
+    ``lookahead``: trees drafted one round ahead per cycle (``Drafter.draft_ahead``);
+    here they are drafted before the verify, where the services draft them during it,
+    so both loops use the same trees."""
     sid = uuid.uuid4().hex
     dec = Decoding(stop, min_tau)
     times = dec.stats.time_s
     use_drafter = drafter is not None and tree_cfg is not None
+    pending: list[tuple[list[int], object]] = []      # committed, not yet given to the drafter
+    ahead: dict[tuple[int, ...], object] = {}          # outcome tokens -> tree drafted for it
     try:
         t = time.perf_counter()
         first = verifier.prefill(sid, prompt, params, stop.max_new_tokens)
@@ -81,11 +86,27 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
             drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None,
                             greedy=params.greedy)
             times["commit"] += time.perf_counter() - t
+        last: tuple[int, ...] = ()
         while not dec.done:
             t = time.perf_counter()
             drafting = use_drafter and dec.gate.speculate()
-            cfg = cycle_config(tree_cfg, stop.max_new_tokens - len(dec.tokens)) if drafting else None
-            tree = drafter.draft(sid, cfg) if cfg is not None else tree_from_lists([dec.tokens[-1]], [-1])
+            remaining = stop.max_new_tokens - len(dec.tokens)
+            cfg = cycle_config(tree_cfg, remaining) if drafting else None
+            tree = ahead.get(last) if cfg is not None else None
+            dec.stats.ahead_hits += tree is not None
+            if tree is None and cfg is not None:
+                if pending:
+                    drafter.commit(sid, *_joined(pending, drafter.needs_features))
+                    pending = []
+                tree = drafter.draft(sid, cfg, ahead=True) if lookahead > 0 else drafter.draft(sid, cfg)
+            ahead = {}
+            if tree is not None and lookahead > 0:
+                tokens, feats = _joined(pending, drafter.needs_features)
+                pending = []
+                ahead = {tuple(c): tr for c, tr in drafter.draft_ahead(sid, tokens, feats, cfg, lookahead,
+                                                                        remaining)}
+            if tree is None:
+                tree = tree_from_lists([dec.tokens[-1]], [-1])
             t2 = time.perf_counter()
             result = verifier.verify(sid, tree)
             t3 = time.perf_counter()
@@ -94,15 +115,24 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
             dec.stats.record_cycle(tree.size, len(result.accepted))
             dec.gate.record(tree.size > 1, len(result.tokens))
             dec.add(result.tokens)
+            last = tuple(result.tokens)
             if use_drafter and not dec.done:
-                drafter.commit(sid, result.tokens, result.features if drafter.needs_features else None)
-                times["commit"] += time.perf_counter() - t3
+                pending.append((list(result.tokens), result.features if drafter.needs_features else None))
     finally:
         verifier.release(sid)
         if drafter is not None:
             drafter.release(sid)
     dec.finish()
     return dec
+
+
+def _joined(pending: list[tuple[list[int], object]], with_features: bool) -> tuple[list[int], object]:
+    """Several cycles' commits as one (tokens, features)."""
+    import torch
+
+    tokens = [t for toks, _ in pending for t in toks]
+    feats = torch.cat([f for _, f in pending]) if with_features and pending else None
+    return tokens, feats
 
 
 def default_paths() -> dict[str, Path]:

@@ -56,6 +56,12 @@ INTER_TOKEN_LATENCY = Histogram("specdec_inter_token_latency_seconds",
 # -- engine time (verifier and drafter services) ---------------------------------
 DRAFT_DURATION = Histogram("specdec_draft_duration_seconds", "Drafter compute per Draft call (commit + tree).",
                            buckets=_FAST, registry=REGISTRY)
+DRAFT_AHEAD_DURATION = Histogram("specdec_draft_ahead_duration_seconds",
+                                 "Drafter compute per DraftAhead call (commit + trees drafted one round ahead).",
+                                 buckets=_FAST, registry=REGISTRY)
+AHEAD_CYCLES = Counter("specdec_ahead_cycles_total",
+                       "Cycles that drafted one round ahead, by whether the verified outcome had a tree ready.",
+                       ["outcome"], registry=REGISTRY)
 VERIFY_DURATION = Histogram("specdec_verify_duration_seconds", "Verifier compute per Verify call.",
                             buckets=_FAST, registry=REGISTRY)
 PREFILL_DURATION = Histogram("specdec_prefill_duration_seconds", "Compute per Prefill call.", ["role"],

@@ -157,6 +157,29 @@ class DraftTree:
         return self.tokens.tolist(), self.parents.tolist()
 
 
+def subtree(tree: DraftTree, root: int, max_nodes: int) -> tuple[DraftTree, torch.Tensor]:
+    """The nodes under ``root`` as a tree of their own: ``root`` and the
+    ``max_nodes - 1`` descendants of highest value (a child's value never
+    exceeds its parent's, ties go to the shallower node, so what is kept stays
+    connected); depths and values relative to ``root``. Returns it with the
+    kept node indices ([m] int64, ``root`` first)."""
+    parents = tree.parents.tolist()
+    inside = [False] * tree.size
+    inside[root] = True
+    for i in range(root + 1, tree.size):
+        inside[i] = inside[parents[i]]
+    rest = torch.tensor([i for i in range(root + 1, tree.size) if inside[i]], dtype=torch.int64)
+    if len(rest) > max_nodes - 1:
+        rest = rest[_best(tree.values[rest], max(0, max_nodes - 1))]
+    keep = torch.cat([torch.tensor([root], dtype=torch.int64), rest])
+    where = torch.full((tree.size,), -1, dtype=torch.int64)
+    where[keep] = torch.arange(len(keep))
+    new_parents = where[tree.parents[keep].clamp(min=0)]
+    new_parents[0] = -1
+    return DraftTree(tree.tokens[keep], new_parents, tree.depths[keep] - tree.depths[root],
+                     tree.values[keep] - tree.values[root]), keep
+
+
 def _int_list(x, name: str) -> list[int]:
     if isinstance(x, torch.Tensor):
         if x.dim() != 1:
@@ -321,6 +344,12 @@ def _best(key: torch.Tensor, k: int) -> torch.Tensor:
 
 def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
     """Draft a tree under the root token by calling expand() once per level."""
+    return build_tree_ids(root_token, expand, cfg)[0]
+
+
+def build_tree_ids(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> tuple[DraftTree, torch.Tensor]:
+    """``build_tree`` and the pool id of each tree node ([n] int64, 0 for the root):
+    the ids the frontiers passed to expand() used for those nodes."""
     if isinstance(root_token, bool) or operator.index(root_token) < 0:
         raise TreeError(f"root_token must be a token id >= 0, got {root_token!r}")
     if cfg.method == "static":
@@ -344,10 +373,10 @@ def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
         keep = _best(pool.values[1:], cfg.total_tokens - 1) + 1
     else:
         keep = torch.cat([torch.zeros(0, dtype=torch.int64), *chosen])[: cfg.total_tokens - 1]
-    return pool.tree(keep)
+    return pool.tree(keep), torch.cat([torch.zeros(1, dtype=torch.int64), keep])
 
 
-def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
+def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> tuple[DraftTree, torch.Tensor]:
     """Grow a fixed shape level by level: each node that has children in the shape
     is expanded, and its children are the tokens at the requested ranks."""
     shape = cfg.static_shape if cfg.static_shape is not None else default_static_shape()
@@ -370,4 +399,4 @@ def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTr
         parents = torch.tensor([index[p[:-1]] for p in level], dtype=torch.int64)
         ids = pool.add(parents, tok[rows, ranks], lp[rows, ranks])
         index.update(zip(level, ids.tolist()))
-    return pool.tree(torch.arange(1, len(pool)))
+    return pool.tree(torch.arange(1, len(pool))), torch.arange(len(pool))

@@ -18,14 +18,17 @@ from specdec.bench.runner import GRPC_SUFFIX, PEER_METHODS, REFERENCES
 _COLOURS = {"reference": "#8c8c8c", "peer": "#e08a2c", "ours": "#2b6cb0", "grpc": "#7fb3e6"}
 
 
-
 def _gate(tree: dict) -> str:
-    t = tree.get("min_tau")
-    return (f"; drafting paused while a session's recent τ < {t:g} (`--min-tau`; τ counts those root-only "
-            f"cycles too)") if t else ""
+    t, ahead = tree.get("min_tau"), tree.get("lookahead")
+    out = (f"; drafting paused while a session's recent τ < {t:g} (`--min-tau`; τ counts those root-only "
+           f"cycles too)") if t else ""
+    if ahead:
+        out += ("; METHOD@grpc-aheadN: an orchestrator that drafts one round ahead for N accepted paths "
+                "(`--lookahead`; the share of cycles whose tree was ready in the table)")
+    return out
 
 def family(name: str) -> str:
-    if name.endswith(GRPC_SUFFIX):
+    if GRPC_SUFFIX in name:
         return "grpc"
     if name in REFERENCES:
         return "reference"
@@ -41,16 +44,21 @@ def _yes_no(x) -> str:
 
 
 def results_table(result: dict) -> str:
-    """One row per method: speedups, tau, tokens/s, output check, time split."""
+    """One row per method: speedups, tau, tokens/s, output check, time split
+    (and, when the services drafted ahead, the share of cycles that hit)."""
+    ahead = bool((result.get("tree") or {}).get("lookahead"))
     lines = ["| method | speedup vs vanilla | speedup vs hf-generate | τ | tokens/s | matches vanilla "
-             "| draft / verify / network / other |",
-             "|---|---:|---:|---:|---:|:---:|---|"]
+             "| draft / verify / network / other |" + (" ahead hits |" if ahead else ""),
+             "|---|---:|---:|---:|---:|:---:|---|" + ("---:|" if ahead else "")]
     for name, m in result["methods"].items():
         ts = m["time_split"]
         split = " / ".join(_fmt(ts.get(f"{k}_frac"), ".0%") for k in ("draft", "verify", "network", "other"))
-        lines.append(f"| {name} | {_fmt(m['speedup_vs_vanilla'], '.2f')}x | {_fmt(m['speedup_vs_hf_generate'], '.2f')}x "
-                     f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['tokens_per_s'], '.1f')} | {_yes_no(m['matches_vanilla'])} "
-                     f"| {split} |")
+        row = (f"| {name} | {_fmt(m['speedup_vs_vanilla'], '.2f')}x | {_fmt(m['speedup_vs_hf_generate'], '.2f')}x "
+               f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['tokens_per_s'], '.1f')} | {_yes_no(m['matches_vanilla'])} "
+               f"| {split} |")
+        if ahead:
+            row += f" {_fmt(m.get('ahead_hit_rate'), '.0%')} |"
+        lines.append(row)
     return "\n".join(lines)
 
 

@@ -49,6 +49,7 @@ DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
 ALL_METHODS = DEFAULT_METHODS + ("sps",)
 GRPC_SUFFIX = "@grpc"
+AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 CALIBRATED = "eagle2"                      # the method whose trees feed the calibration plot
 
 
@@ -70,6 +71,7 @@ class Sample:
     draft_s: float | None = None
     verify_s: float | None = None
     network_s: float | None = None
+    ahead_hits: int = 0                    # cycles whose tree was drafted one round ahead (services)
 
 
 class Method(Protocol):
@@ -155,6 +157,11 @@ class Totals:
                 counts[j] += c
         return sum(s.committed for s in samples) / cycles, [c / cycles for c in counts]
 
+    def ahead_hit_rate(self) -> float | None:
+        """Share of cycles whose tree was drafted one round ahead; None without cycles."""
+        cycles = sum(s.cycles or 0 for s in self.samples.values())
+        return sum(s.ahead_hits for s in self.samples.values()) / cycles if cycles else None
+
     def time_split(self) -> dict:
         wall = self.wall_s
         parts = {}
@@ -202,6 +209,8 @@ def summarize(totals: dict[str, Totals], greedy: bool) -> dict[str, dict]:
             "matches_vanilla": matches(tot.outputs(), reference) if greedy and reference else None,
             "time_split": tot.time_split(),
         }
+        if GRPC_SUFFIX + AHEAD_SUFFIX in name and tau is not None:
+            out[name]["ahead_hit_rate"] = _round(tot.ahead_hit_rate(), 4)
     return out
 
 
@@ -270,6 +279,7 @@ class BenchConfig:
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
     min_tau: float = 0.0            # SpeculationGate of every speculative method (0 = always draft)
+    lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -410,7 +420,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "max_new_tokens": cfg.max_new_tokens,
         "methods": summarize(totals, greedy=cfg.params.greedy),
         "tree": {"total_tokens": cfg.tree.total_tokens, "depth": cfg.tree.depth, "expand_k": cfg.tree.expand_k,
-                 "min_tau": cfg.min_tau},
+                 "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
         "repeats": cfg.repeats,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},

@@ -6,6 +6,9 @@ stopped by the bench with the helpers of ``specdec up``); the bench calls the
 orchestrator with the client SDK, so every figure includes the real wire path.
 Each speculative method M runs as ``M@grpc``; ``vanilla@grpc`` (method
 VANILLA on the first stack) measures the services' own per-token overhead.
+With ``--lookahead N,...`` each stack also gets one orchestrator per N that
+drafts one round ahead, over the same verifier and drafter, and each model
+method runs through it as ``M@grpc-aheadN``.
 The services use the bench's torch thread count, so in-process and gRPC
 methods get the same compute.
 """
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from specdec.bench.runner import GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample
+from specdec.bench.runner import AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -46,7 +49,7 @@ class GrpcMethod:
         s = done.stats
         return Sample(tokens=list(done.token_ids), wall_s=wall, cycles=s.cycles, committed=round(s.tau * s.cycles),
                       accepted_counts=list(s.accepted_per_position), draft_s=s.draft_s, verify_s=s.verify_s,
-                      network_s=s.network_s)
+                      network_s=s.network_s, ahead_hits=s.ahead_hits)
 
 
 def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
@@ -76,9 +79,11 @@ def _threads_env(threads: int) -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = old
 
 
-def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
-    """Start verifier, drafter and orchestrator (appended to children as they
-    start, so the caller stops them whatever happens); return the orchestrator's address."""
+def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
+    """Start verifier, drafter and orchestrators (appended to children as they
+    start, so the caller stops them whatever happens): one orchestrator without
+    lookahead and one per ``cfg.lookahead`` value, all over the same verifier
+    and drafter; return {lookahead: orchestrator address}."""
     import torch
 
     from specdec.cli import stack
@@ -97,15 +102,18 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> str:
         children.extend(mine)
         stack._wait_listening(mine, deadline)
         verifier, drafter = mine
-        orchestrator = stack._spawn(f"{kind} orchestrator", [
-            "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
-            "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
-            "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.min_tau), *internal])
-    mine.append(orchestrator)
-    children.append(orchestrator)
+        orchestrators = {}
+        for lookahead in (0, *cfg.lookahead):
+            orchestrators[lookahead] = stack._spawn(f"{kind} orchestrator", [
+                "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
+                "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
+                "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.min_tau),
+                "--lookahead", str(lookahead), *internal])
+    mine.extend(orchestrators.values())
+    children.extend(orchestrators.values())
     stack._wait_listening(mine, deadline)
     stack._wait_serving(mine, deadline)
-    return orchestrator.address
+    return {lookahead: child.address for lookahead, child in orchestrators.items()}
 
 
 @contextmanager
@@ -132,16 +140,21 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
             if progress is not None:
                 progress(f"starting the gRPC services ({kind} drafter)")
             try:
-                address = start_stack(cfg, kind, children)
+                addresses = start_stack(cfg, kind, children)
             except stack.ChildDied as exc:
                 raise CliError(f"--grpc: {exc}") from None
-            clients[kind] = SpecdecClient(address, timeout=REQUEST_TIMEOUT_S)
+            for lookahead, address in addresses.items():
+                clients[kind, lookahead] = SpecdecClient(address, timeout=REQUEST_TIMEOUT_S)
         methods = {}
         if kinds and "vanilla" in names:
-            methods["vanilla" + GRPC_SUFFIX] = GrpcMethod(clients[kinds[0]], "vanilla", cfg)
+            methods["vanilla" + GRPC_SUFFIX] = GrpcMethod(clients[kinds[0], 0], "vanilla", cfg)
         for name in speculative:
             kind, tree_method = SPECULATIVE[name]
-            methods[name + GRPC_SUFFIX] = GrpcMethod(clients[kind], tree_method, cfg)
+            methods[name + GRPC_SUFFIX] = GrpcMethod(clients[kind, 0], tree_method, cfg)
+            if kind != "ngram":            # the n-gram drafter has no model to draft ahead with
+                for lookahead in cfg.lookahead:
+                    methods[f"{name}{GRPC_SUFFIX}{AHEAD_SUFFIX}{lookahead}"] = GrpcMethod(
+                        clients[kind, lookahead], tree_method, cfg)
         yield methods
     finally:
         for client in clients.values():

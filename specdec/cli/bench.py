@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
     c.add_argument("--verify-token-budget", type=int, default=0, metavar="N",
                    help="the services' orchestrator cuts each session's tree to N / sessions on its verifier "
                         "(at least 4) under load; 0 = off (default)")
+    p.add_argument("--lookahead", type=_int_list, default=(), metavar="LIST",
+                   help="with --grpc, e.g. 1,2: also run each speculative method through an orchestrator "
+                        "that drafts one round ahead for the N likeliest accepted paths (greedy sessions), "
+                        "as METHOD@grpc-aheadN, over the same verifier and drafter")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
                    help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
@@ -106,6 +110,10 @@ def config_from(args, sweep: bool):
                              ("--verify-token-budget", args.verify_token_budget, 0), ("--min-tau", args.min_tau, 0)):
         if value is not None and value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
+    if any(not 1 <= n <= 8 for n in args.lookahead):
+        raise CliError(f"--lookahead values must be in [1, 8], got {','.join(map(str, args.lookahead))}")
+    if args.lookahead and not args.grpc:
+        raise CliError("--lookahead needs --grpc (in-process methods have no round trip to hide)")
     from specdec.tree import TreeConfig
 
     tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
@@ -126,7 +134,8 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
-                       device=args.device, verify_token_budget=args.verify_token_budget, min_tau=args.min_tau)
+                       device=args.device, verify_token_budget=args.verify_token_budget, min_tau=args.min_tau,
+                       lookahead=tuple(dict.fromkeys(args.lookahead)))
 
 
 def concurrency_plan(args):

@@ -99,6 +99,10 @@ def add_orchestrator_parser(sub) -> None:
     t.add_argument("--min-tau", type=float, metavar="TAU", default=_env("SPECDEC_MIN_TAU", knobs.DEFAULT_MIN_TAU),
                    help="pause a session's drafting while its recent cycles commit fewer tokens than this on "
                         "average (0 = always draft; env SPECDEC_MIN_TAU)")
+    t.add_argument("--lookahead", type=int, metavar="N", default=_env("SPECDEC_LOOKAHEAD", knobs.DEFAULT_LOOKAHEAD),
+                   help="greedy sessions: while the verifier checks a tree, the drafter drafts the next round "
+                        "for the N likeliest accepted paths, and a hit skips the next Draft round trip "
+                        "(0 = off; at most 8; env SPECDEC_LOOKAHEAD)")
     t.add_argument("--verify-token-budget", type=int, metavar="N", default=_env("SPECDEC_VERIFY_TOKEN_BUDGET", 0),
                    help="tree nodes per verifier step over all its sessions: each session's tree is cut to "
                         "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
@@ -129,6 +133,8 @@ def orchestrator_config(args):
     if not verifiers and not args.verifier_dns:
         raise CliError("--verifier HOST:PORT or --verifier-dns HOST:PORT is required "
                        "(or SPECDEC_VERIFIER / SPECDEC_VERIFIER_DNS)")
+    if not 0 <= args.lookahead <= 8:
+        raise CliError(f"--lookahead must be in [0, 8] (0 = off), got {args.lookahead}")
     for flag in ("resolve_interval_s", "probe_interval_s"):
         if not getattr(args, flag) > 0:
             raise CliError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
@@ -143,7 +149,7 @@ def orchestrator_config(args):
                               default_max_new_tokens=args.max_new_tokens,
                               max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
                               backend_token=args.backend_token, verify_token_budget=args.verify_token_budget,
-                              min_tau=args.min_tau)
+                              min_tau=args.min_tau, lookahead=args.lookahead)
 
 
 def run_orchestrator(args) -> int:

@@ -109,6 +109,7 @@ class GenerationStats:
     wall_s: float = 0.0
     finish_reason: str = ""
     request_id: str = ""
+    ahead_hits: int = 0                  # cycles whose tree was drafted one round ahead
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.GenerationStats) -> GenerationStats:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"t\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\"\x18\n\x16\x44rafterPrefillResponse\"\x8c\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\"G\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"c\n\x14\x44rafterCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x17\n\x15\x44rafterCommitResponse\"<\n\x16\x44rafterRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x19\n\x17\x44rafterRollbackResponse\"+\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16\x44rafterReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15\x44rafterGetInfoRequest\"\xab\x01\n\x16\x44rafterGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0eneeds_features\x18\x02 \x01(\x08\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12(\n\x08max_tree\x18\x06 \x01(\x0b\x32\x16.specdec.v1.TreeParams2\xe8\x03\n\x0e\x44rafterService\x12P\n\x07Prefill\x12!.specdec.v1.DrafterPrefillRequest\x1a\".specdec.v1.DrafterPrefillResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12M\n\x06\x43ommit\x12 .specdec.v1.DrafterCommitRequest\x1a!.specdec.v1.DrafterCommitResponse\x12S\n\x08Rollback\x12\".specdec.v1.DrafterRollbackRequest\x1a#.specdec.v1.DrafterRollbackResponse\x12P\n\x07Release\x12!.specdec.v1.DrafterReleaseRequest\x1a\".specdec.v1.DrafterReleaseResponse\x12P\n\x07GetInfo\x12!.specdec.v1.DrafterGetInfoRequest\x1a\".specdec.v1.DrafterGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"t\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\"\x18\n\x16\x44rafterPrefillResponse\"\x9b\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x61head\x18\x05 \x01(\x08\"G\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xb5\x01\n\x11\x44raftAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x63ount\x18\x05 \x01(\x05\x12\x13\n\x0btokens_left\x18\x06 \x01(\x05\"G\n\tAheadTree\x12\x15\n\rcommit_tokens\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"M\n\x12\x44raftAheadResponse\x12$\n\x05trees\x18\x01 \x03(\x0b\x32\x15.specdec.v1.AheadTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"c\n\x14\x44rafterCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x17\n\x15\x44rafterCommitResponse\"<\n\x16\x44rafterRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x19\n\x17\x44rafterRollbackResponse\"+\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16\x44rafterReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15\x44rafterGetInfoRequest\"\xc1\x01\n\x16\x44rafterGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0eneeds_features\x18\x02 \x01(\x08\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12(\n\x08max_tree\x18\x06 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x14\n\x0c\x64rafts_ahead\x18\x07 \x01(\x08\x32\xb5\x04\n\x0e\x44rafterService\x12P\n\x07Prefill\x12!.specdec.v1.DrafterPrefillRequest\x1a\".specdec.v1.DrafterPrefillResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nDraftAhead\x12\x1d.specdec.v1.DraftAheadRequest\x1a\x1e.specdec.v1.DraftAheadResponse\x12M\n\x06\x43ommit\x12 .specdec.v1.DrafterCommitRequest\x1a!.specdec.v1.DrafterCommitResponse\x12S\n\x08Rollback\x12\".specdec.v1.DrafterRollbackRequest\x1a#.specdec.v1.DrafterRollbackResponse\x12P\n\x07Release\x12!.specdec.v1.DrafterReleaseRequest\x1a\".specdec.v1.DrafterReleaseResponse\x12P\n\x07GetInfo\x12!.specdec.v1.DrafterGetInfoRequest\x1a\".specdec.v1.DrafterGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERPREFILLRESPONSE']._serialized_start=183
   _globals['_DRAFTERPREFILLRESPONSE']._serialized_end=207
   _globals['_DRAFTREQUEST']._serialized_start=210
-  _globals['_DRAFTREQUEST']._serialized_end=350
-  _globals['_DRAFTRESPONSE']._serialized_start=352
-  _globals['_DRAFTRESPONSE']._serialized_end=423
-  _globals['_DRAFTERCOMMITREQUEST']._serialized_start=425
-  _globals['_DRAFTERCOMMITREQUEST']._serialized_end=524
-  _globals['_DRAFTERCOMMITRESPONSE']._serialized_start=526
-  _globals['_DRAFTERCOMMITRESPONSE']._serialized_end=549
-  _globals['_DRAFTERROLLBACKREQUEST']._serialized_start=551
-  _globals['_DRAFTERROLLBACKREQUEST']._serialized_end=611
-  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_start=613
-  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_end=638
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=640
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=683
-  _globals['_DRAFTERRELEASERESPONSE']._serialized_start=685
-  _globals['_DRAFTERRELEASERESPONSE']._serialized_end=727
-  _globals['_DRAFTERGETINFOREQUEST']._serialized_start=729
-  _globals['_DRAFTERGETINFOREQUEST']._serialized_end=752
-  _globals['_DRAFTERGETINFORESPONSE']._serialized_start=755
-  _globals['_DRAFTERGETINFORESPONSE']._serialized_end=926
-  _globals['_DRAFTERSERVICE']._serialized_start=929
-  _globals['_DRAFTERSERVICE']._serialized_end=1417
+  _globals['_DRAFTREQUEST']._serialized_end=365
+  _globals['_DRAFTRESPONSE']._serialized_start=367
+  _globals['_DRAFTRESPONSE']._serialized_end=438
+  _globals['_DRAFTAHEADREQUEST']._serialized_start=441
+  _globals['_DRAFTAHEADREQUEST']._serialized_end=622
+  _globals['_AHEADTREE']._serialized_start=624
+  _globals['_AHEADTREE']._serialized_end=695
+  _globals['_DRAFTAHEADRESPONSE']._serialized_start=697
+  _globals['_DRAFTAHEADRESPONSE']._serialized_end=774
+  _globals['_DRAFTERCOMMITREQUEST']._serialized_start=776
+  _globals['_DRAFTERCOMMITREQUEST']._serialized_end=875
+  _globals['_DRAFTERCOMMITRESPONSE']._serialized_start=877
+  _globals['_DRAFTERCOMMITRESPONSE']._serialized_end=900
+  _globals['_DRAFTERROLLBACKREQUEST']._serialized_start=902
+  _globals['_DRAFTERROLLBACKREQUEST']._serialized_end=962
+  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_start=964
+  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_end=989
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=991
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1034
+  _globals['_DRAFTERRELEASERESPONSE']._serialized_start=1036
+  _globals['_DRAFTERRELEASERESPONSE']._serialized_end=1078
+  _globals['_DRAFTERGETINFOREQUEST']._serialized_start=1080
+  _globals['_DRAFTERGETINFOREQUEST']._serialized_end=1103
+  _globals['_DRAFTERGETINFORESPONSE']._serialized_start=1106
+  _globals['_DRAFTERGETINFORESPONSE']._serialized_end=1299
+  _globals['_DRAFTERSERVICE']._serialized_start=1302
+  _globals['_DRAFTERSERVICE']._serialized_end=1867
 # @@protoc_insertion_point(module_scope)

@@ -24,16 +24,18 @@ class DrafterPrefillResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "commit_features", "tree")
+    __slots__ = ("session_id", "commit_tokens", "commit_features", "tree", "ahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     commit_features: _common_pb2.Tensor
     tree: _common_pb2.TreeParams
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., commit_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    ahead: bool
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., commit_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("tree", "compute_s")
@@ -42,6 +44,38 @@ class DraftResponse(_message.Message):
     tree: _common_pb2.DraftTree
     compute_s: float
     def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class DraftAheadRequest(_message.Message):
+    __slots__ = ("session_id", "commit_tokens", "commit_features", "tree", "count", "tokens_left")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    commit_features: _common_pb2.Tensor
+    tree: _common_pb2.TreeParams
+    count: int
+    tokens_left: int
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., commit_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., count: _Optional[int] = ..., tokens_left: _Optional[int] = ...) -> None: ...
+
+class AheadTree(_message.Message):
+    __slots__ = ("commit_tokens", "tree")
+    COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    commit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    tree: _common_pb2.DraftTree
+    def __init__(self, commit_tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+
+class DraftAheadResponse(_message.Message):
+    __slots__ = ("trees", "compute_s")
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[AheadTree]
+    compute_s: float
+    def __init__(self, trees: _Optional[_Iterable[_Union[AheadTree, _Mapping]]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class DrafterCommitRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "features")
@@ -86,17 +120,19 @@ class DrafterGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterGetInfoResponse(_message.Message):
-    __slots__ = ("kind", "needs_features", "vocab_size", "active_sessions", "max_sessions", "max_tree")
+    __slots__ = ("kind", "needs_features", "vocab_size", "active_sessions", "max_sessions", "max_tree", "drafts_ahead")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     kind: str
     needs_features: bool
     vocab_size: int
     active_sessions: int
     max_sessions: int
     max_tree: _common_pb2.TreeParams
-    def __init__(self, kind: _Optional[str] = ..., needs_features: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ...) -> None: ...
+    drafts_ahead: bool
+    def __init__(self, kind: _Optional[str] = ..., needs_features: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafts_ahead: _Optional[bool] = ...) -> None: ...

@@ -45,6 +45,11 @@ class DrafterServiceStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftAhead = channel.unary_unary(
+                '/specdec.v1.DrafterService/DraftAhead',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.DraftAheadRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftAheadResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/specdec.v1.DrafterService/Commit',
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterCommitRequest.SerializeToString,
@@ -80,6 +85,15 @@ class DrafterServiceServicer:
     def Draft(self, request, context):
         """Commit the previous cycle's tokens (if any), then build a draft tree:
         one round trip per cycle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftAhead(self, request, context):
+        """While the verifier checks the session's current tree: commit what the last
+        cycle committed, then draft the trees the next cycle would use for the
+        likeliest outcomes of the current tree (drafting one round ahead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +135,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftAhead': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftAhead,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.DraftAheadRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.DraftAheadResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -198,6 +217,33 @@ class DrafterService:
             '/specdec.v1.DrafterService/Draft',
             specdec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftAhead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/DraftAhead',
+            specdec_dot_v1_dot_drafter__pb2.DraftAheadRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.DraftAheadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,7 +32,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cycles", "tau", "accepted_per_position", "draft_tokens", "accepted_tokens", "draft_s", "verify_s", "network_s", "other_s", "ttft_s", "wall_s", "finish_reason", "request_id")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cycles", "tau", "accepted_per_position", "draft_tokens", "accepted_tokens", "draft_s", "verify_s", "network_s", "other_s", "ttft_s", "wall_s", "finish_reason", "request_id", "ahead_hits")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerationStats(_message.Message):
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cycles: int
@@ -63,7 +64,8 @@ class GenerationStats(_message.Message):
     wall_s: float
     finish_reason: str
     request_id: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cycles: _Optional[int] = ..., tau: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., other_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    ahead_hits: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cycles: _Optional[int] = ..., tau: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., other_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ..., ahead_hits: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

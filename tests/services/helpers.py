@@ -41,6 +41,25 @@ def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, d
     return build
 
 
+def oracle_dir(paths):
+    """A copy of the target to serve as a draft LM, calibrated for greedy
+    acceptance as ``specdec train calibrate`` would find (its top token is
+    always right): the sharp value temperature makes its node values say so."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    target = Path(paths["target"])
+    oracle = target.parent / "oracle"
+    if not oracle.is_dir():
+        tmp = target.parent / "oracle.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(target, tmp)
+        (tmp / "calibration.json").write_text(json.dumps({"greedy_value_temperature": 0.05}))
+        tmp.rename(oracle)
+    return oracle
+
+
 def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0):
     def build():
         sessions = dict(max_sessions=max_sessions, ttl_s=session_ttl)
@@ -53,6 +72,11 @@ def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float 
             from specdec.models import ModelSpec
 
             return DraftLmDrafter(ModelSpec(str(paths["draft-lm"])), **sessions)
+        if kind == "oracle":        # the target itself as draft LM: its greedy drafts are always accepted
+            from drafter.draft_lm import DraftLmDrafter
+            from specdec.models import ModelSpec
+
+            return DraftLmDrafter(ModelSpec(str(oracle_dir(paths))), **sessions)
         if kind == "ngram":
             from drafter.ngram import NgramDrafter
             from specdec.models import read_config

@@ -1,0 +1,112 @@
+"""Drafting one round ahead through the services (``--lookahead``): the
+orchestrator verifies a tree while the drafter drafts the next round, and uses
+a tree drafted ahead when the verifier commits its outcome. Greedy output is
+unchanged, hits are counted (stats and metric), sampled sessions never look
+ahead, and the DraftAhead RPC rejects bad input with a status."""
+
+import grpc
+import pytest
+
+from running_stack import Stack
+from services.helpers import drafter_builder, rpc_error, verifier_builder
+from specdec.client import SpecdecClient
+from specdec.metrics import REGISTRY
+from specdec.v1 import common_pb2
+from specdec.v1.drafter_pb2 import DraftAheadRequest, DrafterPrefillRequest, DraftRequest
+from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
+
+PROMPT = "def add(a, b):"
+N = 40
+CHAIN = dict(method="chain", total_tokens=6, depth=5)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    s = Stack(tiny_family)
+    s.add_verifier("verifier")
+    s.add_orchestrator("plain")
+    for kind in ("oracle", "eagle"):
+        s.add_drafter(kind, kind)
+        s.add_orchestrator(f"{kind}-ahead", drafter=kind, lookahead=3)
+    yield s
+    s.close()
+
+
+def hits_metric(outcome: str) -> float:
+    return REGISTRY.get_sample_value("specdec_ahead_cycles_total", {"outcome": outcome}) or 0.0
+
+
+def test_greedy_output_unchanged_and_trees_ready(stack):
+    with SpecdecClient(stack.address("plain")) as client:
+        plain = client.complete(PROMPT, max_new_tokens=N)
+    before = hits_metric("hit")
+    with SpecdecClient(stack.address("oracle-ahead")) as client:
+        got = client.complete(PROMPT, max_new_tokens=N, **CHAIN)
+    assert got.token_ids == plain.token_ids
+    s = got.stats
+    # the oracle's chain is accepted whole; every cycle after the first (drafted plainly) was ready
+    assert s.tau > 5.0
+    assert s.ahead_hits == s.cycles - 1, s
+    assert hits_metric("hit") == before + s.ahead_hits
+    with SpecdecClient(stack.address("eagle-ahead")) as client:
+        for method in ("eagle2", "static"):
+            assert client.complete(PROMPT, max_new_tokens=N, method=method).token_ids == plain.token_ids
+
+
+def test_sampled_sessions_do_not_look_ahead(stack, tiny_family):
+    from specdec.decoding import StopCriteria
+    from specdec.local import generate
+    from specdec.models import load_tokenizer
+    from specdec.sampling import SamplingParams
+    from specdec.tree import TreeConfig
+
+    params = dict(temperature=0.75, top_p=0.875, top_k=50, seed=7)
+    with SpecdecClient(stack.address("oracle-ahead")) as client:
+        got = client.complete(PROMPT, max_new_tokens=N, **CHAIN, **params)
+    assert got.stats.ahead_hits == 0
+    tok = load_tokenizer(tiny_family["target"])
+    ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
+    want = generate(verifier_builder(tiny_family)(), drafter_builder(tiny_family, "oracle")(), ids,
+                    SamplingParams(**params), StopCriteria(max_new_tokens=N, eos_ids=frozenset([tok.eos_token_id])),
+                    TreeConfig(**CHAIN))
+    assert got.token_ids == want.tokens
+
+
+def test_draft_ahead_rpc_statuses(stack):
+    import asyncio
+
+    async def calls():
+        async with grpc.aio.insecure_channel(stack.address("eagle")) as channel:
+            stub = DrafterServiceStub(channel)
+            tree = common_pb2.TreeParams(method=common_pb2.TREE_METHOD_EAGLE2, total_tokens=8, depth=3, expand_k=2)
+            out = {"unknown": await rpc_error(stub.DraftAhead(DraftAheadRequest(session_id="nope", tree=tree,
+                                                                                count=1)))}
+            await stub.Prefill(DrafterPrefillRequest(session_id="s", token_ids=[1, 2], greedy=True,
+                                                     features=_zeros(1, stack)))
+            await stub.Draft(DraftRequest(session_id="s", tree=tree, ahead=True))
+            out["negative"] = await rpc_error(stub.DraftAhead(DraftAheadRequest(session_id="s", tree=tree, count=-1)))
+            vanilla = common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA)
+            out["no_tree"] = await rpc_error(stub.DraftAhead(DraftAheadRequest(session_id="s", tree=vanilla,
+                                                                               count=1)))
+            out["features_alone"] = await rpc_error(stub.DraftAhead(DraftAheadRequest(
+                session_id="s", tree=tree, count=1, commit_features=_zeros(2, stack))))
+            ok = await stub.DraftAhead(DraftAheadRequest(session_id="s", tree=tree, count=2))
+            out["trees"] = [(list(t.commit_tokens), list(t.tree.tokens)) for t in ok.trees]
+            return out
+
+    out = stack.loop.run(calls())
+    assert out["unknown"].code() == grpc.StatusCode.NOT_FOUND
+    assert out["negative"].code() == grpc.StatusCode.INVALID_ARGUMENT and "count" in out["negative"].details()
+    assert out["no_tree"].code() == grpc.StatusCode.INVALID_ARGUMENT and "tree" in out["no_tree"].details()
+    assert out["features_alone"].code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the session survived the bad calls: two paths drafted ahead, each tree rooted at its bonus token
+    assert out["trees"] and all(tokens[0] == commit[-1] for commit, tokens in out["trees"])
+
+
+def _zeros(rows: int, stack) -> common_pb2.Tensor:
+    import torch
+
+    from specdec import wire
+
+    hidden = stack.servicer("eagle").drafter.hidden_size
+    return wire.tensor_to_proto(torch.zeros(rows, hidden), "float32")
