@@ -41,29 +41,26 @@ class DraftSession:
 
 @dataclass(frozen=True)
 class TreeRecord:
-    """A drafted tree with its model's output at every node, kept so that the
-    next round can be drafted from it while the verifier checks it."""
+    """A drafted tree with its model's output at the nodes it expanded, kept so
+    that the next round can be drafted from it while the verifier checks it."""
 
     tree: DraftTree
-    hidden: torch.Tensor                   # [n, H] model output at each node (row 0: the root)
-    logp: torch.Tensor                     # [n, V] next-token log-probs after each node
-    value_temperature: float               # the one the tree's values were made with
+    hidden: torch.Tensor   # [n, H] model output at each node with children (row 0: the root); zeros elsewhere
 
 
 def likely_stops(rec: TreeRecord, count: int) -> list[list[int]]:
     """The ``count`` accepted paths (tree nodes, root first) the drafter thinks
     most likely to be what verifying ``rec.tree`` accepts, best first.
 
-    Node i's value estimates P(path to i accepted); the verifier stops there
+    Node i's value estimates P(path to i accepted) (the product of the draft
+    probabilities along it, at the value temperature); the verifier stops there
     when the target's next token is none of i's children:
-    P(stop at i) ~ exp(value_i) * (1 - sum of q(child | i)), with q the draft
-    distribution at the value temperature."""
+    P(stop at i) ~ exp(value_i) * (1 - sum over children c of exp(value_c - value_i))."""
     tree = rec.tree
-    q = torch.softmax(rec.logp.float() / rec.value_temperature, dim=-1)     # [n, V]
     stay = torch.ones(tree.size)
     for i, kids in enumerate(tree.children()):
         if kids:
-            stay[i] = (1.0 - q[i, tree.tokens[kids]].sum()).clamp(min=1e-12)
+            stay[i] = (1.0 - (tree.values[kids] - tree.values[i]).exp().sum()).clamp(min=1e-12)
     score = tree.values + stay.log()
     best = torch.sort(score, descending=True, stable=True).indices[:count].tolist()
     parents = tree.parents.tolist()
@@ -283,7 +280,7 @@ class CachedTreeDrafter(Drafter):
             tree, rec = self._on_outcome(sess, accepted, feats, big, taken)
             for child in tree.children()[0]:
                 sub, keep = subtree(tree, child, cfg.total_tokens)
-                sub_rec = TreeRecord(sub, rec.hidden[keep], rec.logp[keep], rec.value_temperature)
+                sub_rec = TreeRecord(sub, rec.hidden[keep])
                 commit = accepted + [int(tree.tokens[child])]
                 sess.ahead[tuple(commit)] = sub_rec
                 out.append((commit, sub))
@@ -320,13 +317,13 @@ class CachedTreeDrafter(Drafter):
         committed = kv.seq_len(sess.cache)
         root_pos = committed - 1
         hidden = {0: root_hidden}          # pool id -> model output at that node
-        logps = {0: root_logp}             # pool id -> next-token log-probs after that node
         slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
         parent_of: dict[int, int] = {0: -1}
 
-        def step(nodes: list[int], parents: list[int], tokens: torch.Tensor, depths: list[int]) -> torch.Tensor:
-            """One model call over draft nodes whose parents have outputs; each sees
-            the committed prefix, its ancestors' slots and itself."""
+        def expand(frontier: Frontier) -> torch.Tensor:
+            if frontier.depth == 0:
+                return root_logp[None]
+            nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
             k, used = len(nodes), len(slot)
             allowed = torch.zeros(k, used + k, dtype=torch.bool)
             for row, (node, parent) in enumerate(zip(nodes, parents)):
@@ -338,34 +335,22 @@ class CachedTreeDrafter(Drafter):
                 allowed[row, used + row] = True
             mask = torch.zeros(k, committed + used + k)
             mask[:, committed:].masked_fill_(~allowed, torch.finfo(torch.float32).min)
-            positions = torch.tensor([root_pos + d for d in depths], dtype=torch.long)
+            positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
             parent_h = torch.stack([hidden[p] for p in parents])
-            out_h, logp = self._step(sess, tokens, parent_h, positions, mask[None, None])
+            out_h, logp = self._step(sess, frontier.tokens, parent_h, positions, mask[None, None])
             for row, node in enumerate(nodes):
                 slot[node] = used + row
                 hidden[node] = out_h[row]
-                if record:
-                    logps[node] = logp[row]
             return logp
-
-        def expand(frontier: Frontier) -> torch.Tensor:
-            if frontier.depth == 0:
-                return root_logp[None]
-            nodes = frontier.nodes.tolist()
-            return step(nodes, frontier.parents.tolist(), frontier.tokens, [frontier.depth] * len(nodes))
 
         try:
             tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg)
             if not record:
                 return tree, None
-            pool_ids = ids.tolist()
-            # the kept nodes never expanded (leaves, mostly) get their outputs in one more call
-            rest = [i for i, node in enumerate(pool_ids) if node not in hidden]
-            if rest:
-                parent_ids = [pool_ids[p] for p in tree.parents[rest].tolist()]
-                step([pool_ids[i] for i in rest], parent_ids, tree.tokens[rest], tree.depths[rest].tolist())
-            rec = TreeRecord(tree, torch.stack([hidden[n] for n in pool_ids]).float().cpu(),
-                             torch.stack([logps[n] for n in pool_ids]).float().cpu(), cfg.value_temperature or 1.0)
+            # a path the verifier may accept feeds the outputs of its nodes that have
+            # children: those were all expanded
+            none = torch.zeros_like(root_hidden)
+            rec = TreeRecord(tree, torch.stack([hidden.get(n, none) for n in ids.tolist()]).float().cpu())
             return tree, rec
         finally:
             kv.truncate(sess.cache, committed)

@@ -114,6 +114,15 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
                                   f"{self.drafter.name} drafter, got {got}")
         return feats
 
+    def _commit_of(self, request) -> tuple[list[int], torch.Tensor | None]:
+        """A Draft / DraftAhead request's commit: (tokens, their features or None)."""
+        tokens = list(request.commit_tokens)
+        if not tokens:
+            if request.commit_features.data or request.commit_features.shape:
+                raise InvalidArgument("commit_features given without commit_tokens")
+            return tokens, None
+        return tokens, self._feature_tensor(request.commit_features, "commit_features", len(tokens))
+
     def _tree_config(self, msg) -> TreeConfig | None:
         return wire.tree_config_from_proto(msg, self.config.default_tree, self.config.limits)
 
@@ -151,10 +160,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def Draft(self, request, context):
         try:
             self.check()
-            tokens = list(request.commit_tokens)
-            if not tokens and (request.commit_features.data or request.commit_features.shape):
-                raise InvalidArgument("commit_features given without commit_tokens")
-            feats = self._feature_tensor(request.commit_features, "commit_features", len(tokens)) if tokens else None
+            tokens, feats = self._commit_of(request)
             cfg = self._tree_config(request.tree)
             # a tree to draft ahead from is drafted alone (with one session there is nothing to batch)
             if self.scheduler is not None and not (request.ahead and len(self.sessions) <= 1):
@@ -170,13 +176,10 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def DraftAhead(self, request, context):
         try:
             self.check()
-            tokens = list(request.commit_tokens)
-            if not tokens and (request.commit_features.data or request.commit_features.shape):
-                raise InvalidArgument("commit_features given without commit_tokens")
             if request.count < 0 or request.tokens_left < 0:
                 raise InvalidArgument(f"count and tokens_left must be >= 0, got {request.count} and "
                                       f"{request.tokens_left}")
-            feats = self._feature_tensor(request.commit_features, "commit_features", len(tokens)) if tokens else None
+            tokens, feats = self._commit_of(request)
             cfg = self._tree_config(request.tree)
             if cfg is None:
                 raise InvalidArgument("tree: DraftAhead needs tree knobs (method VANILLA drafts nothing)")

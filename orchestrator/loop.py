@@ -59,7 +59,7 @@ from orchestrator.failover import (
 )
 from orchestrator.routing import PROBE_TIMEOUT_S, Endpoint, Pool, Router
 from orchestrator.text import Delta, TextStream
-from specdec import metrics
+from specdec import knobs, metrics
 from specdec.decoding import Decoding
 from specdec.errors import ResourceExhausted, SpecdecError, Unavailable
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -131,8 +131,9 @@ class Generation:
     """Runs one Job on the backends the router gives it, feeding a Decoding and a TextStream."""
 
     def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
-                 verify_token_budget: int = 0, lookahead: int = 0):
+                 verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False):
         self.router = router
+        self.gate_by_kind = gate_by_kind    # the gate's min_tau follows the first pinned drafter's kind
         self.verify_token_budget = verify_token_budget
         self.lookahead = lookahead
         self.job = job
@@ -385,6 +386,8 @@ class Generation:
             self._fall_back(f"drafters_{reason}", f"no drafter can take the session ({reason})")
             return False
         self.drafter = endpoint
+        if first and self.gate_by_kind:
+            self.dec.gate.min_tau = knobs.default_min_tau(endpoint.info.kind)
         if first and endpoint.info.needs_features:
             self.features = FeatureLog()
         self.tree = clamp_tree(self.job.tree, endpoint.info.max_tree)

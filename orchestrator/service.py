@@ -84,7 +84,9 @@ class OrchestratorConfig:
     # session's tree is cut to budget / sessions on that verifier (at least
     # MIN_SHARED_TREE): under load a wide tree mostly verifies rejected tokens.
     verify_token_budget: int = 0
-    min_tau: float = 0.0          # SpeculationGate: pause drafting below this recent τ (0 = always draft)
+    # SpeculationGate: pause drafting below this recent τ (0 = always draft;
+    # None: by the pinned drafter's kind, ``knobs.default_min_tau``)
+    min_tau: float | None = 0.0
     # greedy sessions: accepted paths the drafter drafts the next round for while
     # the verifier checks the current tree (0 = off; ``Drafter.draft_ahead``)
     lookahead: int = 0
@@ -104,7 +106,7 @@ class OrchestratorConfig:
                 raise ValueError(f"{name.replace('_', ' ')} must be > 0, got {getattr(self, name)}")
         if self.max_new_tokens_limit < 1:
             raise ValueError(f"max_new_tokens limit must be >= 1, got {self.max_new_tokens_limit}")
-        if not self.min_tau >= 0:
+        if self.min_tau is not None and not self.min_tau >= 0:
             raise ValueError(f"min tau must be >= 0 (0 = always draft), got {self.min_tau}")
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or not 0 <= self.lookahead <= 8:
             raise ValueError(f"lookahead must be an integer in [0, 8] (0 = off), got {self.lookahead}")
@@ -255,8 +257,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": METHOD_FROM_PROTO[tree.method] if tree else "vanilla"})
-        return Generation(self.router, job, Decoding(stop, self.config.min_tau), text, deadline,
-                          self.config.verify_token_budget, self.config.lookahead)
+        return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
+                          self.config.verify_token_budget, self.config.lookahead,
+                          gate_by_kind=self.config.min_tau is None)
 
     def _max_new_tokens(self, value: int) -> int:
         limit = self.config.max_new_tokens_limit

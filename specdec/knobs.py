@@ -16,6 +16,24 @@ DEFAULT_EXPAND_K = 4          # top-k per expansion
 # (specdec.decoding.SpeculationGate). On the 2-core CPU a 16-node EAGLE cycle
 # costs ~2.3 one-token steps; on a GPU the break-even is nearer 1.2-1.5.
 DEFAULT_MIN_TAU = 2.0
+# An n-gram drafter costs next to nothing, so drafting pays as soon as the
+# committed tokens cover the larger tree forward: its break-even is lower.
+NGRAM_MIN_TAU = 1.3
+
+
+def default_min_tau(drafter_kind: str | None) -> float:
+    """The speculation gate's threshold for a drafter kind ("eagle", "draft-lm", "ngram")."""
+    return NGRAM_MIN_TAU if drafter_kind == "ngram" else DEFAULT_MIN_TAU
+
+
+def parse_min_tau(text: str) -> float | None:
+    """A --min-tau value: a number >= 0 (0 = always draft) or "auto" (None: by drafter kind)."""
+    if str(text).strip().lower() == "auto":
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"must be >= 0 or auto, got {text}")
+    return value
 # Accepted paths the drafter drafts the next round for while the verifier
 # checks a greedy session's tree (drafting one round ahead; each path gives one
 # tree per bonus candidate); on a hit the next Draft round trip is skipped.

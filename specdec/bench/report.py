@@ -19,8 +19,14 @@ _COLOURS = {"reference": "#8c8c8c", "peer": "#e08a2c", "ours": "#2b6cb0", "grpc"
 
 
 def _gate(tree: dict) -> str:
-    t, ahead = tree.get("min_tau"), tree.get("lookahead")
-    out = (f"; drafting paused while a session's recent τ < {t:g} (`--min-tau`; τ counts those root-only "
+    t, ahead = tree.get("min_tau", 0), tree.get("lookahead")
+    if t is None:           # by drafter kind
+        from specdec.knobs import DEFAULT_MIN_TAU, NGRAM_MIN_TAU
+
+        t = f"{DEFAULT_MIN_TAU:g} ({NGRAM_MIN_TAU:g} for n-gram)"
+    elif t:
+        t = f"{t:g}"
+    out = (f"; drafting paused while a session's recent τ < {t} (`--min-tau`; τ counts those root-only "
            f"cycles too)") if t else ""
     if ahead:
         out += ("; METHOD@grpc-aheadN: an orchestrator that drafts one round ahead for N accepted paths "

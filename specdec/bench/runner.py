@@ -278,8 +278,15 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
-    min_tau: float = 0.0            # SpeculationGate of every speculative method (0 = always draft)
+    min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
+                                    # None: by drafter kind, knobs.default_min_tau)
     lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
+
+    def gate(self, drafter_kind: str) -> float:
+        """The min_tau a method with this drafter kind runs with."""
+        from specdec.knobs import default_min_tau
+
+        return self.min_tau if self.min_tau is not None else default_min_tau(drafter_kind)
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in ALL_METHODS]
@@ -378,7 +385,7 @@ class Models:
             return LocalMethod(verifier, None, None, self.cfg.params, self.stop())
         kind, method = SPECULATIVE[name]
         return LocalMethod(verifier, self.drafter(kind), replace(tree or self.cfg.tree, method=method),
-                           self.cfg.params, self.stop(), self.cfg.min_tau)
+                           self.cfg.params, self.stop(), self.cfg.gate(kind))
 
     def peer(self, name: str):
         from specdec.bench.peers import HfPeer

@@ -107,7 +107,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
             orchestrators[lookahead] = stack._spawn(f"{kind} orchestrator", [
                 "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
                 "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
-                "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.min_tau),
+                "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.gate(kind)),
                 "--lookahead", str(lookahead), *internal])
     mine.extend(orchestrators.values())
     children.extend(orchestrators.values())

@@ -107,7 +107,7 @@ def config_from(args, sweep: bool):
 
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
                              ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1),
-                             ("--verify-token-budget", args.verify_token_budget, 0), ("--min-tau", args.min_tau, 0)):
+                             ("--verify-token-budget", args.verify_token_budget, 0)):
         if value is not None and value < low:
             raise CliError(f"{flag} must be >= {low}, got {value}")
     if any(not 1 <= n <= 8 for n in args.lookahead):

@@ -26,15 +26,23 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
 
 
+def _min_tau(text: str) -> float | None:
+    try:
+        return knobs.parse_min_tau(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_tree_flags(p: argparse.ArgumentParser) -> None:
     """Draft tree knobs and the speculation gate (generate and bench)."""
     p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
-    p.add_argument("--min-tau", type=float, default=knobs.DEFAULT_MIN_TAU, metavar="TAU",
+    p.add_argument("--min-tau", type=_min_tau, default=None, metavar="TAU",
                    help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
-                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft)")
+                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft; "
+                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter)")
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")
@@ -158,7 +166,8 @@ def run(args) -> int:
             raise CliError("prompt must not be empty")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
-        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, args.min_tau)
+        min_tau = args.min_tau if args.min_tau is not None else knobs.default_min_tau(choice.kind)
+        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
         if args.json:
             print(json.dumps(result_record(dec.tokens, text, dec.stats)), flush=True)

@@ -54,6 +54,13 @@ DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\
 TREE_METHODS = tuple(m for m in METHOD_TO_PROTO if m != "vanilla")
 
 
+def _min_tau(text: str) -> float | None:
+    try:
+        return knobs.parse_min_tau(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _env(name: str, default=None):
     value = os.environ.get(name)
     return default if value is None or value == "" else value
@@ -96,9 +103,10 @@ def add_orchestrator_parser(sub) -> None:
     t.add_argument("--depth", type=int, default=TreeDefaults.depth)
     t.add_argument("--expand-k", type=int, default=TreeDefaults.expand_k)
     t.add_argument("--max-new-tokens", type=int, default=128)
-    t.add_argument("--min-tau", type=float, metavar="TAU", default=_env("SPECDEC_MIN_TAU", knobs.DEFAULT_MIN_TAU),
+    t.add_argument("--min-tau", type=_min_tau, metavar="TAU", default=_env("SPECDEC_MIN_TAU", "auto"),
                    help="pause a session's drafting while its recent cycles commit fewer tokens than this on "
-                        "average (0 = always draft; env SPECDEC_MIN_TAU)")
+                        f"average (0 = always draft; auto, the default: {knobs.DEFAULT_MIN_TAU:g}, "
+                        f"{knobs.NGRAM_MIN_TAU:g} with an n-gram drafter; env SPECDEC_MIN_TAU)")
     t.add_argument("--lookahead", type=int, metavar="N", default=_env("SPECDEC_LOOKAHEAD", knobs.DEFAULT_LOOKAHEAD),
                    help="greedy sessions: while the verifier checks a tree, the drafter drafts the next round "
                         "for the N likeliest accepted paths, and a hit skips the next Draft round trip "

@@ -117,6 +117,32 @@ def test_speculation_gate_pauses_the_same_cycles_as_in_process(stack, local, tem
         stack.stop("gated")
 
 
+def test_automatic_gate_follows_the_drafter_kind(stack, local, monkeypatch):
+    """``min_tau`` None (``--min-tau auto``): each request's gate takes the
+    threshold of the drafter kind it is pinned to (``knobs.default_min_tau``):
+    the same cycles as the in-process loop with that threshold. The tiny
+    drafters reach τ ~1, so the test gives the kinds thresholds on either side."""
+    from specdec import knobs
+
+    assert (knobs.default_min_tau("eagle"), knobs.default_min_tau("draft-lm"),
+            knobs.default_min_tau("ngram")) == (knobs.DEFAULT_MIN_TAU,) * 2 + (knobs.NGRAM_MIN_TAU,)
+    thresholds = {"eagle": 3.0, "draft-lm": 0.0}
+    monkeypatch.setattr(knobs, "default_min_tau", lambda kind: thresholds[kind])
+    for kind in thresholds:
+        stack.add_orchestrator("auto", drafter=f"drafter-{kind}", min_tau=None)
+        try:
+            with SpecdecClient(stack.address("auto")) as client:
+                got = client.complete(PROMPTS[0], max_new_tokens=N, method="eagle2", temperature=1.0, seed=11)
+        finally:
+            stack.stop("auto")
+        runs = {t: local.run(PROMPTS[0], kind, "eagle2", min_tau=t, temperature=1.0, seed=11) for t in (0.0, 3.0)}
+        stats = {t: (r.stats.cycles, r.stats.drafted) for t, r in runs.items()}
+        assert stats[0.0] != stats[3.0]
+        want = runs[thresholds[kind]]
+        assert got.token_ids == want.tokens
+        assert (got.stats.cycles, got.stats.draft_tokens) == stats[thresholds[kind]]
+
+
 def test_stream_order_and_final_stats(stack):
     with SpecdecClient(stack.address("eagle")) as client:
         whole = client.complete(LONG_PROMPT, max_new_tokens=40)
