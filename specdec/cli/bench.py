@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.cli.generate import add_tree_flags
+from specdec.cli.generate import add_tree_flags, resolved_min_tau
 from specdec.cli.main import model_dir
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -134,7 +134,8 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
-                       device=args.device, verify_token_budget=args.verify_token_budget, min_tau=args.min_tau,
+                       device=args.device, verify_token_budget=args.verify_token_budget,
+                       min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)))
 
 

@@ -26,11 +26,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
 
 
-def _min_tau(text: str) -> float | None:
+def resolved_min_tau(text: str) -> float | None:
+    """--min-tau as a number, or None for auto (by drafter kind); CliError when malformed."""
+    from specdec.cli.main import CliError
+
     try:
         return knobs.parse_min_tau(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise CliError(f"--min-tau: {exc}") from None
 
 
 def add_tree_flags(p: argparse.ArgumentParser) -> None:
@@ -39,7 +42,7 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tree size incl. the root")
     p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
     p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
-    p.add_argument("--min-tau", type=_min_tau, default=None, metavar="TAU",
+    p.add_argument("--min-tau", default="auto", metavar="TAU",
                    help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
                         "(root-only cycles until drafting pays again; output unchanged; 0 = always draft; "
                         f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter)")
@@ -157,7 +160,9 @@ def run(args) -> int:
         return run_remote(args, prompts, params, tree_cfg)
     from specdec.local import build_local, generate
 
+    min_tau = resolved_min_tau(args.min_tau)
     spec, choice = resolve_models(args)
+    min_tau = min_tau if min_tau is not None else knobs.default_min_tau(choice.kind)
     stack = build_local(spec, choice)
     tok = stack.tokenizer
     eos = {i for i in [tok.eos_token_id] if i is not None}
@@ -166,7 +171,6 @@ def run(args) -> int:
             raise CliError("prompt must not be empty")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
-        min_tau = args.min_tau if args.min_tau is not None else knobs.default_min_tau(choice.kind)
         dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
         if args.json:

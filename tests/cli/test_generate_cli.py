@@ -54,6 +54,8 @@ def test_json_lines_match_vanilla(tiny_family, tmp_path, capsys, drafter, method
     (["--max-new-tokens", "100000", "hi"], "exceeds the model's context"),
     (["--total-tokens", "0", "hi"], "total_tokens must be an integer >= 1"),
     (["--prompt-file", "/nonexistent.jsonl"], "prompt file not found"),
+    (["--min-tau", "-1", "hi"], "must be >= 0 or auto"),
+    (["--min-tau", "often", "hi"], "--min-tau"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_family, capsys, args, needle):
     code, out, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family), *args])
