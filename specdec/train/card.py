@@ -159,6 +159,12 @@ def _num(x, spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _command(name: str, models: dict, what: str) -> str:
+    info = models.get(name, {})
+    cmd = f"specdec train {name} --steps {info.get('steps')}"
+    return f"{cmd:<41}# {what}: {info.get('steps')} steps (batch {info.get('batch')} x {info.get('seq_len')} tokens)"
+
+
 def render(card: dict) -> str:
     m = card["models"]
     lines = ["# specdec demo model family", "",
@@ -170,8 +176,9 @@ def render(card: dict) -> str:
              "(see `specdec/train/corpus.py`).", "",
              "## Commands", "",
              "```", "specdec train tokenizer                  # byte-level BPE, vocab 4096",
-             "specdec train target --steps 1000        # this target: 1000 steps (batch 16 x 256 tokens)",
-             "specdec train draft-lm", "specdec train eagle --steps 600          # head on the target's features",
+             _command("target", m, "this target"),
+             _command("draft-lm", m, "the draft LM"),
+             _command("eagle", m, "head on the target's features; a rerun with more steps resumes"),
              "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",

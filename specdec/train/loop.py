@@ -76,6 +76,9 @@ def train(
             module.load_state_dict(state["modules"][name])
         opt.load_state_dict(state["optimizer"])
         step, log = state["step"], state["log"]
+        if log.get("config") != asdict(cfg):     # resumed with other flags (e.g. more --steps): say so
+            log.setdefault("resumed", []).append({"at_step": step, "config": asdict(cfg)})
+            log["config"] = asdict(cfg)
 
     stop = {"now": False}
 
