@@ -9,8 +9,10 @@ trade-off on your hardware.
 METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank")
 
 DEFAULT_METHOD = "eagle2"
+# `specdec bench sweep` on the 2-core CPU with the demo family: tokens/s is
+# flat from 12 to 32 nodes, and over depth peaks on a plateau from 6 to 8.
 DEFAULT_TOTAL_TOKENS = 16     # nodes incl. the root
-DEFAULT_DEPTH = 5             # deepest draft level
+DEFAULT_DEPTH = 6             # deepest draft level
 DEFAULT_EXPAND_K = 4          # top-k per expansion
 # Pause drafting while a session's recent cycles commit fewer tokens than this
 # (specdec.decoding.SpeculationGate). On the 2-core CPU a 16-node EAGLE cycle
@@ -38,7 +40,7 @@ def parse_min_tau(text: str) -> float | None:
 # checks a greedy session's tree (drafting one round ahead; each path gives one
 # tree per bonus candidate); on a hit the next Draft round trip is skipped.
 # Off by default: on the 2-core CPU the drafter and the verifier share the
-# cores, and the trees drafted ahead (hit on ~20% of cycles with 1 path, ~30%
-# with 2) slowed the services by 3% (1 path) and 22% (2 paths). It is meant
-# for a drafter on its own device; measure with `specdec bench --grpc --lookahead N`.
+# cores; with the demo family one path had the next tree ready on 25-34% of
+# cycles and gained 2-14%, two paths lost. It is meant for a drafter on its
+# own device; measure with `specdec bench --grpc --lookahead N`.
 DEFAULT_LOOKAHEAD = 0

@@ -178,7 +178,7 @@ def render(card: dict) -> str:
              "```", "specdec train tokenizer                  # byte-level BPE, vocab 4096",
              _command("target", m, "this target"),
              _command("draft-lm", m, "the draft LM"),
-             _command("eagle", m, "head on the target's features; a rerun with more steps resumes"),
+             _command("eagle", m, "head on the target's features"),
              "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
