@@ -472,7 +472,9 @@ def _demo(address: str, max_new_tokens: int) -> None:
     s = stream.stats
     print(f"\n[{s.completion_tokens} tokens in {s.cycles} cycles, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
           f"ttft {s.ttft_s * 1e3:.0f} ms; time split: draft {s.draft_s:.3f}s, verify {s.verify_s:.3f}s, "
-          f"network {s.network_s:.3f}s, other {s.other_s:.3f}s; finish: {s.finish_reason}]", flush=True)
+          f"network {s.network_s:.3f}s, other {s.other_s:.3f}s"
+          + (f"; trees drafted ahead: {s.ahead_hits} of {s.cycles}" if s.ahead_hits else "")
+          + f"; finish: {s.finish_reason}]", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
