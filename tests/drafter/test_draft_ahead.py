@@ -112,12 +112,17 @@ def test_drafting_ahead_leaves_the_session_as_a_commit_would(engines, kind):
 def test_trees_ahead_stop_at_the_tokens_left(engines):
     twin = Twin(engines["eagle"], engines["eagle-ref"], seed=5)
     tree = twin.same_draft(ahead=True)
-    for left in (1, 2, 3, 4, 6):
+    counts = {}
+    for left in (1, 2, 3, 4, 6, 0):
         trees = twin.d.draft_ahead(twin.sid, [], None, CFG, count=4, tokens_left=left)
         check_outcomes(tree, trees, tokens_left=left)
         # an outcome that leaves at most one token to generate gets no tree
-        assert all(left - len(c) > 1 for c, _ in trees)
+        assert all(left == 0 or left - len(c) > 1 for c, _ in trees)
+        counts[left] = len(trees)
         tree = twin.d.draft(twin.sid, CFG, ahead=True)          # the same tree, recorded again
+    # the shortest outcome commits 1 token: nothing is left to draft for below 3 tokens
+    assert counts[1] == counts[2] == 0
+    assert 0 < counts[6] <= counts[0]
 
 
 def test_no_tree_ahead_without_a_recorded_tree(engines):
