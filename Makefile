@@ -38,7 +38,7 @@ bench: setup
 	$(VENV)/bin/specdec bench --prompts specdec/bench/prompts.jsonl --json bench-results.json --report bench-report
 	$(VENV)/bin/specdec bench --grpc --prompts specdec/bench/prompts.jsonl --json bench-grpc.json --report bench-report/grpc
 	$(VENV)/bin/specdec bench --grpc --methods vanilla,static,eagle2 --lookahead 1,2 --prompts specdec/bench/prompts.jsonl --json bench-lookahead.json --report bench-report/lookahead
-	$(VENV)/bin/specdec bench --temperature 1 --prompts specdec/bench/prompts.jsonl --json bench-t1.json --report bench-report/t1
+	$(VENV)/bin/specdec bench --temperature 1 --methods vanilla,hf-generate,hf-assisted,chain,static,eagle2,eagle2-top,ngram,sps --prompts specdec/bench/prompts.jsonl --json bench-t1.json --report bench-report/t1
 	$(VENV)/bin/specdec bench sweep --json bench-sweep.json --report bench-report
 	$(VENV)/bin/specdec bench --concurrency 1,2,4,8 --verify-token-budget 64 --threads 1 --json bench-concurrency.json --report bench-report/concurrency
 

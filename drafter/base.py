@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,8 @@ import torch
 
 from specdec import kv
 from specdec.errors import InvalidArgument
+from specdec.proposals import ProposalSampler
+from specdec.sampling import SamplingParams
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree_ids, subtree
 
@@ -35,6 +38,8 @@ class DraftSession:
     root_out: tuple | None = None          # (hidden [H], log-probs [V]) of the last fed input
     lock: threading.Lock = field(default_factory=threading.Lock)
     greedy: bool = False                   # the verifier accepts by argmax (temperature 0)
+    sampling: SamplingParams | None = None  # the session's sampling (sampled proposals follow it)
+    seed: int = 0                          # of the session's proposal draws
     record: TreeRecord | None = None       # the tree handed out by the last draft (drafting ahead)
     ahead: dict = field(default_factory=dict)   # commit tokens -> TreeRecord of a tree drafted ahead
 
@@ -102,11 +107,18 @@ class Drafter(ABC):
     the target's argmax, which a head trained on the target's soft distribution
     under-states: for greedy sessions the log-probs are sharpened by
     ``greedy_value_temperature`` (fitted on held-out text), sampled sessions use
-    the draft distribution as it is. Either way the output is unchanged."""
+    the draft distribution as it is. Either way the output is unchanged.
+
+    Sessions that sample (temperature > 0) get sampled proposals by default
+    where the drafter has a distribution (``samples_proposals``): children drawn
+    from it under the session's sampling params, shipped with the tree
+    (specdec.proposals). The draws are seeded by the session's seed and the
+    committed length, so a seed reproduces the tree."""
 
     needs_features = False
     name = "drafter"
     drafts_ahead = False                   # draft_ahead can return trees
+    samples_proposals = False              # can draw sampled proposals
 
     def __init__(self, vocab_size: int, max_sessions: int = 64, ttl_s: float = 600.0,
                  greedy_value_temperature: float = 1.0):
@@ -115,17 +127,23 @@ class Drafter(ABC):
         self.greedy_value_temperature = greedy_value_temperature
 
     def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
-                greedy: bool = False) -> None:
+                greedy: bool = False, sampling: SamplingParams | None = None) -> None:
         """tokens: prompt + first generated token; features: [len(tokens) - 1, H]
         target hidden states at the prompt positions (EAGLE only); greedy: the
-        session's verifier decodes at temperature 0."""
+        session's verifier decodes at temperature 0; sampling: the session's
+        sampling params (they set ``greedy``; None: top proposals only)."""
         if not tokens:
             raise InvalidArgument("drafter prefill needs at least one token")
         if self.needs_features and len(tokens) < 2:
             # its first input pairs a prompt token's feature with the token after it
             raise InvalidArgument(f"{self.name} drafter prefill needs at least 2 tokens (prompt + first "
                                   f"generated token), got {len(tokens)}")
-        sess = DraftSession(tokens=[], greedy=greedy)
+        if sampling is not None:
+            sampling.validate()
+            greedy = sampling.greedy
+        seed = sampling.seed if sampling is not None and sampling.seed is not None else \
+            int.from_bytes(os.urandom(8), "little") >> 1
+        sess = DraftSession(tokens=[], greedy=greedy, sampling=None if greedy else sampling, seed=seed)
         self._append(sess, tokens, features, first=True)
         self.sessions.add(sid, sess, replace=True)
 
@@ -193,10 +211,19 @@ class Drafter(ABC):
             return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left)
 
     def session_config(self, sess: DraftSession, cfg: TreeConfig) -> TreeConfig:
-        """``cfg`` with the value temperature this session drafts with."""
-        if cfg.value_temperature is not None:
-            return cfg
-        return replace(cfg, value_temperature=self.greedy_value_temperature if sess.greedy else 1.0)
+        """``cfg`` with the value temperature this session drafts with and its
+        proposals resolved to "top" or "sampled"."""
+        if cfg.value_temperature is None:
+            cfg = replace(cfg, value_temperature=self.greedy_value_temperature if sess.greedy else 1.0)
+        sampled = cfg.proposals != "top" and self.samples_proposals and sess.sampling is not None
+        want = "sampled" if sampled else "top"
+        return cfg if cfg.proposals == want else replace(cfg, proposals=want)
+
+    def proposal_sampler(self, sess: DraftSession, cfg: TreeConfig) -> ProposalSampler | None:
+        """What draws this draft's children (``cfg`` from ``session_config``); None: top tokens."""
+        if cfg.proposals != "sampled":
+            return None
+        return ProposalSampler(sess.sampling, sess.seed, salt=len(sess.tokens))
 
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod
@@ -231,6 +258,7 @@ class CachedTreeDrafter(Drafter):
     """A drafter whose model runs over a KV cache (EAGLE head or small LM)."""
 
     drafts_ahead = True
+    samples_proposals = True
 
     @abstractmethod
     def _new_cache(self): ...
@@ -344,7 +372,7 @@ class CachedTreeDrafter(Drafter):
             return logp
 
         try:
-            tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg)
+            tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
             if not record:
                 return tree, None
             # a path the verifier may accept feeds the outputs of its nodes that have

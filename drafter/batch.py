@@ -141,6 +141,7 @@ class _Row:
     done: bool = False
     tree: DraftTree | None = None
     error: Exception | None = None
+    sampler: object = None               # ProposalSampler of a sampled tree
 
 
 def draft_batch(drafter: Drafter, items: list[DraftItem]) -> list[DraftTree | Exception]:
@@ -209,6 +210,7 @@ def _draft_rows(drafter: CachedTreeDrafter, model, rows: list[_Row]) -> None:
                 row.done = True
                 continue
             row.prefix = kv.seq_len(sess.cache)
+            row.sampler = drafter.proposal_sampler(sess, row.cfg)
             feeds.append((row, tokens, feats, start))
         except Exception as exc:  # noqa: BLE001 - reported per item
             row.error, row.done = exc, True
@@ -388,7 +390,8 @@ class _Levels:
     def _build(self, row: _Row) -> None:
         try:
             with torch.inference_mode():           # thread-local: enter it on this thread too
-                row.tree = build_tree(row.sess.tokens[-1], lambda frontier: self._expand(row, frontier), row.cfg)
+                row.tree = build_tree(row.sess.tokens[-1], lambda frontier: self._expand(row, frontier), row.cfg,
+                                      row.sampler)
         except Exception as exc:  # noqa: BLE001 - reported per item
             row.error = exc
         finally:

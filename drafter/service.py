@@ -150,8 +150,9 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             self.check(opens_session=True)
             tokens = list(request.token_ids)
             feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
+            sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
             _, seconds = await self.run(self._evict_then, self.drafter.prefill, request.session_id, tokens, feats,
-                                        request.greedy)
+                                        request.greedy, sampling)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)

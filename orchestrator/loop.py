@@ -400,7 +400,7 @@ class Generation:
             request = drafter_pb2.DrafterPrefillRequest(
                 session_id=self.job.session_id, token_ids=self.committed,
                 features=self.features.tensor() if self.drafter.info.needs_features else None,
-                greedy=self.job.sampling.temperature <= 0.0)
+                greedy=self.job.sampling.temperature <= 0.0, sampling=self.job.sampling)
             try:
                 await self._call("drafter", self.drafter, "Prefill", request)
             except BackendError as exc:

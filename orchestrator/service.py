@@ -274,6 +274,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         for root-only trees."""
         if msg.method != common_pb2.TREE_METHOD_UNSPECIFIED and msg.method not in METHOD_FROM_PROTO:
             raise InvalidArgument(f"tree.method {msg.method} is not a known TreeMethod")
+        if msg.proposals not in common_pb2.Proposals.values():
+            raise InvalidArgument(f"tree.proposals {msg.proposals} is not a known Proposals value")
         for name in TREE_KNOBS:
             if getattr(msg, name) < 0:
                 raise InvalidArgument(f"tree.{name} must be >= 0 (0 = server default), got {getattr(msg, name)}")
@@ -282,7 +284,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         defaults = self.config.tree
         method = METHOD_TO_PROTO[defaults.method] if msg.method == common_pb2.TREE_METHOD_UNSPECIFIED else msg.method
         values = {name: getattr(msg, name) or getattr(defaults, name) for name in TREE_KNOBS}
-        return common_pb2.TreeParams(method=method, **values)
+        return common_pb2.TreeParams(method=method, proposals=msg.proposals, **values)
 
     # -- results --------------------------------------------------------------------------
     def _stats(self, gen: Generation) -> orchestrator_pb2.GenerationStats:

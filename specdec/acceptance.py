@@ -23,6 +23,12 @@ zeroed, renormalised". Trying siblings one after another on successive
 residuals makes the committed tokens distributed exactly as sampling from
 the target step by step, whatever tokens the drafter proposed.
 
+A node whose children were drawn from the draft distribution (sampled
+proposals, ``tree.proposals``; see specdec.proposals) is accepted with that
+distribution as q: min(1, p(x)/q(x)) per child, residual norm(max(0, p - q)),
+q losing each drawn token in turn. Both rules are exact, node by node, so a
+tree may mix them.
+
 Greedy decoding (temperature 0) is the special case of one-hot target
 distributions; `accept_greedy` implements it directly on argmaxes.
 """
@@ -40,6 +46,7 @@ from specdec.sampling import SamplingParams, sample, target_probs
 class TreeLike(Protocol):
     tokens: torch.Tensor  # [n] int64, tokens[0] is the root
     parents: torch.Tensor  # [n] int64, -1 at the root, parents[i] < i
+    proposals: dict | None  # node -> Proposal its children were drawn from (optional attribute)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ def accept_greedy(tree: TreeLike, target_argmax: torch.Tensor) -> Acceptance:
 
 
 def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
-    """Multi-draft recursive rejection sampling with one-hot proposals.
+    """Multi-draft recursive rejection sampling with one-hot proposals, or the
+    node's drawn proposal where the tree has one (``_accept_drawn``).
 
     probs: [n, V] target distributions at every tree node (rows need not be
     normalised; they are treated as p / p.sum()).
@@ -125,10 +133,18 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
         rows, cols = tree.parents[1:].to(probs.device), tree.tokens[1:].to(probs.device)
         edge_p[1:] = probs[rows, cols].tolist()
 
+    proposals = getattr(tree, "proposals", None) or {}
     accepted: list[int] = []
     node = 0
     while True:
         row = probs[node]
+        if node in proposals and children[node]:
+            pick, bonus = _accept_drawn(row, [tokens[c] for c in children[node]], proposals[node], generator)
+            if pick is None:
+                return Acceptance(accepted=accepted, bonus=bonus)
+            node = children[node][pick]
+            accepted.append(node)
+            continue
         remaining = float(row.sum(dtype=torch.float64))  # residual mass, unnormalised
         rejected: set[int] = set()
         nxt = None
@@ -147,6 +163,45 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
             return Acceptance(accepted=accepted, bonus=_draw_residual(row, rejected, generator))
         accepted.append(nxt)
         node = nxt
+
+
+def _accept_drawn(row: torch.Tensor, drawn: list[int], proposal, generator: torch.Generator
+                  ) -> tuple[int | None, int]:
+    """Recursive rejection over children drawn without replacement from
+    ``proposal`` (tokens [m], probs [m]), in draw order -> (index of the accepted
+    child, -1) or (None, bonus token drawn from the final residual).
+
+    row: [V] target distribution (unnormalised). Work is fp64 over the
+    vocabulary: p and q as dense vectors, one uniform per child tried."""
+    p = row.to(torch.float64)
+    p = p / p.sum()
+    q = torch.zeros_like(p)
+    q[proposal.tokens.to(p.device)] = proposal.probs.to(p.device, torch.float64)
+    q = q / q.sum()
+    for i, x in enumerate(drawn):
+        q_x, p_x = float(q[x]), float(p[x])
+        u = float(torch.rand((), generator=generator, device=generator.device))
+        if q_x > 0.0 and u * q_x < p_x:        # probability min(1, p(x) / q(x))
+            return i, -1
+        p = _drawn_residual(p, q)
+        q = _without(q, x)
+    return None, sample(p, generator)
+
+
+def _without(q: torch.Tensor, x: int) -> torch.Tensor:
+    """The next draw's distribution: q [V] with x drawn, renormalised."""
+    q = q.clone()
+    q[x] = 0.0
+    total = float(q.sum())
+    return q / total if total > 0.0 else q
+
+
+def _drawn_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) for p, q [V] normalised; p itself when that is empty
+    (p <= q everywhere means p == q, where a rejection is only rounding)."""
+    residual = (p - q).clamp_(min=0.0)
+    total = float(residual.sum())
+    return residual / total if total > 0.0 else p
 
 
 def _draw_residual(row: torch.Tensor, rejected: set[int], generator: torch.Generator) -> int:

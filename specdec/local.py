@@ -84,7 +84,7 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
         if use_drafter and not dec.done:
             t = time.perf_counter()
             drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None,
-                            greedy=params.greedy)
+                            sampling=params)
             times["commit"] += time.perf_counter() - t
         last: tuple[int, ...] = ()
         while not dec.done:

@@ -24,6 +24,15 @@ Methods (the paper's Table 3 ablations are the project's baselines):
 - "no-rerank": the draft is the expanded frontiers themselves, level by level.
 - "chain": one path of greedy draft tokens (classic speculative sampling).
 - "static": a fixed shape of rank paths (EAGLE-1 / Medusa style trees).
+
+With a ``ProposalSampler`` (sessions at temperature > 0, see specdec.proposals)
+children are drawn from the draft distribution instead of taken best first,
+and the tree records each expanded node's proposal. Nothing drawn is dropped
+afterwards, so the sampled builder spends the budget as it drafts: each level
+gets a number of draws fixed by prior acceptance rates (``sampled_level_budget``;
+1 for "chain"), shared among that level's parents by the worth of one more
+draw there (the parent's path value plus the draw's prior), and no rerank;
+"static" draws as many children as the shape gives each node.
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.knobs import DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_TOTAL_TOKENS, METHODS
+from specdec.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_PROPOSALS,
+                           DEFAULT_TOTAL_TOKENS, METHODS, PROPOSALS)
+from specdec.proposals import Proposal, ProposalSampler
 from specdec.tree_shapes import Shape, check_shape, default_static_shape
 
 # Rounding in a renormalised distribution can put a log-prob a hair above 0; such
@@ -56,12 +67,16 @@ class TreeConfig:
     static_shape: Shape | None = None  # "static": rank paths, e.g. ((0,), (1,), (0, 0)); None = default
     # Draft logits are divided by this before the log-probs that make node values
     # (rank and rerank); None: the drafter's choice (its calibration for greedy
-    # sessions, else 1). Output never depends on it: proposals are one-hot.
+    # sessions, else 1). Output never depends on it.
     value_temperature: float | None = None
+    proposals: str = DEFAULT_PROPOSALS  # "auto" | "top" | "sampled" (knobs.PROPOSALS); the drafter resolves it
+
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.proposals not in PROPOSALS:
+            raise ValueError(f"proposals must be one of {PROPOSALS}, got {self.proposals!r}")
         for name in ("total_tokens", "depth", "expand_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,9 +113,14 @@ class DraftTree:
     parents: torch.Tensor  # [n] int64, -1 at the root
     depths: torch.Tensor  # [n] int64
     values: torch.Tensor  # [n] float32 log-values, 0 at the root
+    # node -> the distribution its children were drawn from (sampled proposals);
+    # None / absent nodes: children are fixed tokens (one-hot proposals)
+    proposals: dict[int, Proposal] | None = None
 
     def __post_init__(self):
         validate_tree(self.tokens, self.parents)
+        if self.proposals is not None and any(not 0 <= k < len(self.tokens) for k in self.proposals):
+            raise TreeError("proposals name a node outside the tree")
         n = self.size
         for name, dtype in (("tokens", torch.int64), ("parents", torch.int64),
                             ("depths", torch.int64), ("values", torch.float32)):
@@ -162,7 +182,9 @@ def subtree(tree: DraftTree, root: int, max_nodes: int) -> tuple[DraftTree, torc
     ``max_nodes - 1`` descendants of highest value (a child's value never
     exceeds its parent's, ties go to the shallower node, so what is kept stays
     connected); depths and values relative to ``root``. Returns it with the
-    kept node indices ([m] int64, ``root`` first)."""
+    kept node indices ([m] int64, ``root`` first). Proposals are not carried:
+    a cut may drop drawn children, and fixed-token acceptance of what is kept
+    stays exact."""
     parents = tree.parents.tolist()
     inside = [False] * tree.size
     inside[root] = True
@@ -279,6 +301,7 @@ class _Pool:
 
     def __init__(self, root_token: int, expand: ExpandFn, value_temperature: float = 1.0):
         self.expand = expand
+        self.proposals: dict[int, Proposal] = {}  # pool id -> proposal of its children
         self.value_temperature = float(value_temperature)
         self.vocab: int | None = None
         self.tokens = torch.tensor([root_token], dtype=torch.int64)  # [P]
@@ -290,8 +313,8 @@ class _Pool:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def top_children(self, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expand the nodes ids [f] in one call -> their top-k (log-probs, tokens), [f, k']."""
+    def next_logp(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expand the nodes ids [f] in one call -> checked next-token log-probs [f, V]."""
         frontier = Frontier(ids, self.tokens[ids], self.parents[ids], int(self.depths[ids[0]]))
         logp = self.expand(frontier)
         f = len(ids)
@@ -302,6 +325,11 @@ class _Pool:
             self.vocab = logp.shape[1]
         if logp.shape[1] != self.vocab or self.vocab == 0:
             raise ValueError(f"expand() returned vocab {logp.shape[1]}, expected {self.vocab} (> 0)")
+        return logp
+
+    def top_children(self, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expand the nodes ids [f] in one call -> their top-k (log-probs, tokens), [f, k']."""
+        logp = self.next_logp(ids)
         lp, tok = _top_tokens(logp, k)
         t = self.value_temperature
         if t != 1.0:
@@ -334,7 +362,8 @@ class _Pool:
         parents = where[self.parents[ids].clamp(min=0)]
         parents[0] = -1
         # a parent missing from keep maps to -1 and DraftTree's validation rejects it
-        return DraftTree(self.tokens[ids], parents, self.depths[ids], self.values[ids])
+        proposals = {int(where[k]): prop for k, prop in self.proposals.items()} or None
+        return DraftTree(self.tokens[ids], parents, self.depths[ids], self.values[ids], proposals)
 
 
 def _best(key: torch.Tensor, k: int) -> torch.Tensor:
@@ -342,16 +371,21 @@ def _best(key: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(key, descending=True, stable=True).indices[:k].sort().values
 
 
-def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
-    """Draft a tree under the root token by calling expand() once per level."""
-    return build_tree_ids(root_token, expand, cfg)[0]
+def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig,
+               sampler: ProposalSampler | None = None) -> DraftTree:
+    """Draft a tree under the root token by calling expand() once per level;
+    with ``sampler``, children are drawn (sampled proposals)."""
+    return build_tree_ids(root_token, expand, cfg, sampler)[0]
 
 
-def build_tree_ids(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> tuple[DraftTree, torch.Tensor]:
+def build_tree_ids(root_token: int, expand: ExpandFn, cfg: TreeConfig,
+                   sampler: ProposalSampler | None = None) -> tuple[DraftTree, torch.Tensor]:
     """``build_tree`` and the pool id of each tree node ([n] int64, 0 for the root):
     the ids the frontiers passed to expand() used for those nodes."""
     if isinstance(root_token, bool) or operator.index(root_token) < 0:
         raise TreeError(f"root_token must be a token id >= 0, got {root_token!r}")
+    if sampler is not None:
+        return _build_sampled(root_token, expand, cfg, sampler)
     if cfg.method == "static":
         return _build_static(root_token, expand, cfg)
     pool = _Pool(root_token, expand, cfg.value_temperature or 1.0)
@@ -400,3 +434,101 @@ def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> tuple[D
         ids = pool.add(parents, tok[rows, ranks], lp[rows, ranks])
         index.update(zip(level, ids.tolist()))
     return pool.tree(torch.arange(1, len(pool))), torch.arange(len(pool))
+
+
+
+# Sampled trees value a draw by a prior on its acceptance, not by its draft
+# probability (a draw from a flat distribution is not less likely to be
+# accepted than one from a peaked one). A node's first draw is taken to be
+# accepted with probability 0.5 + 0.5 * q_max (a confident draft agrees more
+# often), each further draw SAMPLED_NEXT_RATIO times the one before; the budget
+# per level comes from the same priors with SAMPLED_FIRST_ACCEPT for the first
+# draw. With the demo family at T = 1 a sampled chain accepts 0.60-0.74 per
+# level, and four draws at the root accept 0.75 where one accepts 0.60.
+SAMPLED_FIRST_ACCEPT = 0.65    # prior of a first draw, for the per-level budget
+SAMPLED_NEXT_RATIO = 0.2
+
+
+def sampled_level_budget(total_tokens: int, depth: int, expand_k: int) -> list[int]:
+    """Draws per level (1..depth) of a sampled tree: the level sizes of the
+    ``total_tokens - 1`` rank paths of highest prior acceptance (the i-th draw
+    at a node accepted with SAMPLED_FIRST_ACCEPT * SAMPLED_NEXT_RATIO^i, at most
+    ``expand_k`` draws a node)."""
+    import heapq
+
+    log_a = [math.log(SAMPLED_FIRST_ACCEPT) + i * math.log(SAMPLED_NEXT_RATIO) for i in range(expand_k)]
+    counts = [0] * depth
+    heap = [(-log_a[0], 1, 0)]          # (-log value, depth, rank): a candidate rank path's last step
+    for _ in range(total_tokens - 1):
+        if not heap:
+            break
+        neg, d, rank = heapq.heappop(heap)
+        counts[d - 1] += 1
+        if rank + 1 < expand_k:        # the next draw at the same parent
+            heapq.heappush(heap, (neg - log_a[rank + 1] + log_a[rank], d, rank + 1))
+        if d < depth:                  # the first draw under this one
+            heapq.heappush(heap, (neg - log_a[0], d + 1, 0))
+    return counts
+
+
+def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeConfig,
+                   sampler: ProposalSampler) -> tuple[DraftTree, torch.Tensor]:
+    """Grow a tree of drawn children level by level (see the module docstring):
+    every node of a level is expanded, then that level's draws are shared out."""
+    pool = _Pool(root_token, expand)
+    shape = None
+    if cfg.method == "static":
+        paths = cfg.static_shape if cfg.static_shape is not None else default_static_shape()
+        shape = [p for p in paths if len(p) <= cfg.depth][: cfg.total_tokens - 1]
+    elif cfg.method == "chain":
+        budget = [1] * min(cfg.depth, cfg.total_tokens - 1)
+    else:
+        budget = sampled_level_budget(cfg.total_tokens, cfg.depth, cfg.expand_k)
+    path_of = {0: ()}   # static: pool id -> the shape path it stands for
+    worth = torch.zeros(1)  # pool id -> log prior that the draw is accepted given its parent was
+    frontier = torch.zeros(1, dtype=torch.int64)  # [f] pool ids
+    for level in range(cfg.depth):
+        if len(frontier) == 0 or (shape is None and (level >= len(budget) or budget[level] == 0)):
+            break
+        tokens, q = sampler.proposals(pool.next_logp(frontier))  # [f, s] each
+        support = (q > 0).sum(-1).tolist()  # [f]
+        first = torch.log(0.5 + 0.5 * q[:, 0].double())  # [f] log a_0 per parent
+        if shape is not None:
+            kids = [sorted(p for p in shape if len(p) == level + 1 and p[:-1] == path_of[n])
+                    for n in frontier.tolist()]
+            counts = [min(len(k), s) for k, s in zip(kids, support)]
+        else:
+            key = worth[frontier].double() if cfg.method == "no-value" else pool.values[frontier].double()
+            counts = _share_draws(key + first, support, budget[level], cfg.expand_k)
+        parents, drawn, gain = [], [], []
+        for row, positions in enumerate(sampler.draw(q, counts)):
+            if not positions:
+                continue
+            node = int(frontier[row])
+            pool.proposals[node] = Proposal(tokens[row, :support[row]].clone(), q[row, :support[row]].clone())
+            if shape is not None:
+                path_of.update({len(pool) + len(parents) + j: p for j, p in enumerate(kids[row][:len(positions)])})
+            parents += [node] * len(positions)
+            drawn += tokens[row, positions].tolist()
+            gain += [float(first[row]) + j * math.log(SAMPLED_NEXT_RATIO) for j in range(len(positions))]
+        if not parents:
+            break
+        gain_t = torch.tensor(gain, dtype=torch.float32)
+        frontier = pool.add(torch.tensor(parents), torch.tensor(drawn), gain_t)
+        worth = torch.cat([worth, gain_t])
+    return pool.tree(torch.arange(1, len(pool))), torch.arange(len(pool))
+
+
+def _share_draws(first: torch.Tensor, support: list[int], width: int, per_node: int) -> list[int]:
+    """How many children each of f parents draws, ``width`` in all: the draws of
+    highest worth, the i-th draw (from 0) at parent r worth
+    first[r] + i * log(SAMPLED_NEXT_RATIO) (first [f]: the parent's path value
+    plus its first draw's log prior). At most ``per_node`` and the parent's
+    support each."""
+    step = math.log(SAMPLED_NEXT_RATIO)
+    slots = [(float(first[r]) + i * step, -r, -i) for r in range(len(support))
+             for i in range(min(support[r], per_node, width))]
+    counts = [0] * len(support)
+    for _, r, _ in sorted(slots, reverse=True)[:width]:
+        counts[-r] += 1
+    return counts

@@ -34,6 +34,12 @@ METHOD_TO_PROTO: dict[str, int] = {
     "vanilla": common_pb2.TREE_METHOD_VANILLA,
 }
 METHOD_FROM_PROTO: dict[int, str] = {v: k for k, v in METHOD_TO_PROTO.items()}
+PROPOSALS_TO_PROTO: dict[str, int] = {
+    "auto": common_pb2.PROPOSALS_AUTO,
+    "top": common_pb2.PROPOSALS_TOP,
+    "sampled": common_pb2.PROPOSALS_SAMPLED,
+}
+PROPOSALS_FROM_PROTO: dict[int, str] = {v: k for k, v in PROPOSALS_TO_PROTO.items()}
 
 # dtype name -> bytes per element. Bytes travel in the host's order, which the
 # check below pins to little-endian (the wire format).
@@ -77,8 +83,30 @@ def tensor_from_proto(msg: common_pb2.Tensor, field: str = "features") -> torch.
 
 # -- draft trees -------------------------------------------------------------------
 def tree_to_proto(tree: DraftTree) -> common_pb2.DraftTree:
+    proposals = [common_pb2.Proposal(node=node, tokens=prop.tokens.tolist(), probs=prop.probs.tolist())
+                 for node, prop in sorted((tree.proposals or {}).items())]
     return common_pb2.DraftTree(tokens=tree.tokens.tolist(), parents=tree.parents.tolist(),
-                                values=tree.values.tolist())
+                                values=tree.values.tolist(), proposals=proposals)
+
+
+def _proposals_from_proto(msg: common_pb2.DraftTree, tree: DraftTree, vocab_size: int | None, field: str):
+    """The checked proposals of a wire tree, None when it has none."""
+    import torch
+
+    from specdec.proposals import Proposal, ProposalError, check_proposals
+
+    if not msg.proposals:
+        return None
+    props = {}
+    for i, prop in enumerate(msg.proposals):
+        if prop.node in props:
+            raise InvalidArgument(f"{field}.proposals[{i}]: node {prop.node} has two proposals")
+        props[prop.node] = Proposal(torch.tensor(list(prop.tokens), dtype=torch.int64),
+                                    torch.tensor(list(prop.probs), dtype=torch.float32))
+    try:
+        return check_proposals(props, tree.tokens.tolist(), tree.parents.tolist(), vocab_size)
+    except ProposalError as exc:
+        raise InvalidArgument(f"{field}.proposals: {exc}") from None
 
 
 def tree_from_proto(msg: common_pb2.DraftTree, vocab_size: int | None = None, field: str = "tree") -> DraftTree:
@@ -91,8 +119,9 @@ def tree_from_proto(msg: common_pb2.DraftTree, vocab_size: int | None = None, fi
         tree = tree_from_lists(list(msg.tokens), list(msg.parents), vocab_size)
     except TreeError as exc:
         raise InvalidArgument(f"{field}.{exc}") from None
+    proposals = _proposals_from_proto(msg, tree, vocab_size, field)
     if not msg.values:
-        return tree
+        return tree if proposals is None else DraftTree(tree.tokens, tree.parents, tree.depths, tree.values, proposals)
     if len(msg.values) != tree.size:
         raise InvalidArgument(f"{field}.values has {len(msg.values)} entries for {tree.size} nodes "
                               "(send one per node or none)")
@@ -100,7 +129,8 @@ def tree_from_proto(msg: common_pb2.DraftTree, vocab_size: int | None = None, fi
     nan = torch.isnan(values).nonzero()
     if len(nan):
         raise InvalidArgument(f"{field}.values[{int(nan[0])}] is NaN")
-    return DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths, values=values)
+    return DraftTree(tokens=tree.tokens, parents=tree.parents, depths=tree.depths, values=values,
+                     proposals=proposals)
 
 
 # -- parameters --------------------------------------------------------------------
@@ -130,7 +160,17 @@ def tree_params_to_proto(cfg: TreeConfig | None) -> common_pb2.TreeParams:
         return common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA)
     return common_pb2.TreeParams(method=METHOD_TO_PROTO[cfg.method], total_tokens=cfg.total_tokens,
                                  depth=cfg.depth, expand_k=cfg.expand_k,
-                                 value_temperature=cfg.value_temperature or 0.0)
+                                 value_temperature=cfg.value_temperature or 0.0,
+                                 proposals=PROPOSALS_TO_PROTO[cfg.proposals])
+
+
+def _enum_value(value: int, unset: int, default: str, names: dict[int, str], field: str, what: str) -> str:
+    """The name of an enum field's value; ``unset`` takes ``default``."""
+    if value == unset:
+        return default
+    if value not in names:
+        raise InvalidArgument(f"{field} {value} is not a known {what}")
+    return names[value]
 
 
 def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeConfig, limits: TreeConfig,
@@ -141,12 +181,8 @@ def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeConfig, limi
 
     if msg.method == common_pb2.TREE_METHOD_VANILLA:
         return None
-    if msg.method == common_pb2.TREE_METHOD_UNSPECIFIED:
-        method = default.method
-    elif msg.method in METHOD_FROM_PROTO:
-        method = METHOD_FROM_PROTO[msg.method]
-    else:
-        raise InvalidArgument(f"{field}.method {msg.method} is not a known TreeMethod")
+    method = _enum_value(msg.method, common_pb2.TREE_METHOD_UNSPECIFIED, default.method, METHOD_FROM_PROTO,
+                         f"{field}.method", "TreeMethod")
     knobs = {}
     for name in ("total_tokens", "depth", "expand_k"):
         value = getattr(msg, name)
@@ -157,5 +193,7 @@ def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeConfig, limi
     t = msg.value_temperature
     if not (t >= 0 and math.isfinite(t)):
         raise InvalidArgument(f"{field}.value_temperature must be >= 0 (0 = the drafter's choice), got {t}")
+    proposals = _enum_value(msg.proposals, common_pb2.PROPOSALS_AUTO, default.proposals, PROPOSALS_FROM_PROTO,
+                            f"{field}.proposals", "Proposals value")
     return replace(default, method=method, static_shape=static_shape, value_temperature=t or default.value_temperature,
-                   **knobs)
+                   proposals=proposals, **knobs)

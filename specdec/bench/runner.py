@@ -43,11 +43,13 @@ SPECULATIVE = {
     "no-rerank": ("eagle", "no-rerank"),
     "ngram": ("ngram", "eagle2"),
     "sps": ("draft-lm", "chain"),          # classic speculative sampling with the draft LM (opt-in)
+    "eagle2-top": ("eagle", "eagle2"),     # eagle2 with top-k proposals also when sampling (opt-in)
 }
+TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
-ALL_METHODS = DEFAULT_METHODS + ("sps",)
+ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top")
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 CALIBRATED = "eagle2"                      # the method whose trees feed the calibration plot
@@ -303,6 +305,13 @@ class BenchConfig:
         return SamplingParams(temperature=self.temperature)
 
 
+def method_tree(name: str, tree: TreeConfig) -> TreeConfig:
+    """The tree knobs a speculative method runs with: ``tree`` with its method
+    (and proposals, for the -top variants)."""
+    proposals = "top" if name in TOP_PROPOSALS else tree.proposals
+    return replace(tree, method=SPECULATIVE[name][1], proposals=proposals)
+
+
 def with_references(methods: Sequence[str]) -> tuple[str, ...]:
     """The methods in canonical order, vanilla and hf-generate always among them
     (every speedup and the output check are relative to them)."""
@@ -383,8 +392,8 @@ class Models:
         verifier = verifier if verifier is not None else self.verifier
         if name == "vanilla":
             return LocalMethod(verifier, None, None, self.cfg.params, self.stop())
-        kind, method = SPECULATIVE[name]
-        return LocalMethod(verifier, self.drafter(kind), replace(tree or self.cfg.tree, method=method),
+        kind = SPECULATIVE[name][0]
+        return LocalMethod(verifier, self.drafter(kind), method_tree(name, tree or self.cfg.tree),
                            self.cfg.params, self.stop(), self.cfg.gate(kind))
 
     def peer(self, name: str):

@@ -22,15 +22,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from specdec.bench.runner import AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample
+from specdec.bench.runner import AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample, method_tree
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
 
 
 class GrpcMethod:
-    def __init__(self, client, method: str, cfg: BenchConfig):
-        self.client, self.method, self.cfg = client, method, cfg
+    def __init__(self, client, method: str, cfg: BenchConfig, proposals: str = "auto"):
+        self.client, self.method, self.cfg, self.proposals = client, method, cfg, proposals
 
     def run(self, prompt: Prompt, seed: int | None) -> Sample:
         from specdec.cli.main import CliError
@@ -42,7 +42,8 @@ class GrpcMethod:
             done = self.client.complete(
                 prompt.text, timeout=REQUEST_TIMEOUT_S, max_new_tokens=self.cfg.max_new_tokens,
                 temperature=self.cfg.temperature, seed=None if self.cfg.temperature == 0 else seed,
-                method=self.method, total_tokens=tree.total_tokens, depth=tree.depth, expand_k=tree.expand_k)
+                method=self.method, total_tokens=tree.total_tokens, depth=tree.depth, expand_k=tree.expand_k,
+                proposals=self.proposals)
         except SpecdecClientError as exc:
             raise CliError(f"--grpc: {self.method} request failed: {exc}") from None
         wall = time.perf_counter() - t
@@ -149,12 +150,13 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
         if kinds and "vanilla" in names:
             methods["vanilla" + GRPC_SUFFIX] = GrpcMethod(clients[kinds[0], 0], "vanilla", cfg)
         for name in speculative:
-            kind, tree_method = SPECULATIVE[name]
-            methods[name + GRPC_SUFFIX] = GrpcMethod(clients[kind, 0], tree_method, cfg)
+            kind = SPECULATIVE[name][0]
+            tree = method_tree(name, cfg.tree)
+            methods[name + GRPC_SUFFIX] = GrpcMethod(clients[kind, 0], tree.method, cfg, tree.proposals)
             if kind != "ngram":            # the n-gram drafter has no model to draft ahead with
                 for lookahead in cfg.lookahead:
                     methods[f"{name}{GRPC_SUFFIX}{AHEAD_SUFFIX}{lookahead}"] = GrpcMethod(
-                        clients[kind, lookahead], tree_method, cfg)
+                        clients[kind, lookahead], tree.method, cfg, tree.proposals)
         yield methods
     finally:
         for client in clients.values():

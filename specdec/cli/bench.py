@@ -54,7 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="base seed of sampled runs (T > 0)")
     p.add_argument("--methods",
-                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: all but sps; with "
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: all but sps and eagle2-top; with "
                         f"--concurrency: {','.join(CONCURRENCY_METHODS)}); vanilla and hf-generate always run "
                         "(with --concurrency, vanilla): speedups are relative to them")
     p.add_argument("--grpc", action="store_true",
@@ -117,7 +117,7 @@ def config_from(args, sweep: bool):
     from specdec.tree import TreeConfig
 
     tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
-                      value_temperature=args.value_temperature)
+                      value_temperature=args.value_temperature, proposals=args.proposals)
     if sweep:
         methods = ("vanilla", "eagle2")
     elif args.concurrency:

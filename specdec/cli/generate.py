@@ -49,6 +49,11 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")
+    p.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=knobs.PROPOSALS,
+                   help="how draft tokens are proposed when sampling (T > 0): sampled = drawn from the draft "
+                        "distribution and accepted by recursive rejection sampling, top = the draft's most likely "
+                        "tokens; auto (default): sampled where the drafter has a distribution (not n-gram); "
+                        "never changes the output distribution")
 
 
 def add_decoding_flags(p: argparse.ArgumentParser) -> None:
@@ -114,7 +119,7 @@ def tree_from(args):
     if args.method == "vanilla":
         return None
     return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
-                      value_temperature=args.value_temperature)
+                      value_temperature=args.value_temperature, proposals=args.proposals)
 
 
 def resolve_models(args):

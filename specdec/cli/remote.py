@@ -31,7 +31,7 @@ def _request_params(args, params, tree_cfg) -> dict:
         out["method"] = "vanilla"
     else:
         out.update(method=tree_cfg.method, total_tokens=tree_cfg.total_tokens, depth=tree_cfg.depth,
-                   expand_k=tree_cfg.expand_k)
+                   expand_k=tree_cfg.expand_k, proposals=tree_cfg.proposals)
     return out
 
 

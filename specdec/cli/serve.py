@@ -133,6 +133,8 @@ def add_parsers(sub) -> None:
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
     t.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH)
     t.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K)
+    t.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=knobs.PROPOSALS,
+                   help="sessions at T > 0: sampled (drawn from the draft distribution), top, or auto (sampled)")
     t.add_argument("--max-total-tokens", type=int, default=64)
     t.add_argument("--max-depth", type=int, default=8)
     t.add_argument("--max-expand-k", type=int, default=10)
@@ -247,7 +249,7 @@ def run_drafter(args) -> int:
     _check_sessions(args)
     cfg = server_config_from(args)
     default = TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
-                         expand_k=args.expand_k)
+                         expand_k=args.expand_k, proposals=args.proposals)
     limits = TreeConfig(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
     from specdec.cli.main import CliError
 

@@ -41,6 +41,12 @@ _METHOD_ENUM = {
     "no-rerank": common_pb2.TREE_METHOD_NO_RERANK,
     "vanilla": common_pb2.TREE_METHOD_VANILLA,
 }
+PROPOSALS = ("auto", "top", "sampled")
+_PROPOSALS_ENUM = {
+    "auto": common_pb2.PROPOSALS_AUTO,
+    "top": common_pb2.PROPOSALS_TOP,
+    "sampled": common_pb2.PROPOSALS_SAMPLED,
+}
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_BACKOFF_S = 2.0
 
@@ -132,17 +138,22 @@ class Completion:
 # -- requests ------------------------------------------------------------------
 def build_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: Iterable[str] = (), method: str | None = None,
-                  total_tokens: int = 0, depth: int = 0, expand_k: int = 0,
+                  total_tokens: int = 0, depth: int = 0, expand_k: int = 0, proposals: str = "auto",
                   request_id: str = "") -> orchestrator_pb2.GenerateRequest:
     """The request message; 0 / None leave a knob to the server's default.
-    Values are checked by the server, which names the offending field."""
+    ``proposals``: how draft tokens are proposed when sampling ("auto": the
+    drafter's choice; "top" / "sampled"). Values are checked by the server,
+    which names the offending field."""
     if method is not None and method not in _METHOD_ENUM:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if proposals not in _PROPOSALS_ENUM:
+        raise ValueError(f"proposals must be one of {', '.join(PROPOSALS)}, got {proposals!r}")
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if seed is not None:
         sampling.seed = seed
     tree = common_pb2.TreeParams(method=_METHOD_ENUM.get(method, common_pb2.TREE_METHOD_UNSPECIFIED),
-                                 total_tokens=total_tokens, depth=depth, expand_k=expand_k)
+                                 total_tokens=total_tokens, depth=depth, expand_k=expand_k,
+                                 proposals=_PROPOSALS_ENUM[proposals])
     if isinstance(stop, str):
         stop = [stop]
     return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, sampling=sampling,

@@ -60,7 +60,8 @@ def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLo
     p = target_logp[:, 1:].exp()
     cls = -(p * logp).sum(-1).mean()
     top1 = (logp.argmax(-1) == target_logp[:, 1:].argmax(-1)).float().mean()
-    return loss_cfg.w_reg * reg + loss_cfg.w_cls * cls, {"reg": float(reg), "cls": float(cls), "top1": float(top1)}
+    return loss_cfg.w_reg * reg + loss_cfg.w_cls * cls, {"reg": float(reg.detach()), "cls": float(cls.detach()),
+                                                         "top1": float(top1)}
 
 
 # Candidate greedy value temperatures, 0.10 to 2.00.

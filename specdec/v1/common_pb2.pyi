@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -16,6 +16,12 @@ class TreeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TREE_METHOD_NO_VALUE: _ClassVar[TreeMethod]
     TREE_METHOD_NO_RERANK: _ClassVar[TreeMethod]
     TREE_METHOD_VANILLA: _ClassVar[TreeMethod]
+
+class Proposals(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSALS_AUTO: _ClassVar[Proposals]
+    PROPOSALS_TOP: _ClassVar[Proposals]
+    PROPOSALS_SAMPLED: _ClassVar[Proposals]
 TREE_METHOD_UNSPECIFIED: TreeMethod
 TREE_METHOD_EAGLE2: TreeMethod
 TREE_METHOD_STATIC: TreeMethod
@@ -23,6 +29,9 @@ TREE_METHOD_CHAIN: TreeMethod
 TREE_METHOD_NO_VALUE: TreeMethod
 TREE_METHOD_NO_RERANK: TreeMethod
 TREE_METHOD_VANILLA: TreeMethod
+PROPOSALS_AUTO: Proposals
+PROPOSALS_TOP: Proposals
+PROPOSALS_SAMPLED: Proposals
 
 class Tensor(_message.Message):
     __slots__ = ("data", "dtype", "shape")
@@ -47,25 +56,39 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("method", "total_tokens", "depth", "expand_k", "value_temperature")
+    __slots__ = ("method", "total_tokens", "depth", "expand_k", "value_temperature", "proposals")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     EXPAND_K_FIELD_NUMBER: _ClassVar[int]
     VALUE_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     method: TreeMethod
     total_tokens: int
     depth: int
     expand_k: int
     value_temperature: float
-    def __init__(self, method: _Optional[_Union[TreeMethod, str]] = ..., total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., expand_k: _Optional[int] = ..., value_temperature: _Optional[float] = ...) -> None: ...
+    proposals: Proposals
+    def __init__(self, method: _Optional[_Union[TreeMethod, str]] = ..., total_tokens: _Optional[int] = ..., depth: _Optional[int] = ..., expand_k: _Optional[int] = ..., value_temperature: _Optional[float] = ..., proposals: _Optional[_Union[Proposals, str]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents", "values")
+    __slots__ = ("tokens", "parents", "values", "proposals")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("node", "tokens", "probs")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, node: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...

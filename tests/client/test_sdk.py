@@ -166,6 +166,8 @@ def test_typed_errors_carry_code_and_details(stack):
             next(client.generate(""))
         with pytest.raises(ValueError, match="method"):
             client.complete("x", method="beam")
+        with pytest.raises(ValueError, match="proposals"):
+            client.complete("x", proposals="greedy")
 
     async def run_async():
         async with AsyncSpecdecClient(stack.address("orchestrator")) as client:

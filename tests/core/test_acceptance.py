@@ -9,6 +9,7 @@ import torch
 from specdec.acceptance import Acceptance, accept, accept_greedy, accept_sampling
 from specdec.sampling import SamplingParams, make_generator, target_probs
 from specdec.tree import DraftTree, tree_from_lists
+from stats import chi2_pvalue
 
 P_MIN = 1e-4  # chi-square p-value below which a distribution check fails
 
@@ -151,35 +152,6 @@ def _reference_accept(tree, probs, generator, variant: str = "exact") -> Accepta
         node = nxt
 
 
-def _chi2_sf(stat: float, dof: int) -> float:
-    try:
-        from scipy.stats import chi2
-    except ImportError:
-        return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                             torch.tensor(stat / 2, dtype=torch.float64)))
-    return float(chi2.sf(stat, dof))
-
-
-def _chi2_pvalue(observed: Counter, expected_p: dict, n: int) -> float:
-    """Goodness of fit of `observed` counts to cell probabilities `expected_p`.
-
-    Any observation in a cell of probability 0 fails outright; cells expected
-    fewer than 5 times are pooled so the chi-square approximation holds.
-    """
-    if any(expected_p.get(cell, 0.0) <= 0.0 for cell in observed):
-        return 0.0
-    cells, rare_obs, rare_exp = [], 0, 0.0
-    for cell, prob in expected_p.items():
-        if prob * n >= 5:
-            cells.append((observed.get(cell, 0), prob * n))
-        else:
-            rare_obs, rare_exp = rare_obs + observed.get(cell, 0), rare_exp + prob * n
-    if rare_exp > 0:
-        cells.append((rare_obs, rare_exp))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    return _chi2_sf(stat, len(cells) - 1)
-
-
 def _first_child_with_token(tree, children, node: int) -> dict[int, int]:
     # Which node a committed token leads to: the first child carrying it.
     out: dict[int, int] = {}
@@ -231,9 +203,9 @@ def _lossless_pvalues(accept_fn, probs: torch.Tensor, n: int, seed: int) -> dict
             pair_p[(x1, x2)] = float(p[0, x1]) * float(p[node, x2])
 
     return {
-        "first": _chi2_pvalue(first, first_p, n),
-        "pair": _chi2_pvalue(pair, pair_p, n),
-        "sequence": _chi2_pvalue(Counter(runs), _sequence_probs(tree, probs), n),
+        "first": chi2_pvalue(first, first_p, n),
+        "pair": chi2_pvalue(pair, pair_p, n),
+        "sequence": chi2_pvalue(Counter(runs), _sequence_probs(tree, probs), n),
     }
 
 

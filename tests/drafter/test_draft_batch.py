@@ -14,6 +14,7 @@ from drafter.batch import DraftScheduler, draft_batch
 from services.helpers import channel_to, drafter_builder, rpc_error, start_drafter
 from specdec import kv, wire
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.sampling import SamplingParams
 from specdec.tree import TreeConfig
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import DrafterPrefillRequest, DrafterReleaseRequest, DraftRequest
@@ -40,6 +41,10 @@ def assert_same_tree(got, want):
     assert got.parents.tolist() == want.parents.tolist()
     # a padded forward may sum in another order: values agree to float rounding
     assert torch.allclose(got.values, want.values, rtol=0, atol=1e-4), (got.values - want.values).abs().max()
+    assert (got.proposals or {}).keys() == (want.proposals or {}).keys()
+    for node, prop in (got.proposals or {}).items():
+        assert prop.tokens.tolist() == want.proposals[node].tokens.tolist()
+        assert torch.allclose(prop.probs, want.proposals[node].probs, rtol=0, atol=1e-5)
 
 
 class Sessions:
@@ -58,10 +63,10 @@ class Sessions:
     def features(self, n: int):
         return torch.randn(n, self.hidden, generator=self.gen) if self.drafter.needs_features else None
 
-    def prefill(self, sid: str, n: int, greedy: bool = False) -> None:
+    def prefill(self, sid: str, n: int, greedy: bool = False, sampling=None) -> None:
         tokens, feats = self.tokens(n), self.features(n - 1)
         for d in (self.drafter, self.reference):
-            d.prefill(sid, tokens, feats, greedy=greedy)
+            d.prefill(sid, tokens, feats, greedy=greedy, sampling=sampling)
 
     def commit(self, max_tokens: int = 4) -> tuple[list[int], object]:
         n = self.rng.randrange(max_tokens + 1)
@@ -97,8 +102,10 @@ def test_batched_trees_equal_solo_trees(tiny_family, kind, seed):
     forwards = []
     (drafter.head if kind == "eagle" else drafter.body).register_forward_hook(lambda *_: forwards.append(1))
     sids = [f"s{i}" for i in range(len(PROMPT_LENGTHS))]
+    drawn = 0                     # trees with sampled proposals
     for i, (sid, n) in enumerate(zip(sids, PROMPT_LENGTHS)):
-        s.prefill(sid, n, greedy=i % 2 == 0)
+        # greedy, sampled with drawn trees, sampled with top-token trees (no sampling params)
+        s.prefill(sid, n, greedy=i % 3 == 0, sampling=SamplingParams(0.9, seed=i) if i % 3 == 1 else None)
     for cycle in range(5):
         if cycle == 2:            # a fresh session (empty cache) joins sessions with long caches
             s.prefill("late", 5)
@@ -120,6 +127,8 @@ def test_batched_trees_equal_solo_trees(tiny_family, kind, seed):
         for (sid, tokens, feats, cfg), tree in zip(items, got):
             assert_same_tree(tree, s.want(sid, tokens, feats, cfg))
             assert_only_committed(drafter, sid)
+            drawn += bool(tree.proposals)
+    assert drawn > 0
     # the batched sessions' caches hold exactly what a never-batched drafter's do
     for sid in sids:
         assert drafter.sessions.get(sid).tokens == reference.sessions.get(sid).tokens

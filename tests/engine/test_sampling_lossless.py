@@ -14,14 +14,10 @@ from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import TreeConfig
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
+from stats import chi2_sf
 
 V, NEW, RUNS = 5, 3, 3000
 PROMPT = [1, 3, 2]
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def exact_joint(model, params: SamplingParams) -> torch.Tensor:
@@ -37,10 +33,11 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:
     return joint.reshape([V] * NEW)
 
 
-def sampled_joint(verifier, drafter, params: SamplingParams, method: str,
+def sampled_joint(verifier, drafter, params: SamplingParams, method: str, proposals: str = "auto",
                   value_temperature: float | None = None, min_tau: float = 0.0) -> torch.Tensor:
     counts = torch.zeros([V] * NEW)
-    cfg = TreeConfig(method=method, total_tokens=6, depth=2, expand_k=2, value_temperature=value_temperature)
+    cfg = TreeConfig(method=method, total_tokens=6, depth=2, expand_k=2, value_temperature=value_temperature,
+                     proposals=proposals)
     stop = StopCriteria(max_new_tokens=NEW)
     for seed in range(RUNS):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
@@ -73,17 +70,19 @@ def engines():
     return target, verifier, DraftLmDrafter(model=draft)
 
 
-@pytest.mark.parametrize("params,method,value_temperature,min_tau", [
-    (SamplingParams(temperature=1.0), "eagle2", None, 0.0),
-    (SamplingParams(temperature=0.7, top_p=0.9), "eagle2", None, 0.0),
-    (SamplingParams(temperature=1.0), "chain", None, 0.0),
-    (SamplingParams(temperature=1.0), "eagle2", 0.3, 0.0),     # another tree shape, the same distribution
-    (SamplingParams(temperature=1.0), "eagle2", None, 1.5),    # drafting paused after poor cycles
+@pytest.mark.parametrize("params,method,proposals,value_temperature,min_tau", [
+    (SamplingParams(temperature=1.0), "eagle2", "sampled", None, 0.0),
+    (SamplingParams(temperature=1.0), "eagle2", "top", None, 0.0),
+    (SamplingParams(temperature=0.7, top_p=0.9), "eagle2", "sampled", None, 0.0),
+    (SamplingParams(temperature=1.0), "chain", "sampled", None, 0.0),
+    (SamplingParams(temperature=1.0), "eagle2", "top", 0.3, 0.0),      # another tree shape, the same distribution
+    (SamplingParams(temperature=1.0), "eagle2", "sampled", None, 1.5),  # drafting paused after poor cycles
 ])
-def test_speculative_sampling_matches_target_distribution(engines, params, method, value_temperature, min_tau):
+def test_speculative_sampling_matches_target_distribution(engines, params, method, proposals, value_temperature,
+                                                          min_tau):
     target, verifier, drafter = engines
     probs = exact_joint(target, params)
-    counts = sampled_joint(verifier, drafter, params, method, value_temperature, min_tau)
+    counts = sampled_joint(verifier, drafter, params, method, proposals, value_temperature, min_tau)
     assert chi2_pvalue(counts, probs) > 1e-4
 
 
@@ -93,7 +92,17 @@ def test_broken_residual_is_detected(engines, monkeypatch):
     target, verifier, drafter = engines
     params = SamplingParams(temperature=1.0)
     monkeypatch.setattr(acceptance, "_draw_residual", lambda row, rejected, gen: acceptance.sample(row, gen))
-    counts = sampled_joint(verifier, drafter, params, "eagle2")
+    counts = sampled_joint(verifier, drafter, params, "eagle2", "top")
+    assert chi2_pvalue(counts, exact_joint(target, params)) < 1e-4
+
+
+def test_broken_drawn_residual_is_detected(engines, monkeypatch):
+    """With sampled proposals: keeping the target row after a rejection in place
+    of norm(max(0, p - q)) is caught by the same check."""
+    target, verifier, drafter = engines
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(acceptance, "_drawn_residual", lambda p, q: p)
+    counts = sampled_joint(verifier, drafter, params, "eagle2", "sampled")
     assert chi2_pvalue(counts, exact_joint(target, params)) < 1e-4
 
 

@@ -45,7 +45,7 @@ class Local:
         self.drafters = {kind: drafter_builder(paths, kind)() for kind in ("eagle", "draft-lm", "ngram")}
         self.tok = load_tokenizer(paths["target"])
 
-    def run(self, prompt, kind=None, method=None, n=N, min_tau=0.0, **sampling):
+    def run(self, prompt, kind=None, method=None, n=N, min_tau=0.0, proposals="auto", **sampling):
         from specdec.decoding import StopCriteria
         from specdec.local import generate
         from specdec.sampling import SamplingParams
@@ -53,7 +53,7 @@ class Local:
 
         ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset([self.tok.eos_token_id]))
-        cfg = TreeConfig(method=method) if method not in (None, "vanilla") else None
+        cfg = TreeConfig(method=method, proposals=proposals) if method not in (None, "vanilla") else None
         drafter = self.drafters[kind] if kind in self.drafters else None
         return generate(self.verifier, drafter, ids, SamplingParams(**sampling), stop, cfg, min_tau)
 
@@ -184,13 +184,17 @@ def test_stop_strings_end_the_output_before_them(stack, local):
 
 
 def test_seeded_sampling_matches_in_process(stack, local):
+    """Drawn trees (the default when sampling) and top-token trees: the same
+    seed gives the same tokens through the services as in process."""
     params = dict(temperature=0.75, top_p=0.875, top_k=50, seed=7)
     with SpecdecClient(stack.address("eagle")) as client:
         a = client.complete(PROMPTS[0], max_new_tokens=N, **params)
         b = client.complete(PROMPTS[0], max_new_tokens=N, **params)
+        top = client.complete(PROMPTS[0], max_new_tokens=N, proposals="top", **params)
         vanilla = client.complete(PROMPTS[0], max_new_tokens=N, method="vanilla", **params)
     assert a.token_ids == b.token_ids
     assert a.token_ids == local.run(PROMPTS[0], "eagle", "eagle2", **params).tokens
+    assert top.token_ids == local.run(PROMPTS[0], "eagle", "eagle2", proposals="top", **params).tokens
     assert vanilla.token_ids == local.run(PROMPTS[0], **params).tokens
 
 

@@ -169,3 +169,52 @@ async def test_idle_drafter_session_is_evicted(tiny_family):
             assert servicer.stats.active == 0
     finally:
         await server.stop()
+
+
+def assert_same_proposals(msg, tree):
+    got = {p.node: (list(p.tokens), list(p.probs)) for p in msg.proposals}
+    want = {n: (p.tokens.tolist(), p.probs.tolist()) for n, p in (tree.proposals or {}).items()}
+    assert got == want
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft-lm", "ngram"])
+async def test_sampled_session_ships_its_proposals(tiny_family, kind, local_verifier, make_local_drafter):
+    """A session prefilled with T > 0 and a seed gets drawn trees with their
+    proposals, the same as an in-process drafter's; proposals=TOP, a greedy
+    session and the n-gram drafter get fixed-token trees."""
+    server, _ = await start_drafter(tiny_family, kind, default_tree=DEFAULT, limits=LIMITS, metrics_port=None)
+    reference = make_local_drafter(kind)
+    eagle = kind == "eagle"
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    knobs = TreeConfig(total_tokens=8, depth=3, expand_k=3)
+    try:
+        async with channel_to(server) as ch:
+            stub = DrafterServiceStub(ch)
+            first = local_verifier.prefill("s", PROMPT, params)
+            f0 = first.features if eagle else None
+            reference.prefill("s", PROMPT + [first.token], f0, sampling=params)
+            await stub.Prefill(DrafterPrefillRequest(session_id="s", token_ids=PROMPT + [first.token],
+                                                     features=feats(f0), sampling=wire.sampling_to_proto(params)))
+            commit, commit_f = [], None
+            for _ in range(3):
+                if commit:
+                    reference.commit("s", commit, commit_f)
+                want = reference.draft("s", knobs)
+                got = await stub.Draft(DraftRequest(session_id="s", commit_tokens=commit,
+                                                    commit_features=feats(commit_f),
+                                                    tree=wire.tree_params_to_proto(knobs)))
+                assert_same_tree(got.tree, want)
+                assert_same_proposals(got.tree, want)
+                assert bool(got.tree.proposals) == (kind != "ngram")
+                result = local_verifier.verify("s", wire.tree_from_proto(got.tree, reference.vocab_size))
+                commit, commit_f = result.tokens, (result.features if eagle else None)
+            top = await stub.Draft(DraftRequest(session_id="s", commit_tokens=commit, commit_features=feats(commit_f),
+                                                tree=wire.tree_params_to_proto(TreeConfig(proposals="top"))))
+            assert not top.tree.proposals and (len(top.tree.tokens) > 1 or kind == "ngram")
+            await stub.Prefill(DrafterPrefillRequest(session_id="g", token_ids=PROMPT + [first.token],
+                                                     features=feats(f0),
+                                                     sampling=wire.sampling_to_proto(SamplingParams(seed=3))))
+            greedy = await stub.Draft(DraftRequest(session_id="g", tree=wire.tree_params_to_proto(knobs)))
+            assert not greedy.tree.proposals and (len(greedy.tree.tokens) > 1 or kind == "ngram")
+    finally:
+        await server.stop()

@@ -134,6 +134,13 @@ async def test_malformed_requests_are_invalid_argument_naming_the_field(verifier
         "tree.tree is empty": common_pb2.DraftTree(),
         "tree.values has 1 entries for 2 nodes": common_pb2.DraftTree(tokens=[first, 1], parents=[-1, 0],
                                                                        values=[0.0]),
+        "tree.proposals: proposal of node 0: child token 2 has no probability in it": common_pb2.DraftTree(
+            tokens=[first, 1, 2], parents=[-1, 0, 0],
+            proposals=[common_pb2.Proposal(node=0, tokens=[1, 3], probs=[0.5, 0.5])]),
+        "tree.proposals: proposal of node 1: the node has no children": common_pb2.DraftTree(
+            tokens=[first, 1], parents=[-1, 0], proposals=[common_pb2.Proposal(node=1, tokens=[1], probs=[1.0])]),
+        "tree.proposals[1]: node 0 has two proposals": common_pb2.DraftTree(
+            tokens=[first, 1], parents=[-1, 0], proposals=[common_pb2.Proposal(node=0, tokens=[1], probs=[1.0])] * 2),
     }
     for words, tree in bad_trees.items():
         err = await rpc_error(stub.Verify(VerifyRequest(session_id="ok", tree=tree)))

@@ -63,6 +63,22 @@ def test_tree_round_trip_keeps_values():
         assert torch.equal(getattr(back, name), getattr(tree, name)), name
 
 
+def test_tree_round_trip_keeps_proposals():
+    from specdec.proposals import Proposal
+
+    base = tree_from_lists([7, 3, 4, 9], [-1, 0, 0, 1])
+    props = {0: Proposal(torch.tensor([4, 3, 8]), torch.tensor([0.5, 0.25, 0.25])),
+             1: Proposal(torch.tensor([9]), torch.tensor([1.0]))}
+    tree = DraftTree(base.tokens, base.parents, base.depths, base.values, props)
+    back = wire.tree_from_proto(common_pb2.DraftTree.FromString(wire.tree_to_proto(tree).SerializeToString()),
+                                vocab_size=10)
+    assert set(back.proposals) == {0, 1}
+    for node, prop in props.items():
+        assert torch.equal(back.proposals[node].tokens, prop.tokens)
+        assert torch.equal(back.proposals[node].probs, prop.probs)
+    assert wire.tree_from_proto(wire.tree_to_proto(base)).proposals is None
+
+
 def test_tree_without_values_gets_zeros():
     back = wire.tree_from_proto(common_pb2.DraftTree(tokens=[1, 2], parents=[-1, 0]))
     assert back.values.tolist() == [0.0, 0.0] and back.depths.tolist() == [0, 1]
@@ -131,7 +147,9 @@ def test_tree_knobs_default_clamp_and_vanilla():
 
 
 @pytest.mark.parametrize("cfg", [None, TreeConfig(method="no-rerank", total_tokens=9, depth=3, expand_k=2),
-                                 TreeConfig(total_tokens=9, depth=3, expand_k=2, value_temperature=0.5)])
+                                 TreeConfig(total_tokens=9, depth=3, expand_k=2, value_temperature=0.5),
+                                 TreeConfig(total_tokens=9, depth=3, expand_k=2, proposals="top"),
+                                 TreeConfig(method="chain", total_tokens=5, depth=4, expand_k=1, proposals="sampled")])
 def test_tree_params_round_trip(cfg):
     msg = wire.tree_params_to_proto(cfg)
     assert wire.tree_config_from_proto(msg, DEFAULT, LIMITS) == cfg
@@ -142,6 +160,7 @@ def test_tree_params_round_trip(cfg):
     (common_pb2.TreeParams(depth=-3), r"^tree\.depth must be >= 0"),
     (common_pb2.TreeParams(expand_k=-1), r"^tree\.expand_k must be >= 0"),
     (common_pb2.TreeParams(method=42), r"^tree\.method 42 is not a known TreeMethod"),
+    (common_pb2.TreeParams(proposals=9), r"^tree\.proposals 9 is not a known Proposals value"),
     (common_pb2.TreeParams(value_temperature=-1), r"^tree\.value_temperature must be >= 0"),
     (common_pb2.TreeParams(value_temperature=math.nan), r"^tree\.value_temperature must be >= 0"),
 ])
