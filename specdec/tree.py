@@ -486,20 +486,22 @@ def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeConfig,
     else:
         budget = sampled_level_budget(cfg.total_tokens, cfg.depth, cfg.expand_k)
     path_of = {0: ()}   # static: pool id -> the shape path it stands for
-    worth = torch.zeros(1)  # pool id -> log prior that the draw is accepted given its parent was
     frontier = torch.zeros(1, dtype=torch.int64)  # [f] pool ids
     for level in range(cfg.depth):
+        if shape is not None:     # expand only the nodes the shape gives children
+            kids = {n: sorted(p for p in shape if len(p) == level + 1 and p[:-1] == path_of[n])
+                    for n in frontier.tolist()}
+            frontier = frontier[[bool(kids[n]) for n in frontier.tolist()]]
         if len(frontier) == 0 or (shape is None and (level >= len(budget) or budget[level] == 0)):
             break
         tokens, q = sampler.proposals(pool.next_logp(frontier))  # [f, s] each
         support = (q > 0).sum(-1).tolist()  # [f]
-        first = torch.log(0.5 + 0.5 * q[:, 0].double())  # [f] log a_0 per parent
+        first = torch.log(0.5 + 0.5 * q[:, 0].double())  # [f] log prior of each parent's first draw
         if shape is not None:
-            kids = [sorted(p for p in shape if len(p) == level + 1 and p[:-1] == path_of[n])
-                    for n in frontier.tolist()]
-            counts = [min(len(k), s) for k, s in zip(kids, support)]
+            counts = [min(len(kids[n]), s) for n, s in zip(frontier.tolist(), support)]
         else:
-            key = worth[frontier].double() if cfg.method == "no-value" else pool.values[frontier].double()
+            # pool.logp holds each draw's log prior (its value's last term)
+            key = pool.logp[frontier].double() if cfg.method == "no-value" else pool.values[frontier].double()
             counts = _share_draws(key + first, support, budget[level], cfg.expand_k)
         parents, drawn, gain = [], [], []
         for row, positions in enumerate(sampler.draw(q, counts)):
@@ -508,15 +510,13 @@ def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeConfig,
             node = int(frontier[row])
             pool.proposals[node] = Proposal(tokens[row, :support[row]].clone(), q[row, :support[row]].clone())
             if shape is not None:
-                path_of.update({len(pool) + len(parents) + j: p for j, p in enumerate(kids[row][:len(positions)])})
+                path_of.update({len(pool) + len(parents) + j: p for j, p in enumerate(kids[node][:len(positions)])})
             parents += [node] * len(positions)
             drawn += tokens[row, positions].tolist()
             gain += [float(first[row]) + j * math.log(SAMPLED_NEXT_RATIO) for j in range(len(positions))]
         if not parents:
             break
-        gain_t = torch.tensor(gain, dtype=torch.float32)
-        frontier = pool.add(torch.tensor(parents), torch.tensor(drawn), gain_t)
-        worth = torch.cat([worth, gain_t])
+        frontier = pool.add(torch.tensor(parents), torch.tensor(drawn), torch.tensor(gain, dtype=torch.float32))
     return pool.tree(torch.arange(1, len(pool))), torch.arange(len(pool))
 
 
