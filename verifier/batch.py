@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 import specdec.batching
-from specdec import kv
 from specdec.acceptance import accept
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tree import DraftTree
@@ -105,13 +104,13 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
 
     batch_cache = target.new_cache()
     for layer in range(len(rows[0].sess.cache.layers)):
-        ks, vs = [], []
-        for r, p in zip(rows, prefixes):
-            k, v = r.sess.cache.layers[layer].keys, r.sess.cache.layers[layer].values
-            pad = P - p
-            ks.append(torch.nn.functional.pad(k, (0, 0, 0, pad)) if pad else k)
-            vs.append(torch.nn.functional.pad(v, (0, 0, 0, pad)) if pad else v)
-        batch_cache.update(torch.cat(ks), torch.cat(vs), layer)
+        k0 = rows[0].sess.cache.layers[layer].keys                   # [1, heads, p_0, d]
+        ks = k0.new_zeros(B, k0.shape[1], P, k0.shape[3])           # one copy of every prefix, padded
+        vs = torch.zeros_like(ks)
+        for b, (r, p) in enumerate(zip(rows, prefixes)):
+            ks[b, :, :p] = r.sess.cache.layers[layer].keys[0]
+            vs[b, :, :p] = r.sess.cache.layers[layer].values[0]
+        batch_cache.update(ks, vs, layer)
 
     with torch.inference_mode():
         out = target.body(input_ids=tokens.to(device), position_ids=positions.to(device),
@@ -121,13 +120,13 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
 
     results = []
     for b, r in enumerate(rows):
-        n, p = sizes[b], prefixes[b]
-        for layer, own in zip(batch_cache.layers, r.sess.cache.layers):
-            own.keys = torch.cat([own.keys, layer.keys[b:b + 1, :, P:P + n]], dim=2)
-            own.values = torch.cat([own.values, layer.values[b:b + 1, :, P:P + n]], dim=2)
+        n = sizes[b]
         result = accept(r.tree, logits[b, :n], r.sess.params, r.sess.generator)
         path = [0] + result.accepted
-        kv.commit_path(r.sess.cache, p, path)
+        slots = P + torch.tensor(path, device=device)                # the accepted nodes' new slots
+        for layer, own in zip(batch_cache.layers, r.sess.cache.layers):
+            own.keys = torch.cat([own.keys, layer.keys[b:b + 1, :, slots]], dim=2)
+            own.values = torch.cat([own.values, layer.values[b:b + 1, :, slots]], dim=2)
         committed = [int(r.tree.tokens[i]) for i in result.accepted] + [result.bonus]
         r.sess.tokens.extend(committed)
         results.append(VerifyResult(result.accepted, committed, hidden[b, path]))

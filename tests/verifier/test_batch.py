@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from specdec.errors import FailedPrecondition, NotFound
-from specdec.local import DrafterChoice, build_local, generate
+from specdec.local import DrafterChoice, build_local, cycle_config, generate
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec
 from specdec.sampling import SamplingParams
@@ -24,28 +24,40 @@ def stack(tiny_family):
     return build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice("eagle", str(tiny_family["eagle"])))
 
 
-def reference(stack):
+def params_of(i: int, sampled: bool) -> SamplingParams:
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) if sampled else SamplingParams()
+
+
+def reference(stack, sampled: bool):
+    """Each prompt alone: plain greedy decoding, or the seeded speculative run
+    (drawn trees, the same draws whatever the batching)."""
     stop = StopCriteria(max_new_tokens=NEW)
-    return [generate(stack.verifier, None, p, SamplingParams(), stop, None).tokens for p in PROMPTS]
+    if not sampled:
+        return [generate(stack.verifier, None, p, SamplingParams(), stop, None).tokens for p in PROMPTS]
+    return [generate(stack.verifier, stack.drafter, p, params_of(i, True), stop, CFGS[i]).tokens
+            for i, p in enumerate(PROMPTS)]
 
 
+@pytest.mark.parametrize("sampled", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed):
-    want = reference(stack)
+def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed, sampled):
+    want = reference(stack, sampled)
     v, d = stack.verifier, stack.drafter
     rng = random.Random(seed)
     sids = [f"s{seed}-{i}" for i in range(len(PROMPTS))]
     out = {sid: [] for sid in sids}
-    for sid, p in zip(sids, PROMPTS):
-        first = v.prefill(sid, p, SamplingParams(), NEW)
-        d.prefill(sid, p + [first.token], first.features)
+    for i, (sid, p) in enumerate(zip(sids, PROMPTS)):
+        first = v.prefill(sid, p, params_of(i, sampled), NEW)
+        d.prefill(sid, p + [first.token], first.features, sampling=params_of(i, sampled))
         out[sid].append(first.token)
     active = list(sids)
     while active:
         # random arrival order and a random subset per batch: mixed prefix lengths and tree sizes
         rng.shuffle(active)
         batch = active[:rng.randint(1, len(active))]
-        trees = [d.draft(sid, CFGS[sids.index(sid)]) for sid in batch]
+        # trees no deeper than the tokens still wanted, as in generate(): the same trees as alone
+        trees = [d.draft(sid, cycle_config(CFGS[sids.index(sid)], NEW - len(out[sid])) or CFGS[3])
+                 for sid in batch]
         results = verify_batch(v, list(zip(batch, trees)))
         for sid, res in zip(batch, results):
             assert not isinstance(res, Exception), res
@@ -74,7 +86,7 @@ def test_errors_are_per_item_and_leave_others_intact(stack):
 
 def test_scheduler_batches_concurrent_calls(stack):
     v = stack.verifier
-    want = reference(stack)
+    want = reference(stack, sampled=False)
 
     async def one(sched, i, p):
         sid = f"sched-{i}"
