@@ -242,18 +242,14 @@ class _Batch:
             return                       # every cache is empty: the first forward fills it
         ref = next(r.sess.cache for r in rows if r.prefix > 0)
         for layer_idx, ref_layer in enumerate(ref.layers):
-            ks, vs = [], []
-            for r in rows:
-                if r.prefix == 0:         # no tensor of the right shape to pad yet
-                    shape = list(ref_layer.keys.shape)
-                    shape[0], shape[2] = 1, self.P
-                    ks.append(ref_layer.keys.new_zeros(shape))
-                    vs.append(ref_layer.values.new_zeros(shape))
-                    continue
-                own, pad = r.sess.cache.layers[layer_idx], self.P - r.prefix
-                ks.append(torch.nn.functional.pad(own.keys, (0, 0, 0, pad)) if pad else own.keys)
-                vs.append(torch.nn.functional.pad(own.values, (0, 0, 0, pad)) if pad else own.values)
-            self.cache.update(torch.cat(ks), torch.cat(vs), layer_idx)
+            k0 = ref_layer.keys                                      # [1, heads, prefix, d]
+            ks = k0.new_zeros(len(rows), k0.shape[1], self.P, k0.shape[3])   # one copy, padded
+            vs = torch.zeros_like(ks)
+            for b, r in enumerate(rows):
+                if r.prefix:              # an empty cache stays zeros (masked)
+                    ks[b, :, :r.prefix] = r.sess.cache.layers[layer_idx].keys[0]
+                    vs[b, :, :r.prefix] = r.sess.cache.layers[layer_idx].values[0]
+            self.cache.update(ks, vs, layer_idx)
 
     def _committed(self, row: _Row, length: int) -> torch.Tensor:
         """bool [length]: the batch-cache slots holding ``row``'s committed inputs."""
