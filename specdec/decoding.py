@@ -78,8 +78,8 @@ class SpeculationGate:
     keeps failing (up to ``max_pause``); after a pause a fresh window of
     drafted cycles decides again. (Judging a single new cycle together with
     the stale ones that caused the pause keeps a session whose τ is noisy
-    paused far more than its mean deserves: with sampled τ of mean 2.4 and a
-    threshold of 2, it drafted 17% of cycles instead of 59%.) ``min_tau`` 0:
+    paused far more than its mean deserves: simulated with sampled τ of mean
+    2.4 and a threshold of 2, it drafted 17% of cycles instead of 59%.) ``min_tau`` 0:
     always draft. Output is unchanged either way: a root-only cycle is plain
     decoding."""
 

@@ -505,7 +505,7 @@ def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeConfig,
         tokens, q = sampler.proposals(pool.next_logp(frontier))  # [f, s] each
         support = (q > 0).sum(-1).tolist()  # [f]
         first = torch.log(0.5 + 0.5 * q[:, 0].double())  # [f] log prior of each parent's first draw
-        if shape is not None:
+        if shape is not None:     # the shape fixes the counts; the priors only value the draws
             counts = [min(len(kids[n]), s) for n, s in zip(frontier.tolist(), support)]
         else:
             # pool.logp holds each draw's log prior (its value's last term)
