@@ -54,6 +54,7 @@ from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree, tree_from_
 DraftItem = tuple[str, list[int], "torch.Tensor | None", "TreeConfig | None"]
 
 _NEG = torch.finfo(torch.float32).min
+_FEED_ROOM = 64           # batch-cache slots kept for the inputs fed before the tree levels
 
 
 # -- how a batch cache is run through each known model ----------------------------------------------
@@ -241,15 +242,19 @@ class _Batch:
         if self.P == 0:
             return                       # every cache is empty: the first forward fills it
         ref = next(r.sess.cache for r in rows if r.prefix > 0)
+        # room past the prefixes for the inputs fed now and the tree levels: they are written in place
+        room = _FEED_ROOM + max(r.cfg.depth * r.cfg.expand_k for r in rows)
         for layer_idx, ref_layer in enumerate(ref.layers):
             k0 = ref_layer.keys                                      # [1, heads, prefix, d]
-            ks = k0.new_zeros(len(rows), k0.shape[1], self.P, k0.shape[3])   # one copy, padded
-            vs = torch.zeros_like(ks)
+            ks = k0.new_empty(len(rows), k0.shape[1], self.P + room, k0.shape[3])   # one copy, padded
+            vs = torch.empty_like(ks)
             for b, r in enumerate(rows):
-                if r.prefix:              # an empty cache stays zeros (masked)
+                if r.prefix:
                     ks[b, :, :r.prefix] = r.sess.cache.layers[layer_idx].keys[0]
                     vs[b, :, :r.prefix] = r.sess.cache.layers[layer_idx].values[0]
-            self.cache.update(ks, vs, layer_idx)
+                ks[b, :, r.prefix:self.P] = 0     # masked padding, but never NaN
+                vs[b, :, r.prefix:self.P] = 0
+            kv.adopt(self.cache, layer_idx, ks, vs, self.P)
 
     def _committed(self, row: _Row, length: int) -> torch.Tensor:
         """bool [length]: the batch-cache slots holding ``row``'s committed inputs."""
@@ -296,7 +301,7 @@ class _Batch:
         logp = self.model.logprobs(last)
         for j, (b, row, m) in enumerate(fed):
             for layer_idx, layer in enumerate(self.cache.layers):
-                row.sess.cache.update(layer.keys[b:b + 1, :, P:P + m], layer.values[b:b + 1, :, P:P + m], layer_idx)
+                kv.append(row.sess.cache, layer_idx, layer.keys[b:b + 1, :, P:P + m], layer.values[b:b + 1, :, P:P + m])
             row.sess.fed += m
             # copies: a view would keep the whole batch output alive with the session
             row.sess.root_out = (last[j].clone(), logp[j].clone())
@@ -310,8 +315,7 @@ class _Batch:
         if rows != self.rows:            # some trees are done: drop their batch rows
             where = {id(r): b for b, r in enumerate(self.rows)}
             keep = torch.tensor([where[id(r)] for r in rows], device=self.cache.layers[0].keys.device)
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
+            kv.select_rows(self.cache, keep)
             self.rows = list(rows)
         B, L = len(rows), kv.seq_len(self.cache)
         sizes = [len(level.tokens) for level in levels]

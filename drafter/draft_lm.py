@@ -20,9 +20,9 @@ class DraftLmDrafter(CachedTreeDrafter):
                          greedy_value_temperature=read_value_temperature(spec.path if spec is not None else None))
 
     def _new_cache(self):
-        from transformers import DynamicCache
+        from specdec.kvcache import new_cache
 
-        return DynamicCache(config=self.model.config)
+        return new_cache(self.model.config)
 
     def _run(self, sess, tokens, positions, mask):
         dev = self.lm_head.weight.device

@@ -38,9 +38,9 @@ class EagleDrafter(CachedTreeDrafter):
         self.hidden_size = embed.shape[1]
 
     def _new_cache(self):
-        from transformers import DynamicCache
+        from specdec.kvcache import new_cache
 
-        return DynamicCache(config=self.head.config)
+        return new_cache(self.head.config)
 
     def _inputs_for(self, n_tokens: int) -> int:
         return n_tokens - 1

@@ -1,16 +1,17 @@
 """Batched verification: several sessions' trees in one target forward.
 
 Sessions keep their own caches. For one batched step the prefixes are copied
-into a padded batch cache [B, kv_heads, P, d] (P = longest prefix; row b's
-slots past its own prefix are masked), each tree is padded to N nodes, and the
-mask row of node i of session b allows its session's prefix plus its tree
-ancestors. After the forward, each session takes back only its own new slots
-and commits its accepted path exactly as an unbatched verify would. Padding
-rows see only themselves so no softmax row is empty.
+into a padded batch cache [B, kv_heads, P + N, d] (P = longest prefix; row
+b's slots past its own prefix are zeros and masked), each tree is padded to N
+nodes and the forward writes the trees' slots in place after P. The mask row
+of node i of session b allows its session's prefix plus its tree ancestors.
+After the forward, each session appends only its accepted slots (in place,
+``specdec.kvcache``) and commits exactly as an unbatched verify would.
+Padding rows see only themselves so no softmax row is empty.
 
-The copy costs O(total KV) per step; on CPU, where a forward of a small
-target is dominated by per-layer overhead, one forward for B sessions still
-beats B forwards by far (see ``specdec bench --concurrency``).
+The prefix copy costs O(total KV) per step; on CPU, where a forward of a
+small target is dominated by per-layer overhead, one forward for B sessions
+still beats B forwards by far (see ``specdec bench --concurrency``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import specdec.batching
+from specdec import kv
 from specdec.acceptance import accept
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tree import DraftTree
@@ -105,12 +107,15 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
     batch_cache = target.new_cache()
     for layer in range(len(rows[0].sess.cache.layers)):
         k0 = rows[0].sess.cache.layers[layer].keys                   # [1, heads, p_0, d]
-        ks = k0.new_zeros(B, k0.shape[1], P, k0.shape[3])           # one copy of every prefix, padded
-        vs = torch.zeros_like(ks)
+        # one copy of every prefix, padded, with room for the trees: the forward writes them in place
+        ks = k0.new_empty(B, k0.shape[1], P + N, k0.shape[3])
+        vs = torch.empty_like(ks)
         for b, (r, p) in enumerate(zip(rows, prefixes)):
             ks[b, :, :p] = r.sess.cache.layers[layer].keys[0]
             vs[b, :, :p] = r.sess.cache.layers[layer].values[0]
-        batch_cache.update(ks, vs, layer)
+            ks[b, :, p:P] = 0                                        # masked, but never NaN
+            vs[b, :, p:P] = 0
+        kv.adopt(batch_cache, layer, ks, vs, P)
 
     with torch.inference_mode():
         out = target.body(input_ids=tokens.to(device), position_ids=positions.to(device),
@@ -124,9 +129,8 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
         result = accept(r.tree, logits[b, :n], r.sess.params, r.sess.generator)
         path = [0] + result.accepted
         slots = P + torch.tensor(path, device=device)                # the accepted nodes' new slots
-        for layer, own in zip(batch_cache.layers, r.sess.cache.layers):
-            own.keys = torch.cat([own.keys, layer.keys[b:b + 1, :, slots]], dim=2)
-            own.values = torch.cat([own.values, layer.values[b:b + 1, :, slots]], dim=2)
+        for i, layer in enumerate(batch_cache.layers):
+            kv.append(r.sess.cache, i, layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots])
         committed = [int(r.tree.tokens[i]) for i in result.accepted] + [result.bonus]
         r.sess.tokens.extend(committed)
         results.append(VerifyResult(result.accepted, committed, hidden[b, path]))

@@ -78,10 +78,11 @@ class TargetModel:
         elem = torch.finfo(next(self.model.parameters()).dtype).bits // 8
         return 2 * c.num_hidden_layers * heads * head_dim * elem
 
-    def new_cache(self):
-        from transformers import DynamicCache
+    def new_cache(self, capacity: int = 0):
+        """A cache that grows in place (``specdec.kvcache``); ``capacity``: slots to allocate up front."""
+        from specdec.kvcache import new_cache
 
-        return DynamicCache(config=self.config)
+        return new_cache(self.config, capacity)
 
     @torch.inference_mode()
     def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -128,7 +129,8 @@ class VerifierEngine:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.target.max_positions} tokens")
-        need = (len(prompt) + max(max_new_tokens, 1) + self.max_tree_tokens) * self.target.kv_bytes_per_token
+        slots = len(prompt) + max(max_new_tokens, 1) + self.max_tree_tokens
+        need = slots * self.target.kv_bytes_per_token
         with self._admission:          # reserve before computing, so concurrent prefills can't overshoot
             self.sessions.evict_idle()
             if self.kv_budget_bytes is not None and self.reserved_bytes() + need > self.kv_budget_bytes:
@@ -136,7 +138,7 @@ class VerifierEngine:
                     f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
                     f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
             generator = make_generator(params.seed)
-            sess = TargetSession(self.target.new_cache(), list(prompt), params, generator, reserved_bytes=need)
+            sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
         try:
