@@ -45,6 +45,7 @@ class DrafterServiceConfig:
     limits: TreeConfig = TreeConfig(total_tokens=64, depth=8, expand_k=10)   # clamps; method unused
     batch_window_ms: float = 0.0       # >0: draft concurrent sessions' trees in shared forwards
     max_batch: int = 16
+    solo_threads: int = 0              # >0: torch threads while at most one session is open
 
     def __post_init__(self):
         if not self.batch_window_ms >= 0 or isinstance(self.max_batch, bool) or not self.max_batch >= 1:
@@ -60,7 +61,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     role = "drafter"
 
     def __init__(self, config: DrafterServiceConfig = DrafterServiceConfig()):
-        super().__init__()
+        super().__init__(config.solo_threads)
         self.config = config
         self.drafter = None                # drafter.base.Drafter, once loaded
         self.scheduler = None              # drafter.batch.DraftScheduler when batching is on
@@ -152,7 +153,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
             sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
             _, seconds = await self.run(self._evict_then, self.drafter.prefill, request.session_id, tokens, feats,
-                                        request.greedy, sampling)
+                                        request.greedy, sampling, opening=True)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)

@@ -3,6 +3,13 @@
 Engine calls (torch forwards) are not reentrant per model and would block the
 event loop, so they run one at a time on a dedicated thread while the loop
 keeps answering health checks; idle sessions are swept on the same thread.
+
+Solo threads (``--solo-threads``): where the drafter and the verifier share a
+host's cores, each gets a share of them, because once requests overlap both
+compute at once and oversubscribed OpenMP threads stall each other. With at
+most one session open the two services alternate (draft, verify, draft, ...),
+so an engine call may then use all the cores; the servicer switches torch's
+thread count on its worker thread before each call.
 """
 
 from __future__ import annotations
@@ -35,7 +42,11 @@ class EngineServicer:
 
     role = "engine"
 
-    def __init__(self) -> None:
+    def __init__(self, solo_threads: int = 0) -> None:
+        if solo_threads < 0:
+            raise ValueError(f"solo threads must be >= 0, got {solo_threads}")
+        self.solo_threads = solo_threads    # torch threads while at most one session is open (0: unchanged)
+        self._shared_threads: int | None = None   # torch threads otherwise: the worker's setting at start
         self.lifecycle = Lifecycle()
         self.lifecycle.busy = lambda: self.stats.active > 0
         self.stats = metrics.SessionStats(self.role)
@@ -53,18 +64,34 @@ class EngineServicer:
             raise Unavailable("server is loading its model")
         self.lifecycle.check(opens_session)
 
-    async def run(self, fn: Callable, *args, shield: bool = False):
-        """``fn(*args)`` on the worker thread -> (result, seconds it ran)."""
+    async def run(self, fn: Callable, *args, shield: bool = False, opening: bool = False):
+        """``fn(*args)`` on the worker thread -> (result, seconds it ran);
+        ``opening``: the call opens a session (for the solo-threads count)."""
         ctx = contextvars.copy_context()       # keeps the request id in worker-thread logs
-        future = asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, self._timed, fn, args)
+        future = asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, self._timed, fn, args,
+                                                            opening)
         return await (asyncio.shield(future) if shield else future)
 
-    def _timed(self, fn: Callable, args: tuple):
+    def _timed(self, fn: Callable, args: tuple, opening: bool = False):
+        if self.solo_threads:
+            self._pick_threads(opening)
         start = time.perf_counter()
         try:
             return fn(*args), time.perf_counter() - start
         finally:
             self._refresh_stats()
+
+    def _pick_threads(self, opening: bool) -> None:
+        """On the worker thread: ``solo_threads`` while at most one session is
+        open (counting one the call opens), the shared count otherwise."""
+        import torch
+
+        if self._shared_threads is None:
+            self._shared_threads = torch.get_num_threads()
+        open_sessions = (len(self.sessions) if self.sessions is not None else 0) + int(opening)
+        want = self.solo_threads if open_sessions <= 1 else self._shared_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _refresh_stats(self) -> None:
         if self.sessions is not None:

@@ -36,6 +36,7 @@ class VerifierServiceConfig:
     model_name: str = ""               # reported by GetInfo (default: the target's path)
     batch_window_ms: float = 0.0       # >0: verify concurrent sessions' trees in one forward
     max_batch: int = 16
+    solo_threads: int = 0              # >0: torch threads while at most one session is open
 
     def __post_init__(self):
         if self.feature_dtype not in ("float32", "float16"):
@@ -46,7 +47,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     role = "verifier"
 
     def __init__(self, config: VerifierServiceConfig = VerifierServiceConfig()):
-        super().__init__()
+        super().__init__(config.solo_threads)
         self.config = config
         self.engine = None                 # VerifierEngine, once loaded
         self.scheduler = None              # BatchScheduler when batching is on
@@ -105,7 +106,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
                 raise InvalidArgument(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
             result, seconds = await self.run(self._evict_then, self.engine.prefill, request.session_id,
                                              list(request.prompt_ids), params, request.max_new_tokens,
-                                             request.resume)
+                                             request.resume, opening=True)
         except Exception as exc:
             await abort_from(context, exc)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)

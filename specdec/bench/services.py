@@ -94,11 +94,18 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     mine = []
     # The same core budget as the in-process methods, split between the two
-    # torch processes (oversubscribed OpenMP threads spin on each other).
-    with _threads_env(max(1, torch.get_num_threads() // 2)):
+    # torch processes (oversubscribed OpenMP threads spin on each other); the
+    # verifier takes the whole budget while one session is open, when the two
+    # alternate (stack.solo_threads), unless an orchestrator drafts ahead:
+    # then the drafter computes during verifies.
+    budget = torch.get_num_threads()
+    share = max(1, budget // 2)
+    solo = ["--solo-threads", str(budget)] if share < budget and not cfg.lookahead else []
+    with _threads_env(share):
         mine.append(stack._spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                       "--dtype", cfg.dtype, "--device", cfg.device,
-                                                      *internal]))
+                                                      *solo, *internal],
+                                 env_defaults=stack.solo_env() if solo else None))
         mine.append(stack._spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
         children.extend(mine)
         stack._wait_listening(mine, deadline)
@@ -127,10 +134,12 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
     from specdec.client import SpecdecClient
 
     def on_sigterm(signum, frame):
+        stack._ignore_stop_signals()        # a repeated signal must not cut the stopping short
         raise KeyboardInterrupt             # unwind through the finally below: no orphaned services
 
     previous = None
     if threading.current_thread() is threading.main_thread():
+        previous_int = signal.getsignal(signal.SIGINT)
         previous = signal.signal(signal.SIGTERM, on_sigterm)
     speculative = [n for n in names if n in SPECULATIVE]
     kinds = list(dict.fromkeys(SPECULATIVE[n][0] for n in speculative))
@@ -164,3 +173,4 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
         stack._stop(children)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)

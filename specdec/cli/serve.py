@@ -82,6 +82,13 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--session-ttl", type=float, default=600.0, help="evict a session idle this many seconds")
 
 
+    g.add_argument("--solo-threads", type=int, default=_env("SPECDEC_SOLO_THREADS", 0),
+                   help="torch threads for a model call while at most one session is open; otherwise "
+                        "OMP_NUM_THREADS / torch's default (0 = always that; for a drafter and verifier "
+                        "sharing cores, which alternate while one session runs, unless the orchestrator "
+                        "drafts ahead; env SPECDEC_SOLO_THREADS)")
+
+
 def _check_sessions(args) -> None:
     from specdec.cli.main import CliError
 
@@ -89,6 +96,8 @@ def _check_sessions(args) -> None:
         raise CliError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if not args.session_ttl > 0:
         raise CliError(f"--session-ttl must be > 0, got {args.session_ttl}")
+    if args.solo_threads < 0:
+        raise CliError(f"--solo-threads must be >= 0, got {args.solo_threads}")
 
 
 def add_parsers(sub) -> None:
@@ -183,9 +192,11 @@ def run_verifier(args) -> int:
         from verifier.tp import check_tp_degree
 
         check_tp_degree(spec.path, args.tp)
+    if args.tp > 1 and args.solo_threads:
+        raise CliError("--solo-threads needs --tp 1 (tensor-parallel ranks keep their own threads)")
     servicer = VerifierService(VerifierServiceConfig(feature_dtype=args.feature_dtype,
                                                      batch_window_ms=args.batch_window_ms,
-                                                     max_batch=args.max_batch))
+                                                     max_batch=args.max_batch, solo_threads=args.solo_threads))
 
     def build():
         from verifier.engine import TargetModel, VerifierEngine
@@ -259,5 +270,6 @@ def run_drafter(args) -> int:
     from drafter.service import DrafterService, DrafterServiceConfig
 
     servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits,
-                                                   batch_window_ms=args.batch_window_ms, max_batch=args.max_batch))
+                                                   batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
+                                                   solo_threads=args.solo_threads))
     return _serve(cfg, servicer, "drafter", build, args)

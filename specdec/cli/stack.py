@@ -20,7 +20,10 @@ without the rest of the CLI, so the orchestrator process never imports torch
 ``specdec up`` starts ``--verifiers M`` verifiers, ``--drafters N`` drafters
 (default one each) and an orchestrator pointed at all of them, as processes
 on 127.0.0.1 (internal ports chosen free; the host's cores are split among
-the verifier and drafter processes unless OMP_NUM_THREADS is set), waits until all report SERVING,
+the verifier and drafter processes unless OMP_NUM_THREADS is set, and a lone
+verifier takes them all while at most one session is open: ``--solo-threads``,
+off when SPECDEC_LOOKAHEAD makes the drafter draft during verifies), waits
+until all report SERVING,
 prints one line saying where they are (and writes ``--state FILE``: JSON with
 the orchestrator's address and each backend's address and pid), and stops
 them all on Ctrl-C / SIGTERM. A child that dies while starting ends ``up``
@@ -255,11 +258,49 @@ def threads_per_process(torch_processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, torch_processes))
 
 
-def _spawn(name: str, argv: list[str], module: str = "specdec.cli.main", threads: int | None = None) -> Child:
+# libgomp's spin before an idle OpenMP worker sleeps. Its default (300,000
+# spins) keeps a verifier's idle workers busy for about a millisecond after
+# each forward, on the cores the drafter and orchestrator need next; far
+# shorter spins make every barrier inside a forward a futex wake-up (on 2
+# cores, 1,000 spins cut eagle2 through the services from 1.05x to 0.82x).
+SOLO_SPINCOUNT = "30000"
+
+
+def solo_threads(share: int, torch_processes: int) -> int:
+    """``--solo-threads`` for a verifier given ``share`` of this host's cores:
+    all of them when it is the one verifier among several torch processes (a
+    lone session alternates between drafter and verifier, so one of them
+    computes at a time), 0 (off) otherwise or when OMP_NUM_THREADS is the
+    user's."""
+    cores = os.cpu_count() or 1
+    if "OMP_NUM_THREADS" in os.environ or torch_processes < 2 or share >= cores:
+        return 0
+    return cores
+
+
+def _drafts_ahead() -> bool:
+    """Whether the orchestrator ``up`` starts will draft ahead (SPECDEC_LOOKAHEAD,
+    which it inherits): its drafter then computes during verifies, so the
+    verifier gets no solo threads."""
+    try:
+        return int(_env("SPECDEC_LOOKAHEAD", knobs.DEFAULT_LOOKAHEAD)) != 0
+    except ValueError:
+        return True                      # the orchestrator reports the bad value
+
+
+def solo_env() -> dict[str, str]:
+    """What a process running with ``--solo-threads`` is spawned with."""
+    return {"GOMP_SPINCOUNT": SOLO_SPINCOUNT}
+
+
+def _spawn(name: str, argv: list[str], module: str = "specdec.cli.main", threads: int | None = None,
+           env_defaults: dict[str, str] | None = None) -> Child:
     cmd = [sys.executable, "-m", module, *argv]
     env = dict(os.environ)
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:   # the user's setting wins
         env["OMP_NUM_THREADS"] = str(threads)
+    for key, value in (env_defaults or {}).items():
+        env.setdefault(key, value)                                    # here too
     # A session of its own: Ctrl-C reaches `up`, which stops the children in order.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
                             start_new_session=True, env=env)
@@ -353,17 +394,32 @@ def _wait_serving(children: list[Child], deadline: float) -> None:
             channel.close()
 
 
+def _ignore_stop_signals() -> dict:
+    """Ignore Ctrl-C and SIGTERM (main thread only) -> the handlers they had."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 def _stop(children: list[Child], timeout: float = 10.0) -> None:
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for child in children:
-        try:
-            child.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
+    """SIGTERM every child, then wait (SIGKILL past ``timeout``). A second
+    Ctrl-C or SIGTERM meanwhile (a supervisor repeating itself) is ignored:
+    raised in the middle, it would leave the children running."""
+    held = _ignore_stop_signals()
+    try:
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for child in children:
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
 
 
 def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
@@ -408,16 +464,22 @@ def run_up(args) -> int:
                 "--log-level", args.log_level]
 
     def on_sigterm(signum, frame):
+        _ignore_stop_signals()               # stopping from here on: a repeated signal must not cut it short
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, on_sigterm)
     if args.state:
         Path(args.state).unlink(missing_ok=True)      # a stale file must not pass for this stack's
     children: list[Child] = []
     try:
         deadline = time.monotonic() + args.startup_timeout
-        threads = threads_per_process(args.verifiers + (0 if drafter_argv is None else args.drafters))
-        verifiers = [_spawn(name, ["verifier", "serve", *verifier_argv, *internal], threads=threads)
+        torch_processes = args.verifiers + (0 if drafter_argv is None else args.drafters)
+        threads = threads_per_process(torch_processes)
+        solo = solo_threads(threads, torch_processes) if args.verifiers == 1 and not _drafts_ahead() else 0
+        solo_argv, env = (["--solo-threads", str(solo)], solo_env()) if solo else ([], None)
+        verifiers = [_spawn(name, ["verifier", "serve", *verifier_argv, *solo_argv, *internal], threads=threads,
+                            env_defaults=env)
                      for name in _names("verifier", args.verifiers)]
         drafters = [] if drafter_argv is None else [
             _spawn(name, ["drafter", "serve", *drafter_argv, *internal], threads=threads)
@@ -446,11 +508,13 @@ def run_up(args) -> int:
         print(f"specdec up: {exc}; stopping the others", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
+        _ignore_stop_signals()
         print("specdec up: stopping", file=sys.stderr, flush=True)
         return 0
     finally:
         _stop(children)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if args.state:
             Path(args.state).unlink(missing_ok=True)
     return 0

@@ -68,6 +68,31 @@ def test_up_stops_everything_on_sigterm(tiny_family):
     assert all(refused(p) for p in ports)
 
 
+def test_a_second_sigterm_while_stopping_still_stops_everything(tiny_family, tmp_path):
+    """A supervisor that repeats its SIGTERM (or a second Ctrl-C) while ``up``
+    waits for its children to drain must not leave them running."""
+    state_file = tmp_path / "stack.json"
+    proc = subprocess.Popen(up_cmd(tiny_family, "--method", "vanilla", "--state", str(state_file)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    pids = []
+    try:
+        ports = ports_of(proc.stdout.readline().strip())
+        pids = [v["pid"] for v in json.loads(state_file.read_text())["verifiers"]]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stderr.readline().strip() == "specdec up: stopping"
+        proc.send_signal(signal.SIGTERM)                 # while the verifier drains
+        assert proc.wait(60) == 0
+        assert all(refused(p) for p in ports)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:                                 # what a failing run would leave behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_up_exits_nonzero_naming_the_child_that_died(tiny_family, tmp_path):
     broken = tmp_path / "broken-lm"
     broken.mkdir()
@@ -135,3 +160,23 @@ def test_generate_server_unreachable_is_one_line(capsys):
     assert main(["generate", "--server", "127.0.0.1:1", "--timeout", "5", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "UNAVAILABLE" in err[0] and time.monotonic() - t0 < 10
+
+
+def test_a_lone_verifier_sharing_the_cores_gets_solo_threads(monkeypatch):
+    """``up`` splits the cores between drafter and verifier and lets the one
+    verifier use them all while a single session runs; never over the user's
+    OMP_NUM_THREADS, nor where the verifier has the cores to itself."""
+    from specdec.cli import stack
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert stack.threads_per_process(2) == 2 and stack.solo_threads(2, 2) == 4
+    assert stack.solo_threads(4, 1) == 0                      # verifier alone: already all cores
+    assert stack.solo_threads(1, 4) == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert stack.solo_threads(2, 2) == 0
+    assert stack.solo_env() == {"GOMP_SPINCOUNT": stack.SOLO_SPINCOUNT}
+    monkeypatch.setenv("SPECDEC_LOOKAHEAD", "0")
+    assert not stack._drafts_ahead()
+    monkeypatch.setenv("SPECDEC_LOOKAHEAD", "1")      # the drafter then computes during verifies
+    assert stack._drafts_ahead()

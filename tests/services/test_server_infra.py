@@ -291,9 +291,11 @@ def test_cli_flags_and_env(monkeypatch):
     monkeypatch.setenv("SPECDEC_METRICS_PORT", "off")
     monkeypatch.setenv("SPECDEC_AUTH_TOKEN", "tok")
     monkeypatch.setenv("SPECDEC_HOST", "0.0.0.0")
+    monkeypatch.setenv("SPECDEC_SOLO_THREADS", "2")
     args = build_parser().parse_args(["verifier", "serve"])
     cfg = server_config_from(args)
     assert (cfg.host, cfg.port, cfg.metrics_port, cfg.auth_token) == ("0.0.0.0", 6001, None, "tok")
+    assert args.solo_threads == 2 and build_parser().parse_args(["drafter", "serve"]).solo_threads == 2
     args = build_parser().parse_args(["drafter", "serve", "--port", "0", "--metrics-port", "7"])
     assert (server_config_from(args).port, server_config_from(args).metrics_port) == (0, 7)
 
@@ -304,6 +306,8 @@ def test_cli_flags_and_env(monkeypatch):
     (["drafter", "serve", "--draft-lm", "/no/such/lm"], "draft LM directory"),
     (["drafter", "serve", "--ngram", "--vocab-size", "0"], "--vocab-size must be >= 1"),
     (["verifier", "serve", "--max-sessions", "0"], "--max-sessions must be >= 1"),
+    (["drafter", "serve", "--ngram", "--vocab-size", "8", "--solo-threads", "-1"], "--solo-threads must be >= 0"),
+    (["verifier", "serve", "--tp", "2", "--solo-threads", "2"], "--solo-threads needs --tp 1"),
 ])
 def test_cli_bad_setup_is_one_line_exit_2(argv, words, capsys):
     from specdec.cli.main import main

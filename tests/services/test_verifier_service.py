@@ -281,3 +281,42 @@ async def test_cancelled_verify_leaves_the_session_consistent(verifier, verifier
     next_tree = tree_from_lists([cont[3], cont[4]], [-1, 0])
     got = await stub.Verify(verify_request("c", next_tree))
     assert list(got.tokens) == local_verifier.verify("c", next_tree).tokens
+
+
+async def test_solo_threads_while_at_most_one_session_is_open(tiny_family, local_verifier):
+    """--solo-threads: engine calls run with all the solo threads while at most
+    one session is open (counting the one a Prefill opens), with the worker's
+    own count otherwise; tokens are those of the in-process engine either way."""
+    solo = 3
+    server, servicer = await start_verifier(tiny_family, solo_threads=solo, metrics_port=None)
+    try:
+        async with channel_to(server) as ch:
+            stub = VerifierServiceStub(ch)
+            shared = servicer._shared_threads          # read on the worker thread at load
+            assert shared is not None and shared != solo
+
+            async def worker_threads() -> int:
+                return (await servicer.run(torch.get_num_threads))[0]
+
+            assert await worker_threads() == solo
+            a = (await stub.Prefill(prefill_request("a"))).token
+            assert await worker_threads() == solo
+            b = (await stub.Prefill(prefill_request("b", prompt=PROMPT[:4]))).token
+            assert await worker_threads() == shared
+            # a Prefill that opens the second session already runs with the shared count
+            assert (await stub.Release(VerifierReleaseRequest(session_id="b"))).released
+            seen = []
+            original = servicer.engine.prefill
+            servicer.engine.prefill = lambda *args: (seen.append(torch.get_num_threads()), original(*args))[1]
+            try:
+                assert (await stub.Prefill(prefill_request("b", prompt=PROMPT[:4]))).token == b
+            finally:
+                servicer.engine.prefill = original
+            assert seen == [shared]
+            got = (await stub.Verify(verify_request("a", tree_from_lists([a], [-1])))).tokens
+            assert await worker_threads() == shared
+            assert (await stub.Release(VerifierReleaseRequest(session_id="b"))).released
+            assert await worker_threads() == solo
+        assert [a, *got] == greedy_continuation(local_verifier, PROMPT, 2)
+    finally:
+        await server.stop()
