@@ -456,3 +456,16 @@ def test_orchestrator_runs_on_its_image_dependencies():
     assert proc.returncode == 0, (proc.stderr.strip().splitlines() or ["?"])[-1]
     assert "--tokenizer" in proc.stdout
     assert 'ENTRYPOINT ["python", "-m", "specdec.cli.stack"]' in (DOCKER / "orchestrator.Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_torch_threads_follow_the_cpu_limit(rendered, overlay):
+    """torch would size its pool from the node's cores; the verifier and
+    drafter pods get OMP_NUM_THREADS from their own CPU limit instead."""
+    deployments = objects(rendered[overlay], "Deployment")
+    for role in ("verifier", "drafter"):
+        c = container(deployments[role])
+        (threads,) = [e for e in c["env"] if e["name"] == "OMP_NUM_THREADS"]
+        ref = threads["valueFrom"]["resourceFieldRef"]
+        assert ref["resource"] == "limits.cpu" and str(ref["divisor"]) == "1", (overlay, role)
+        assert "cpu" in c["resources"]["limits"], (overlay, role)
