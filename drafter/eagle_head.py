@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec import kv
+from specdec import attention, kv
 from specdec.errors import InvalidArgument
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -33,7 +33,7 @@ def head_config(config_dict: dict):
 
     cfg = LlamaConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures",)})
     cfg.num_hidden_layers = 1
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention.IMPLEMENTATION
     return cfg
 
 

@@ -21,7 +21,7 @@ class ModelSpec:
     path: str
     dtype: str = "float32"          # fp32 by default on CPU: greedy equality with plain decoding
     device: str = "cpu"
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa"   # sdpa (specdec.attention on CPU) or eager
 
 
 def demo_path(name: str) -> Path:
@@ -75,11 +75,13 @@ def load_causal_lm(spec: ModelSpec):
     """``AutoModelForCausalLM.from_pretrained`` from a local directory, eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from specdec.attention import attn_implementation
+
     quiet_transformers()
     path = require_model_dir(spec.path)
     device = torch_device(spec.device)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(spec.dtype), attn_implementation=spec.attn_implementation,
+        path, dtype=torch_dtype(spec.dtype), attn_implementation=attn_implementation(spec.attn_implementation),
         local_files_only=True,
     )
     return model.to(device).eval()

@@ -56,11 +56,13 @@ def load_sharded_target(spec: ModelSpec) -> TargetModel:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    from specdec.attention import attn_implementation
+
     quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch_dtype(spec.dtype),
                                                  distributed_config=DistributedConfig(tp_plan="auto",
                                                                                       tp_size=dist.get_world_size()),
-                                                 attn_implementation=spec.attn_implementation,
+                                                 attn_implementation=attn_implementation(spec.attn_implementation),
                                                  local_files_only=True).eval()
     return TargetModel(spec, model=model)
 
