@@ -101,9 +101,10 @@ class SlabLayer(DynamicLayer):
     @_in_inference_mode
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [B, heads, n, d] after the used slots."""
-        n = k.shape[-2]
-        end = self._len + n
-        if self._k is None or end > self.capacity or self._k.shape[0] != k.shape[0]:
+        if self._k is not None and self._k.shape[0] != k.shape[0]:
+            raise ValueError(f"cannot append a batch of {k.shape[0]} rows to a cache of {self._k.shape[0]}")
+        end = self._len + k.shape[-2]
+        if self._k is None or end > self.capacity:
             self._grow(k, v, end)
         self._k[:, :, self._len:end] = k
         self._v[:, :, self._len:end] = v

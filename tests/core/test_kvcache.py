@@ -4,6 +4,7 @@ the prefix, and the same model outputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny import tiny_llama
 from transformers import DynamicCache
@@ -97,6 +98,9 @@ def test_batch_rows_selected_with_their_room():
     assert torch.equal(layer.keys, k[[0, 2]]) and torch.equal(layer.values, v[[0, 2]])
     slab.update(*_kv(2, start=7.0, batch=2), 0)
     assert torch.equal(layer.keys[:, :, 6:], _kv(2, start=7.0, batch=2)[0])
+    with pytest.raises(ValueError, match="batch of 1 rows to a cache of 2"):
+        slab.update(*_kv(1), 0)                  # never broadcast into the other rows
+    assert kv.seq_len(slab) == 8
 
 
 @torch.inference_mode()
