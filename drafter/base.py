@@ -23,9 +23,10 @@ import torch
 from specdec import kv
 from specdec.errors import InvalidArgument
 from specdec.proposals import ProposalSampler
-from specdec.sampling import SamplingParams
+from specdec.params import SamplingParams
 from specdec.sessions import SessionTable
-from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree_ids, subtree
+from specdec.params import TreeParams
+from specdec.tree import DraftTree, Frontier, build_tree_ids, subtree
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Drafter(ABC):
     def release(self, sid: str) -> bool:
         return self.sessions.pop(sid) is not None
 
-    def draft(self, sid: str, cfg: TreeConfig, ahead: bool = False) -> DraftTree:
+    def draft(self, sid: str, cfg: TreeParams, ahead: bool = False) -> DraftTree:
         """The session's tree; ``ahead``: keep what ``draft_ahead`` needs to draft
         the next round from it (model drafters only)."""
         sess = self.sessions.get(sid)
@@ -183,7 +184,7 @@ class Drafter(ABC):
                 return tree
             return self._draft(sess, self.session_config(sess, cfg))
 
-    def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeConfig,
+    def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeParams,
                     count: int, tokens_left: int = 0) -> list[tuple[list[int], DraftTree]]:
         """Draft the next round while the verifier checks the session's current tree.
 
@@ -210,7 +211,7 @@ class Drafter(ABC):
                 return []
             return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left)
 
-    def session_config(self, sess: DraftSession, cfg: TreeConfig) -> TreeConfig:
+    def session_config(self, sess: DraftSession, cfg: TreeParams) -> TreeParams:
         """``cfg`` with the value temperature this session drafts with and its
         proposals resolved to "top" or "sampled"."""
         if cfg.value_temperature is None:
@@ -219,7 +220,7 @@ class Drafter(ABC):
         want = "sampled" if sampled else "top"
         return cfg if cfg.proposals == want else replace(cfg, proposals=want)
 
-    def proposal_sampler(self, sess: DraftSession, cfg: TreeConfig) -> ProposalSampler | None:
+    def proposal_sampler(self, sess: DraftSession, cfg: TreeParams) -> ProposalSampler | None:
         """What draws this draft's children (``cfg`` from ``session_config``); None: top tokens."""
         if cfg.proposals != "sampled":
             return None
@@ -227,13 +228,13 @@ class Drafter(ABC):
 
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod
-    def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree: ...
+    def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree: ...
 
-    def _draft_recorded(self, sess: DraftSession, cfg: TreeConfig) -> tuple[DraftTree, TreeRecord | None]:
+    def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
         """``_draft`` and its record for drafting ahead (None: this drafter cannot)."""
         return self._draft(sess, cfg), None
 
-    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeConfig, count: int,
+    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
                      tokens_left: int) -> list[tuple[list[int], DraftTree]]:
         return []
 
@@ -273,14 +274,14 @@ class CachedTreeDrafter(Drafter):
         """One tree level: tokens [k], parent_hidden [k, H], positions [k], additive
         mask [1, 1, k, cache + k]. Returns hidden [k, H], log-probs [k, V]."""
 
-    def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree:
+    def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         return self._build(sess, cfg, record=False)[0]
 
-    def _draft_recorded(self, sess: DraftSession, cfg: TreeConfig) -> tuple[DraftTree, TreeRecord | None]:
+    def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
         return self._build(sess, cfg, record=True)
 
     @torch.inference_mode()
-    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeConfig, count: int,
+    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
                      tokens_left: int) -> list[tuple[list[int], DraftTree]]:
         """For each likely accepted path: a tree rooted at its last node, one level
         deeper and twice the size, whose first level holds candidates for the bonus
@@ -314,7 +315,7 @@ class CachedTreeDrafter(Drafter):
                 out.append((commit, sub))
         return out
 
-    def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeConfig, exclude: list[int]):
+    def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeParams, exclude: list[int]):
         """Draft (recorded) as if ``accepted`` had been committed, with ``exclude``
         kept off the first level; then put the session back."""
         n_tokens, n_feats, fed, root_out = len(sess.tokens), len(sess.features), sess.fed, sess.root_out
@@ -329,7 +330,7 @@ class CachedTreeDrafter(Drafter):
             sess.fed, sess.root_out = fed, root_out
 
     @torch.inference_mode()
-    def _build(self, sess: DraftSession, cfg: TreeConfig, record: bool,
+    def _build(self, sess: DraftSession, cfg: TreeParams, record: bool,
                exclude: list[int] | None = None) -> tuple[DraftTree, TreeRecord | None]:
         """The tree (and its record); ``exclude``: tokens kept off the first level
         (the others' log-probs renormalised)."""

@@ -47,11 +47,12 @@ from drafter.base import CachedTreeDrafter, DraftSession, Drafter
 from specdec import kv
 from specdec.batching import BatchScheduler
 from specdec.errors import FailedPrecondition
-from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree, tree_from_lists
+from specdec.params import TreeParams
+from specdec.tree import DraftTree, Frontier, build_tree, tree_from_lists
 
 # (session id, tokens to commit first (may be empty), their features [n, H] or None,
 #  tree config or None = VANILLA: no drafting, the tree is the root alone)
-DraftItem = tuple[str, list[int], "torch.Tensor | None", "TreeConfig | None"]
+DraftItem = tuple[str, list[int], "torch.Tensor | None", "TreeParams | None"]
 
 _NEG = torch.finfo(torch.float32).min
 _FEED_ROOM = 64           # batch-cache slots kept for the inputs fed before the tree levels
@@ -130,7 +131,7 @@ class _Level:
 class _Row:
     item: int
     sess: DraftSession
-    cfg: TreeConfig
+    cfg: TreeParams
     prefix: int = 0                      # slots already in the session's cache
     fed: int = 0                         # inputs fed by this batch (batch slots [P, P + fed))
     root_pos: int = 0
@@ -149,7 +150,7 @@ def draft_batch(drafter: Drafter, items: list[DraftItem]) -> list[DraftTree | Ex
     """Commit, then draft, each item; one tree or error per item, in order.
     A session may appear at most once per batch."""
     results: list[DraftTree | Exception] = [None] * len(items)  # type: ignore[list-item]
-    todo: list[tuple[int, str, TreeConfig]] = []
+    todo: list[tuple[int, str, TreeParams]] = []
     seen: set[str] = set()
     for i, (sid, tokens, feats, cfg) in enumerate(items):
         try:
@@ -434,6 +435,6 @@ class DraftScheduler(BatchScheduler):
     items)`` where the model lives."""
 
     async def draft(self, sid: str, tokens: list[int], features: torch.Tensor | None,
-                    cfg: TreeConfig | None) -> tuple[DraftTree, float]:
+                    cfg: TreeParams | None) -> tuple[DraftTree, float]:
         """(tree, seconds of the batched step it was part of)."""
         return await self.submit((sid, tokens, features, cfg))

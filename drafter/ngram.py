@@ -15,7 +15,8 @@ from collections import Counter, defaultdict
 import torch
 
 from drafter.base import DraftSession, Drafter
-from specdec.tree import DraftTree, Frontier, TreeConfig, build_tree
+from specdec.params import TreeParams
+from specdec.tree import DraftTree, Frontier, build_tree
 
 
 class NgramIndex:
@@ -68,7 +69,7 @@ class NgramDrafter(Drafter):
             logp[ids] = torch.tensor([math.log(c / total) for c in counts.values()])
         return logp
 
-    def _draft(self, sess: DraftSession, cfg: TreeConfig) -> DraftTree:
+    def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         if sess.state is None:
             sess.state = NgramIndex(self.max_n)
         index: NgramIndex = sess.state

@@ -30,7 +30,8 @@ from specdec import kv, metrics, wire
 from specdec.errors import InvalidArgument
 from specdec.engine_servicer import EngineServicer
 from specdec.server import abort_from
-from specdec.tree import TreeConfig, tree_from_lists
+from specdec.params import TreeParams
+from specdec.tree import tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specdec.drafter")
@@ -41,8 +42,8 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 
 @dataclass(frozen=True)
 class DrafterServiceConfig:
-    default_tree: TreeConfig = TreeConfig()                          # knobs a request leaves at 0
-    limits: TreeConfig = TreeConfig(total_tokens=64, depth=8, expand_k=10)   # clamps; method unused
+    default_tree: TreeParams = TreeParams()                          # knobs a request leaves at 0
+    limits: TreeParams = TreeParams(total_tokens=64, depth=8, expand_k=10)   # clamps; method unused
     batch_window_ms: float = 0.0       # >0: draft concurrent sessions' trees in shared forwards
     max_batch: int = 16
     solo_threads: int = 0              # >0: torch threads while at most one session is open
@@ -124,17 +125,17 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             return tokens, None
         return tokens, self._feature_tensor(request.commit_features, "commit_features", len(tokens))
 
-    def _tree_config(self, msg) -> TreeConfig | None:
+    def _tree_config(self, msg) -> TreeParams | None:
         return wire.tree_config_from_proto(msg, self.config.default_tree, self.config.limits)
 
-    def _commit_and_draft(self, sid: str, tokens: list[int], feats, cfg: TreeConfig | None, ahead: bool = False):
+    def _commit_and_draft(self, sid: str, tokens: list[int], feats, cfg: TreeParams | None, ahead: bool = False):
         if tokens:
             self.drafter.commit(sid, tokens, feats)
         if cfg is None:                   # VANILLA: no drafting, the tree is the root alone
             return tree_from_lists([self.drafter.sessions.get(sid).tokens[-1]], [-1])
         return self.drafter.draft(sid, cfg, ahead=True) if ahead else self.drafter.draft(sid, cfg)
 
-    def _draft_ahead(self, sid: str, tokens: list[int], feats, cfg: TreeConfig, count: int, tokens_left: int):
+    def _draft_ahead(self, sid: str, tokens: list[int], feats, cfg: TreeParams, count: int, tokens_left: int):
         # another session's work comes first: drafting ahead uses a drafter that would sit idle
         if len(self.sessions) > 1:
             count = 0

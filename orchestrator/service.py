@@ -47,7 +47,7 @@ DRAFTER_WAIT_S = 60.0          # readiness waits this long for a drafter once a 
 
 @dataclass(frozen=True)
 class TreeDefaults:
-    """Knobs a request leaves at 0 (``specdec.knobs``, shared with ``specdec.tree.TreeConfig``)."""
+    """Knobs a request leaves at 0 (``specdec.knobs``, shared with ``specdec.tree.TreeParams``)."""
 
     method: str = knobs.DEFAULT_METHOD
     total_tokens: int = knobs.DEFAULT_TOTAL_TOKENS

@@ -40,7 +40,8 @@ from typing import Protocol
 
 import torch
 
-from specdec.sampling import SamplingParams, sample, target_probs
+from specdec.params import SamplingParams
+from specdec.sampling import sample, target_probs
 
 
 class TreeLike(Protocol):

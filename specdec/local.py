@@ -16,8 +16,9 @@ from pathlib import Path
 
 from specdec.decoding import Decoding, StopCriteria
 from specdec.models import ModelSpec, demo_path, load_tokenizer
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig, tree_from_lists
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
+from specdec.tree import tree_from_lists
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     return LocalStack(verifier, drafter, tok)
 
 
-def cycle_config(cfg: TreeConfig, remaining: int) -> TreeConfig | None:
+def cycle_config(cfg: TreeParams, remaining: int) -> TreeParams | None:
     """Never draft deeper than the tokens still wanted; None: root-only."""
     if remaining <= 1:
         return None
@@ -64,7 +65,7 @@ def cycle_config(cfg: TreeConfig, remaining: int) -> TreeConfig | None:
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
-             tree_cfg: TreeConfig | None, min_tau: float = 0.0, lookahead: int = 0) -> Decoding:
+             tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0) -> Decoding:
     """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla.
     ``min_tau``: pause drafting while recent cycles commit fewer tokens (``SpeculationGate``).
     ``lookahead``: trees drafted one round ahead per cycle (``Drafter.draft_ahead``);

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingParams, target_probs
+from specdec.params import SamplingParams
+from specdec.sampling import target_probs
 
 PROPOSAL_SUPPORT = 64    # tokens kept of a draft distribution before drawing from it
 _SUM_SLACK = 1e-3        # a proposal's probs must sum to 1 within this (fp32 on the wire)

@@ -12,32 +12,11 @@ reproduces a whole generation; see `make_generator`.
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 => greedy (argmax)
-    top_k: int = 0  # 0 => off; else keep the k most likely tokens
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 => off
-    seed: int | None = None  # None => a random seed per request
-
-    def validate(self) -> None:
-        # Written as negated range checks so that NaN fails them too.
-        if not (self.temperature >= 0.0) or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from specdec.params import SamplingParams
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

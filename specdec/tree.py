@@ -44,10 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_PROPOSALS,
-                           DEFAULT_TOTAL_TOKENS, METHODS, PROPOSALS)
+from specdec.params import TreeParams
 from specdec.proposals import Proposal, ProposalSampler
-from specdec.tree_shapes import Shape, check_shape, default_static_shape
+from specdec.tree_shapes import default_static_shape
 
 # Rounding in a renormalised distribution can put a log-prob a hair above 0; such
 # values count as 0. Anything larger is taken to be logits passed by mistake.
@@ -56,41 +55,6 @@ _LOGP_SLACK = 1e-3
 
 class TreeError(ValueError):
     """A draft tree that breaks the layout rules above."""
-
-
-@dataclass(frozen=True)
-class TreeConfig:
-    method: str = DEFAULT_METHOD
-    total_tokens: int = DEFAULT_TOTAL_TOKENS  # nodes in the draft incl. the root
-    depth: int = DEFAULT_DEPTH  # deepest draft level (root is level 0); at most this many expand() calls
-    expand_k: int = DEFAULT_EXPAND_K  # children per expanded node and frontier width
-    static_shape: Shape | None = None  # "static": rank paths, e.g. ((0,), (1,), (0, 0)); None = default
-    # Draft logits are divided by this before the log-probs that make node values
-    # (rank and rerank); None: the drafter's choice (its calibration for greedy
-    # sessions, else 1). Output never depends on it.
-    value_temperature: float | None = None
-    proposals: str = DEFAULT_PROPOSALS  # "auto" | "top" | "sampled" (knobs.PROPOSALS); the drafter resolves it
-
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.proposals not in PROPOSALS:
-            raise ValueError(f"proposals must be one of {PROPOSALS}, got {self.proposals!r}")
-        for name in ("total_tokens", "depth", "expand_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.static_shape is not None:
-            try:
-                shape = tuple(tuple(path) for path in self.static_shape)
-            except TypeError as e:
-                raise ValueError(f"static_shape must be a sequence of rank paths: {e}") from None
-            check_shape(shape)
-            object.__setattr__(self, "static_shape", shape)
-        t = self.value_temperature
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
-            raise ValueError(f"value_temperature must be a number > 0, got {t!r}")
 
 
 @dataclass(frozen=True)
@@ -371,14 +335,14 @@ def _best(key: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(key, descending=True, stable=True).indices[:k].sort().values
 
 
-def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig,
+def build_tree(root_token: int, expand: ExpandFn, cfg: TreeParams,
                sampler: ProposalSampler | None = None) -> DraftTree:
     """Draft a tree under the root token by calling expand() once per level;
     with ``sampler``, children are drawn (sampled proposals)."""
     return build_tree_ids(root_token, expand, cfg, sampler)[0]
 
 
-def build_tree_ids(root_token: int, expand: ExpandFn, cfg: TreeConfig,
+def build_tree_ids(root_token: int, expand: ExpandFn, cfg: TreeParams,
                    sampler: ProposalSampler | None = None) -> tuple[DraftTree, torch.Tensor]:
     """``build_tree`` and the pool id of each tree node ([n] int64, 0 for the root):
     the ids the frontiers passed to expand() used for those nodes."""
@@ -410,7 +374,7 @@ def build_tree_ids(root_token: int, expand: ExpandFn, cfg: TreeConfig,
     return pool.tree(keep), torch.cat([torch.zeros(1, dtype=torch.int64), keep])
 
 
-def _build_static(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> tuple[DraftTree, torch.Tensor]:
+def _build_static(root_token: int, expand: ExpandFn, cfg: TreeParams) -> tuple[DraftTree, torch.Tensor]:
     """Grow a fixed shape level by level: each node that has children in the shape
     is expanded, and its children are the tokens at the requested ranks."""
     shape = cfg.static_shape if cfg.static_shape is not None else default_static_shape()
@@ -480,7 +444,7 @@ def sampled_level_budget(total_tokens: int, depth: int, expand_k: int) -> list[i
     return counts
 
 
-def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeConfig,
+def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeParams,
                    sampler: ProposalSampler) -> tuple[DraftTree, torch.Tensor]:
     """Grow a tree of drawn children level by level (see the module docstring):
     every node of a level is expanded, then that level's draws are shared out."""

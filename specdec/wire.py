@@ -22,8 +22,9 @@ from specdec.v1 import common_pb2
 if TYPE_CHECKING:
     import torch
 
-    from specdec.sampling import SamplingParams
-    from specdec.tree import DraftTree, TreeConfig
+    from specdec.params import SamplingParams
+    from specdec.params import TreeParams
+    from specdec.tree import DraftTree
 
 METHOD_TO_PROTO: dict[str, int] = {
     "eagle2": common_pb2.TREE_METHOD_EAGLE2,
@@ -143,7 +144,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Validated SamplingParams; top_p 0 (unset) reads as 1, an unset seed as None."""
-    from specdec.sampling import SamplingParams
+    from specdec.params import SamplingParams
 
     params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
                             seed=msg.seed if msg.HasField("seed") else None)
@@ -154,7 +155,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling")
     return params
 
 
-def tree_params_to_proto(cfg: TreeConfig | None) -> common_pb2.TreeParams:
+def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
     """None (no drafting) is the VANILLA method."""
     if cfg is None:
         return common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA)
@@ -173,8 +174,8 @@ def _enum_value(value: int, unset: int, default: str, names: dict[int, str], fie
     return names[value]
 
 
-def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeConfig, limits: TreeConfig,
-                           field: str = "tree") -> TreeConfig | None:
+def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeParams, limits: TreeParams,
+                           field: str = "tree") -> TreeParams | None:
     """The tree knobs of a request: 0 / UNSPECIFIED take ``default``, then every
     knob is clamped to ``limits``. VANILLA (no drafting) gives None."""
     from dataclasses import replace

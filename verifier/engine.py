@@ -24,7 +24,8 @@ from specdec import kv
 from specdec.acceptance import accept
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.models import ModelSpec, load_causal_lm
-from specdec.sampling import SamplingParams, make_generator, sample, target_probs
+from specdec.params import SamplingParams
+from specdec.sampling import make_generator, sample, target_probs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 from specdec import metrics, wire
 from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingParams
+from specdec.params import SamplingParams
 from specdec.engine_servicer import EngineServicer
 from specdec.server import abort_from
 from specdec.tree import tree_from_lists

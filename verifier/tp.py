@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from specdec.errors import SpecdecError
 from specdec.models import ModelSpec, quiet_transformers, read_config, torch_dtype
-from specdec.sampling import SamplingParams
+from specdec.params import SamplingParams
 from verifier.engine import TargetModel, VerifierEngine
 
 log = logging.getLogger("specdec.verifier.tp")

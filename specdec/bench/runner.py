@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from specdec.decoding import StopCriteria
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
 
 REFERENCES = ("vanilla", "hf-generate")
 # speculative method -> (drafter kind, tree method)
@@ -102,7 +102,7 @@ def schedule(methods: Sequence[str], n_prompts: int, repeats: int = 1) -> list[S
 class LocalMethod:
     """``specdec.local.generate``: vanilla with no drafter / tree, else speculative."""
 
-    def __init__(self, verifier, drafter, tree: TreeConfig | None, params: SamplingParams, stop: StopCriteria,
+    def __init__(self, verifier, drafter, tree: TreeParams | None, params: SamplingParams, stop: StopCriteria,
                  min_tau: float = 0.0):
         self.verifier, self.drafter, self.tree, self.params, self.stop = verifier, drafter, tree, params, stop
         self.min_tau = min_tau
@@ -273,7 +273,7 @@ class BenchConfig:
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_new_tokens: int = 128
     temperature: float = 0.0
-    tree: TreeConfig = TreeConfig()
+    tree: TreeParams = TreeParams()
     repeats: int = 1
     seed: int = 0
     grpc: bool = False
@@ -305,7 +305,7 @@ class BenchConfig:
         return SamplingParams(temperature=self.temperature)
 
 
-def method_tree(name: str, tree: TreeConfig) -> TreeConfig:
+def method_tree(name: str, tree: TreeParams) -> TreeParams:
     """The tree knobs a speculative method runs with: ``tree`` with its method
     (and proposals, for the -top variants)."""
     proposals = "top" if name in TOP_PROPOSALS else tree.proposals
@@ -387,7 +387,7 @@ class Models:
     def stop(self) -> StopCriteria:
         return StopCriteria(max_new_tokens=self.cfg.max_new_tokens, eos_ids=self.eos_ids)
 
-    def local(self, name: str, tree: TreeConfig | None = None, verifier=None) -> LocalMethod:
+    def local(self, name: str, tree: TreeParams | None = None, verifier=None) -> LocalMethod:
         """An in-process method; ``tree`` overrides the knobs of the config."""
         verifier = verifier if verifier is not None else self.verifier
         if name == "vanilla":

@@ -20,18 +20,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.bench.runner import BenchConfig, Models, device_name, measure
-from specdec.tree import TreeConfig
+from specdec.params import TreeParams
 
 TOTALS = (8, 12, 16, 24, 32, 48, 60)
 DEPTHS = (2, 3, 4, 5, 6, 7, 8)
 
 
-def _key(tree: TreeConfig) -> str:
+def _key(tree: TreeParams) -> str:
     return f"eagle2[total={tree.total_tokens},depth={tree.depth},k={tree.expand_k}]"
 
 
-def sweep_points(base: TreeConfig, totals: Sequence[int] = TOTALS,
-                 depths: Sequence[int] = DEPTHS) -> tuple[list[TreeConfig], list[TreeConfig]]:
+def sweep_points(base: TreeParams, totals: Sequence[int] = TOTALS,
+                 depths: Sequence[int] = DEPTHS) -> tuple[list[TreeParams], list[TreeParams]]:
     """(points over total_tokens at base.depth, points over depth at base.total_tokens)."""
     base = replace(base, method="eagle2")
     return ([replace(base, total_tokens=t) for t in totals], [replace(base, depth=d) for d in depths])
@@ -49,7 +49,7 @@ def run_sweep(cfg: BenchConfig, texts: Sequence[str], totals: Sequence[int] = TO
     totals_by_name = measure(methods, prompts, cfg.repeats, cfg.seed, progress=progress)
     vanilla = totals_by_name["vanilla"].tokens_per_s
 
-    def point(tree: TreeConfig) -> dict:
+    def point(tree: TreeParams) -> dict:
         tot = totals_by_name[_key(tree)]
         tau, _ = tot.cycle_stats()
         tps = tot.tokens_per_s

@@ -114,9 +114,9 @@ def config_from(args, sweep: bool):
         raise CliError(f"--lookahead values must be in [1, 8], got {','.join(map(str, args.lookahead))}")
     if args.lookahead and not args.grpc:
         raise CliError("--lookahead needs --grpc (in-process methods have no round trip to hide)")
-    from specdec.tree import TreeConfig
+    from specdec.params import TreeParams
 
-    tree = TreeConfig(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
+    tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
                       value_temperature=args.value_temperature, proposals=args.proposals)
     if sweep:
         methods = ("vanilla", "eagle2")

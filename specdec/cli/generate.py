@@ -106,7 +106,7 @@ def read_prompts(args) -> list[str]:
 
 
 def sampling_from(args):
-    from specdec.sampling import SamplingParams
+    from specdec.params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     params.validate()
@@ -114,11 +114,11 @@ def sampling_from(args):
 
 
 def tree_from(args):
-    from specdec.tree import TreeConfig
+    from specdec.params import TreeParams
 
     if args.method == "vanilla":
         return None
-    return TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
+    return TreeParams(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
                       value_temperature=args.value_temperature, proposals=args.proposals)
 
 

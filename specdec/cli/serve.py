@@ -255,13 +255,13 @@ def _drafter_builder(args):
 
 
 def run_drafter(args) -> int:
-    from specdec.tree import TreeConfig  # noqa: F401 - the drafter process needs torch anyway
+    from specdec.params import TreeParams
 
     _check_sessions(args)
     cfg = server_config_from(args)
-    default = TreeConfig(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
+    default = TreeParams(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
                          expand_k=args.expand_k, proposals=args.proposals)
-    limits = TreeConfig(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
+    limits = TreeParams(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
     from specdec.cli.main import CliError
 
     if not args.batch_window_ms >= 0 or args.max_batch < 1:

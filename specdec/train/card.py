@@ -136,14 +136,14 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     from specdec.decoding import StopCriteria
     from specdec.local import DrafterChoice, build_local, generate
     from specdec.models import ModelSpec
-    from specdec.sampling import SamplingParams
-    from specdec.tree import TreeConfig
+    from specdec.params import SamplingParams
+    from specdec.params import TreeParams
 
     stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / "eagle")))
     recorder = TreeRecorder(stack.verifier)
     stop = StopCriteria(max_new_tokens=max_new_tokens)
     runs = {}
-    for cfg in (TreeConfig(), TreeConfig(total_tokens=32, depth=6, expand_k=6)):
+    for cfg in (TreeParams(), TreeParams(total_tokens=32, depth=6, expand_k=6)):
         committed = cycles = 0
         for p in prompts:
             dec = generate(recorder, stack.drafter, p, SamplingParams(), stop, cfg)

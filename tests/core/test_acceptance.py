@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdec.acceptance import Acceptance, accept, accept_greedy, accept_sampling
-from specdec.sampling import SamplingParams, make_generator, target_probs
+from specdec.params import SamplingParams
+from specdec.sampling import make_generator, target_probs
 from specdec.tree import DraftTree, tree_from_lists
 from stats import chi2_pvalue
 

@@ -14,8 +14,10 @@ import torch
 import specdec.acceptance as acceptance
 from specdec.acceptance import accept_sampling
 from specdec.proposals import Proposal, ProposalError, ProposalSampler, check_proposals
-from specdec.sampling import SamplingParams, make_generator, target_probs
-from specdec.tree import TreeConfig, build_tree, sampled_level_budget
+from specdec.params import SamplingParams
+from specdec.sampling import make_generator, target_probs
+from specdec.params import TreeParams
+from specdec.tree import build_tree, sampled_level_budget
 from stats import chi2_pvalue
 
 V, NEW, RUNS = 5, 3, 6000
@@ -44,7 +46,7 @@ def _exact_joint(params: SamplingParams) -> dict[tuple, float]:
     return out
 
 
-def _generate(cfg: TreeConfig, params: SamplingParams, seed: int, draft: torch.Tensor) -> tuple[int, ...]:
+def _generate(cfg: TreeParams, params: SamplingParams, seed: int, draft: torch.Tensor) -> tuple[int, ...]:
     gen = make_generator(seed)
     tokens = [ROOT]
     while len(tokens) <= NEW:
@@ -55,7 +57,7 @@ def _generate(cfg: TreeConfig, params: SamplingParams, seed: int, draft: torch.T
     return tuple(tokens[1:NEW + 1])
 
 
-def _joint_pvalue(cfg: TreeConfig, params: SamplingParams, draft: torch.Tensor = DRAFT) -> float:
+def _joint_pvalue(cfg: TreeParams, params: SamplingParams, draft: torch.Tensor = DRAFT) -> float:
     """The smallest p-value of the first token, the first two and all NEW
     tokens against the target's exact joint."""
     runs = [_generate(cfg, params, seed, draft) for seed in range(RUNS)]
@@ -70,11 +72,11 @@ def _joint_pvalue(cfg: TreeConfig, params: SamplingParams, draft: torch.Tensor =
 
 
 CASES = {
-    "eagle2 T=1": (TreeConfig(method="eagle2", total_tokens=8, depth=3, expand_k=3), SamplingParams(1.0)),
-    "eagle2 T=0.7 top_p=0.9": (TreeConfig(method="eagle2", total_tokens=8, depth=3, expand_k=3),
+    "eagle2 T=1": (TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=3), SamplingParams(1.0)),
+    "eagle2 T=0.7 top_p=0.9": (TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=3),
                                SamplingParams(0.7, top_p=0.9)),
-    "chain T=1": (TreeConfig(method="chain", total_tokens=4, depth=3), SamplingParams(1.0)),
-    "static T=1 top_k=3": (TreeConfig(method="static", total_tokens=6, depth=2,
+    "chain T=1": (TreeParams(method="chain", total_tokens=4, depth=3), SamplingParams(1.0)),
+    "static T=1 top_k=3": (TreeParams(method="static", total_tokens=6, depth=2,
                                       static_shape=((0,), (1,), (2,), (0, 0), (0, 1))),
                            SamplingParams(1.0, top_k=3)),
 }
@@ -106,7 +108,7 @@ def test_acceptance_is_one_when_draft_equals_target():
     def same(frontier):
         return torch.log_softmax(TARGET[frontier.tokens], dim=-1)
 
-    cfg = TreeConfig(method="chain", total_tokens=5, depth=4)
+    cfg = TreeParams(method="chain", total_tokens=5, depth=4)
     for seed in range(50):
         tree = build_tree(ROOT, same, cfg, ProposalSampler(params, seed))
         result = accept_sampling(tree, target_probs(TARGET[tree.tokens], params), make_generator(seed))
@@ -115,7 +117,7 @@ def test_acceptance_is_one_when_draft_equals_target():
 
 def test_draws_follow_seed_and_salt():
     params = SamplingParams(1.0)
-    cfg = TreeConfig(total_tokens=10, depth=4, expand_k=3)
+    cfg = TreeParams(total_tokens=10, depth=4, expand_k=3)
 
     def tree(seed, salt):
         t = build_tree(ROOT, _expand, cfg, ProposalSampler(params, seed, salt))
@@ -129,7 +131,7 @@ def test_sampled_tree_shape_and_proposals():
     """No rerank: every draw stays, each level has the draws its prior budget
     gives, at most expand_k per node; each expanded node's proposal holds its
     children, drawn without replacement."""
-    cfg = TreeConfig(total_tokens=12, depth=5, expand_k=3)
+    cfg = TreeParams(total_tokens=12, depth=5, expand_k=3)
     budget = sampled_level_budget(12, 5, 3)
     assert 5 <= sum(budget) <= 11 and budget[0] >= 1
     for seed in range(20):
@@ -147,14 +149,14 @@ def test_sampled_tree_shape_and_proposals():
 
 
 def test_chain_draws_one_child_per_level():
-    tree = build_tree(ROOT, _expand, TreeConfig(method="chain", total_tokens=6, depth=4),
+    tree = build_tree(ROOT, _expand, TreeParams(method="chain", total_tokens=6, depth=4),
                       ProposalSampler(SamplingParams(1.0), 0))
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
 
 
 def test_top_k_one_leaves_one_draw_per_node():
     """With top_k=1 the proposal has one token: a node cannot draw a second child."""
-    tree = build_tree(ROOT, _expand, TreeConfig(total_tokens=10, depth=3, expand_k=3),
+    tree = build_tree(ROOT, _expand, TreeParams(total_tokens=10, depth=3, expand_k=3),
                       ProposalSampler(SamplingParams(1.0, top_k=1), 0))
     assert all(len(k) <= 1 for k in tree.children())
     assert tree.tokens[1] == int(DRAFT[ROOT].argmax())

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from specdec.sampling import SamplingParams, make_generator, sample, target_probs
+from specdec.params import SamplingParams
+from specdec.sampling import make_generator, sample, target_probs
 
 
 def _softmax_over(logits: list[float], keep: set[int]) -> list[float]:

@@ -10,11 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.params import METHODS, TreeParams
 from specdec.tree import (
-    METHODS,
     DraftTree,
     Frontier,
-    TreeConfig,
     TreeError,
     build_tree,
     tree_from_lists,
@@ -117,7 +116,7 @@ def fig7_draft() -> PathDraft:
 
 def test_figure7_tree():
     draft = fig7_draft()
-    tree = build_tree(W["It"], draft, TreeConfig("eagle2", total_tokens=8, depth=3, expand_k=2))
+    tree = build_tree(W["It"], draft, TreeParams("eagle2", total_tokens=8, depth=3, expand_k=2))
     assert [WORDS[t] for t in tree.tokens.tolist()] == "It is has a the to good be".split()
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3, 5]
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3, 3]
@@ -145,7 +144,7 @@ def test_figure7_tree():
 
 def test_figure7_frontiers():
     draft = fig7_draft()
-    build_tree(W["It"], draft, TreeConfig("eagle2", total_tokens=8, depth=3, expand_k=2))
+    build_tree(W["It"], draft, TreeParams("eagle2", total_tokens=8, depth=3, expand_k=2))
     seen = [(f.nodes.tolist(), [WORDS[t] for t in f.tokens.tolist()], f.parents.tolist(), f.depth)
             for f in draft.calls]
     # pool ids: 1 is, 2 has | 3 is>a, 4 is>the, 5 has>to, 6 has>a | 7.. level 3
@@ -158,7 +157,7 @@ def test_figure7_frontiers():
 
 def test_figure7_no_rerank_keeps_the_frontiers():
     draft = fig7_draft()
-    tree = build_tree(W["It"], draft, TreeConfig("no-rerank", total_tokens=8, depth=3, expand_k=2))
+    tree = build_tree(W["It"], draft, TreeParams("no-rerank", total_tokens=8, depth=3, expand_k=2))
     # level 3's best two by value are a>good (.336) and to>be (.084)
     assert [WORDS[t] for t in tree.tokens.tolist()] == "It is has a to good be".split()
     assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3, 4]
@@ -173,7 +172,7 @@ def test_no_value_expands_by_local_confidence():
     fronts = {}
     for method in ("eagle2", "no-value"):
         draft = PathDraft(0, lambda path: log_dist(12, table.get(path[-1], {7: 0.5, 8: 0.4})))
-        build_tree(0, draft, TreeConfig(method, total_tokens=20, depth=3, expand_k=2))
+        build_tree(0, draft, TreeParams(method, total_tokens=20, depth=3, expand_k=2))
         fronts[method] = draft.calls[2].tokens.tolist()
     assert fronts["eagle2"] == [3, 4]  # highest values, both under A
     assert fronts["no-value"] == [3, 5]  # highest own confidence: a1 (.5), b1 (.6)
@@ -190,10 +189,10 @@ def test_rerank_breaks_value_ties_by_depth():
             logits[3], logits[4] = 0.0, -30.0
         return logits.log_softmax(-1)
 
-    tree = build_tree(0, PathDraft(0, next_logp), TreeConfig(total_tokens=4, depth=6, expand_k=2))
+    tree = build_tree(0, PathDraft(0, next_logp), TreeParams(total_tokens=4, depth=6, expand_k=2))
     assert torch.equal(tree.values[1:], torch.full((3,), math.log(0.5)))  # a real tie
     assert tree.tokens.tolist() == [0, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 0, 1]
-    tree = build_tree(0, PathDraft(0, next_logp), TreeConfig(total_tokens=6, depth=6, expand_k=2))
+    tree = build_tree(0, PathDraft(0, next_logp), TreeParams(total_tokens=6, depth=6, expand_k=2))
     assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3]
     assert torch.equal(tree.values[1:], torch.full((5,), math.log(0.5)))
 
@@ -205,7 +204,7 @@ def test_top_children_ties_go_to_lower_ids():
         logits[5] = 0.0
         return logits.log_softmax(-1)
 
-    tree = build_tree(7, PathDraft(7, next_logp), TreeConfig(total_tokens=4, depth=1, expand_k=3))
+    tree = build_tree(7, PathDraft(7, next_logp), TreeParams(total_tokens=4, depth=1, expand_k=3))
     assert tree.tokens.tolist() == [7, 5, 0, 1]
 
 
@@ -214,7 +213,7 @@ def test_deterministic():
         gen = torch.Generator().manual_seed(3)
         return PathDraft(0, lambda path: torch.randn(30, generator=gen).log_softmax(-1))
 
-    cfg = TreeConfig(total_tokens=20, depth=4, expand_k=3)
+    cfg = TreeParams(total_tokens=20, depth=4, expand_k=3)
     a, b = build_tree(0, make(), cfg), build_tree(0, make(), cfg)
     for name in ("tokens", "parents", "depths", "values"):
         assert torch.equal(getattr(a, name), getattr(b, name))
@@ -223,7 +222,7 @@ def test_deterministic():
 def test_chain_is_the_greedy_path():
     gen = torch.Generator().manual_seed(0)
     draft = PathDraft(2, lambda path: torch.randn(20, generator=gen).log_softmax(-1))
-    tree = build_tree(2, draft, TreeConfig("chain", total_tokens=4, depth=6, expand_k=5))
+    tree = build_tree(2, draft, TreeParams("chain", total_tokens=4, depth=6, expand_k=5))
     assert tree.parents.tolist() == [-1, 0, 1, 2]
     paths = token_paths(tree)
     for i in range(1, 4):
@@ -238,22 +237,22 @@ def ranked(path):  # token r is the rank-r choice everywhere
 def test_static_follows_the_shape():
     shape = ((0,), (2,), (0, 0), (0, 1), (2, 3), (0, 1, 0))
     draft = PathDraft(9, ranked)
-    tree = build_tree(9, draft, TreeConfig("static", total_tokens=50, depth=5, static_shape=shape))
+    tree = build_tree(9, draft, TreeParams("static", total_tokens=50, depth=5, static_shape=shape))
     assert tree.tokens.tolist() == [9, 0, 2, 0, 1, 3, 0]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 4]
     # frontier at each level: the shape nodes there that have children
     assert [f.nodes.tolist() for f in draft.calls] == [[0], [1, 2], [4]]
     # cut to total_tokens and depth: still a prefix-closed tree
-    cut = build_tree(9, PathDraft(9, ranked), TreeConfig("static", total_tokens=4, static_shape=shape))
+    cut = build_tree(9, PathDraft(9, ranked), TreeParams("static", total_tokens=4, static_shape=shape))
     assert cut.tokens.tolist() == [9, 0, 2, 0] and cut.parents.tolist() == [-1, 0, 0, 1]
-    flat = build_tree(9, PathDraft(9, ranked), TreeConfig("static", depth=1, static_shape=shape))
+    flat = build_tree(9, PathDraft(9, ranked), TreeParams("static", depth=1, static_shape=shape))
     assert flat.tokens.tolist() == [9, 0, 2]
 
 
 def test_static_skips_ranks_beyond_the_vocabulary():
     shape = ((0,), (5,), (5, 0), (0, 0))
     small = PathDraft(0, lambda path: (-torch.arange(3, dtype=torch.float32)).log_softmax(-1))
-    tree = build_tree(0, small, TreeConfig("static", total_tokens=10, static_shape=shape))
+    tree = build_tree(0, small, TreeParams("static", total_tokens=10, static_shape=shape))
     assert tree.tokens.tolist() == [0, 0, 0] and tree.parents.tolist() == [-1, 0, 1]
 
 
@@ -262,21 +261,21 @@ def test_default_static_shape():
     check_shape(shape)  # distinct, parents first
     assert len(shape) == 59 and max(map(len, shape)) <= 6
     assert shape[:4] == ((0,), (0, 0), (0, 0, 0), (1,))
-    tree = build_tree(0, PathDraft(0, ranked), TreeConfig("static", total_tokens=60, depth=6))
+    tree = build_tree(0, PathDraft(0, ranked), TreeParams("static", total_tokens=60, depth=6))
     assert tree.size == 60
-    tree = build_tree(0, PathDraft(0, ranked), TreeConfig("static", total_tokens=10, depth=6))
+    tree = build_tree(0, PathDraft(0, ranked), TreeParams("static", total_tokens=10, depth=6))
     assert tree.size == 10
 
 
 def test_expand_output_is_checked():
     with pytest.raises(ValueError, match="shape"):
-        build_tree(0, lambda f: torch.zeros(3, 5), TreeConfig())
+        build_tree(0, lambda f: torch.zeros(3, 5), TreeParams())
     with pytest.raises(ValueError, match="NaN"):
-        build_tree(0, lambda f: torch.full((len(f.nodes), 5), math.nan), TreeConfig())
+        build_tree(0, lambda f: torch.full((len(f.nodes), 5), math.nan), TreeParams())
     with pytest.raises(ValueError, match="log-prob"):
-        build_tree(0, lambda f: torch.randn(len(f.nodes), 5) + 5, TreeConfig())
+        build_tree(0, lambda f: torch.randn(len(f.nodes), 5) + 5, TreeParams())
     with pytest.raises(TreeError, match="root_token"):
-        build_tree(-1, lambda f: torch.zeros(len(f.nodes), 5), TreeConfig())
+        build_tree(-1, lambda f: torch.zeros(len(f.nodes), 5), TreeParams())
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -296,7 +295,7 @@ def test_expand_output_is_checked():
 ])
 def test_config_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        TreeConfig(**kwargs)
+        TreeParams(**kwargs)
 
 
 def test_value_temperature_sharpens_values_and_deepens_the_tree():
@@ -307,10 +306,10 @@ def test_value_temperature_sharpens_values_and_deepens_the_tree():
     def next_logp(path):                  # token 1 always at 0.5, token 2 at 0.3
         return log_dist(vocab, {1: 0.5, 2: 0.3})
 
-    base = TreeConfig(method="eagle2", total_tokens=5, depth=4, expand_k=2)
+    base = TreeParams(method="eagle2", total_tokens=5, depth=4, expand_k=2)
     plain = build_tree(0, PathDraft(0, next_logp), base)
     draft = PathDraft(0, next_logp)
-    sharp = build_tree(0, draft, TreeConfig(method="eagle2", total_tokens=5, depth=4, expand_k=2,
+    sharp = build_tree(0, draft, TreeParams(method="eagle2", total_tokens=5, depth=4, expand_k=2,
                                             value_temperature=0.25))
     assert max(plain.depths.tolist()) == 2          # 0.5 * 0.5 < 0.3: the runner-up joins first
     assert sharp.depths.tolist() == [0, 1, 2, 3, 4]   # sharpened: the top path all the way down
@@ -321,7 +320,7 @@ def test_value_temperature_sharpens_values_and_deepens_the_tree():
 
 
 def test_config_accepts_list_shape():
-    assert TreeConfig(static_shape=[[0], [0, 1]]).static_shape == ((0,), (0, 1))
+    assert TreeParams(static_shape=[[0], [0, 1]]).static_shape == ((0,), (0, 1))
 
 
 # ---------------------------------------------------------------- validation
@@ -392,7 +391,7 @@ def drafts(draw):
 
 
 configs = st.builds(
-    TreeConfig,
+    TreeParams,
     method=st.sampled_from(METHODS),
     total_tokens=st.integers(1, 40),
     depth=st.integers(1, 6),
@@ -400,7 +399,7 @@ configs = st.builds(
 )
 
 
-def check_layout(tree: DraftTree, draft: PathDraft, cfg: TreeConfig, vocab: int):
+def check_layout(tree: DraftTree, draft: PathDraft, cfg: TreeParams, vocab: int):
     n = tree.size
     tokens, parents = tree.to_lists()
     depths = tree.depths.tolist()
@@ -435,7 +434,7 @@ def children_of(draft: PathDraft, path_list, kk: int):
     return [p + (t,) for p in path_list for t in ranking(draft.logp[p])[:kk]]
 
 
-def check_dynamic(tree: DraftTree, draft: PathDraft, cfg: TreeConfig, vocab: int):
+def check_dynamic(tree: DraftTree, draft: PathDraft, cfg: TreeParams, vocab: int):
     n = tree.size
     levels = min(cfg.depth, cfg.total_tokens - 1)
     k = 1 if cfg.method == "chain" else cfg.expand_k
@@ -484,7 +483,7 @@ def check_dynamic(tree: DraftTree, draft: PathDraft, cfg: TreeConfig, vocab: int
         assert all(paths[i][-1] == ranking(draft.logp[paths[i - 1]])[0] for i in range(1, n))
 
 
-def check_static(tree: DraftTree, draft: PathDraft, cfg: TreeConfig, vocab: int):
+def check_static(tree: DraftTree, draft: PathDraft, cfg: TreeParams, vocab: int):
     shape = [p for p in default_static_shape() if len(p) <= cfg.depth][: cfg.total_tokens - 1]
     wanted = {p for p in shape if max(p) < vocab}
     assert tree.size == 1 + len(wanted)

@@ -12,10 +12,10 @@ import torch
 from services.helpers import drafter_builder, verifier_builder
 from specdec.decoding import StopCriteria
 from specdec.local import generate
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
 
-CFG = TreeConfig(method="eagle2", total_tokens=10, depth=4, expand_k=3)
+CFG = TreeParams(method="eagle2", total_tokens=10, depth=4, expand_k=3)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_greedy_output_is_unchanged(engines, tiny_family, kind):
         # The random tiny target is unsure (flat distributions), so an eagle2 tree of it stays
         # shallow; a chain of the oracle's greedy drafts is accepted whole, and a sharp value
         # temperature (what calibration fits for greedy acceptance) makes its values say so.
-        cfg = (TreeConfig(method="chain", total_tokens=6, depth=5, value_temperature=0.05) if kind == "oracle"
+        cfg = (TreeParams(method="chain", total_tokens=6, depth=5, value_temperature=0.05) if kind == "oracle"
                else CFG)
         for lookahead in (1, 3):
             dec = generate(engines["verifier"], engines[kind], ids, SamplingParams(), stop, cfg,

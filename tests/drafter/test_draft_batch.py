@@ -14,22 +14,22 @@ from drafter.batch import DraftScheduler, draft_batch
 from services.helpers import channel_to, drafter_builder, rpc_error, start_drafter
 from specdec import kv, wire
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import DrafterPrefillRequest, DrafterReleaseRequest, DraftRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
 
 # Different methods, sizes and depths: trees of one batch stop at different levels.
 CONFIGS = [
-    TreeConfig(method="eagle2", total_tokens=12, depth=4, expand_k=3),
-    TreeConfig(method="eagle2", total_tokens=6, depth=2, expand_k=2),
-    TreeConfig(method="chain", total_tokens=6, depth=5),
-    TreeConfig(method="static", total_tokens=10, depth=3),
-    TreeConfig(method="no-rerank", total_tokens=9, depth=3, expand_k=2),
-    TreeConfig(method="no-value", total_tokens=8, depth=4, expand_k=3),
-    TreeConfig(method="eagle2", total_tokens=16, depth=6, expand_k=4),
-    TreeConfig(method="chain", total_tokens=1, depth=3),           # the root alone: no level at all
+    TreeParams(method="eagle2", total_tokens=12, depth=4, expand_k=3),
+    TreeParams(method="eagle2", total_tokens=6, depth=2, expand_k=2),
+    TreeParams(method="chain", total_tokens=6, depth=5),
+    TreeParams(method="static", total_tokens=10, depth=3),
+    TreeParams(method="no-rerank", total_tokens=9, depth=3, expand_k=2),
+    TreeParams(method="no-value", total_tokens=8, depth=4, expand_k=3),
+    TreeParams(method="eagle2", total_tokens=16, depth=6, expand_k=4),
+    TreeParams(method="chain", total_tokens=1, depth=3),           # the root alone: no level at all
 ]
 PROMPT_LENGTHS = (4, 11, 23, 40, 7)
 MODEL_KINDS = ["eagle", "draft-lm"]

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from drafter.eagle import EagleDrafter
 from drafter.eagle_head import load_head
 from specdec.errors import InvalidArgument
-from specdec.tree import TreeConfig
+from specdec.params import TreeParams
 
 LAYOUT = {
     "fc.weight", "fc.bias",
@@ -31,10 +31,10 @@ def test_head_loads_and_drafts(tiny_family):
     drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
     h = drafter.hidden_size
     drafter.prefill("s", [3, 4, 5, 6], torch.randn(3, h))
-    tree = drafter.draft("s", TreeConfig(total_tokens=8, depth=3, expand_k=2))
+    tree = drafter.draft("s", TreeParams(total_tokens=8, depth=3, expand_k=2))
     assert tree.size == 8 and int(tree.tokens[0]) == 6
     drafter.commit("s", [int(tree.tokens[1]), 9], torch.randn(2, h))
-    assert int(drafter.draft("s", TreeConfig(total_tokens=4)).tokens[0]) == 9
+    assert int(drafter.draft("s", TreeParams(total_tokens=4)).tokens[0]) == 9
 
 
 def test_bias_free_head_and_extra_embedding_copy_load(tiny_family, tmp_path):
@@ -79,7 +79,7 @@ def test_drafting_twice_without_commit_gives_the_same_tree(tiny_family):
     """A retried Draft (nothing committed in between) must not fail or change the tree."""
     drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
     drafter.prefill("s", [3, 4, 5, 6], torch.randn(3, drafter.hidden_size))
-    cfg = TreeConfig(total_tokens=8, depth=3, expand_k=2)
+    cfg = TreeParams(total_tokens=8, depth=3, expand_k=2)
     first, again = drafter.draft("s", cfg), drafter.draft("s", cfg)
     assert first.tokens.tolist() == again.tokens.tolist() and first.parents.tolist() == again.parents.tolist()
     drafter.rollback("s", 3)
@@ -101,13 +101,13 @@ def test_calibration_file_sets_the_greedy_value_temperature(tiny_family, tmp_pat
     drafter = EagleDrafter(head_dir, tiny_family["target"])
     assert drafter.greedy_value_temperature == 0.3
     feats = torch.randn(3, drafter.hidden_size, generator=torch.Generator().manual_seed(0))
-    cfg = TreeConfig(total_tokens=8, depth=3, expand_k=2)
+    cfg = TreeParams(total_tokens=8, depth=3, expand_k=2)
     trees = {}
     for sid, greedy in (("greedy", True), ("sampled", False)):
         drafter.prefill(sid, [3, 4, 5, 6], feats, greedy=greedy)
         trees[sid] = drafter.draft(sid, cfg)
         for t in (0.3, 1.0):
-            trees[sid, t] = drafter.draft(sid, TreeConfig(total_tokens=8, depth=3, expand_k=2, value_temperature=t))
+            trees[sid, t] = drafter.draft(sid, TreeParams(total_tokens=8, depth=3, expand_k=2, value_temperature=t))
     assert torch.equal(trees["greedy"].values, trees["greedy", 0.3].values)
     assert torch.equal(trees["sampled"].values, trees["sampled", 1.0].values)
     assert torch.equal(trees["greedy", 1.0].values, trees["sampled", 1.0].values)

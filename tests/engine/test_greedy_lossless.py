@@ -9,8 +9,8 @@ import torch
 from specdec.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
-from specdec.tree import METHODS, TreeConfig
+from specdec.params import SamplingParams
+from specdec.params import METHODS, TreeParams
 
 N_PROMPTS, NEW_TOKENS = 20, 64
 GREEDY = SamplingParams()
@@ -47,7 +47,7 @@ def reference(stacks):
 @pytest.mark.parametrize("drafter", ["eagle", "draft-lm", "ngram"])
 def test_greedy_identical_to_vanilla(stacks, reference, drafter, method):
     stack = stacks[drafter]
-    cfg = TreeConfig(method=method, total_tokens=10, depth=4, expand_k=3)
+    cfg = TreeParams(method=method, total_tokens=10, depth=4, expand_k=3)
     stop = StopCriteria(max_new_tokens=NEW_TOKENS)
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
         got = generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg)
@@ -60,7 +60,7 @@ def test_greedy_identical_to_vanilla(stacks, reference, drafter, method):
 @pytest.mark.parametrize("drafter", ["eagle", "draft-lm"])
 def test_greedy_identical_whatever_the_value_temperature(stacks, reference, drafter, value_temperature):
     stack = stacks[drafter]
-    cfg = TreeConfig(total_tokens=10, depth=4, expand_k=3, value_temperature=value_temperature)
+    cfg = TreeParams(total_tokens=10, depth=4, expand_k=3, value_temperature=value_temperature)
     stop = StopCriteria(max_new_tokens=NEW_TOKENS)
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
         assert generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg).tokens == want
@@ -69,7 +69,7 @@ def test_greedy_identical_whatever_the_value_temperature(stacks, reference, draf
 @pytest.mark.parametrize("drafter", ["eagle", "ngram"])
 def test_greedy_identical_with_drafting_paused_by_the_gate(stacks, reference, drafter):
     stack = stacks[drafter]
-    cfg = TreeConfig(total_tokens=10, depth=4, expand_k=3)
+    cfg = TreeParams(total_tokens=10, depth=4, expand_k=3)
     stop = StopCriteria(max_new_tokens=NEW_TOKENS)
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
         gated = generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg, min_tau=100.0)
@@ -120,7 +120,7 @@ def test_copy_of_target_as_drafter_accepts_its_whole_greedy_chain(tiny_family, t
     copy = tmp_path / "copy"
     shutil.copytree(tiny_family["target"], copy)
     stack = build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice("draft-lm", str(copy)))
-    cfg = TreeConfig(method=method, total_tokens=12, depth=4, expand_k=3)
+    cfg = TreeParams(method=method, total_tokens=12, depth=4, expand_k=3)
     for prompt in prompts(stack.verifier.target.vocab_size)[:5]:
         drafter = Recording(stack.drafter)
         dec = generate(stack.verifier, drafter, prompt, GREEDY, StopCriteria(max_new_tokens=40), cfg)

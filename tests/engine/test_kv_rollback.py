@@ -45,7 +45,7 @@ def test_commit_path_matches_fresh_prefill(tiny_family):
 
 
 def test_verifier_rollback_truncates_to_committed_prefix(tiny_family):
-    from specdec.sampling import SamplingParams
+    from specdec.params import SamplingParams
     from verifier.engine import VerifierEngine
 
     engine = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
@@ -63,7 +63,7 @@ def test_verifier_rollback_truncates_to_committed_prefix(tiny_family):
 
 def test_kv_budget_refuses_instead_of_crashing(tiny_family):
     from specdec.errors import ResourceExhausted
-    from specdec.sampling import SamplingParams
+    from specdec.params import SamplingParams
     from verifier.engine import VerifierEngine
 
     target = TargetModel(ModelSpec(str(tiny_family["target"])))
@@ -88,7 +88,7 @@ def test_kv_budget_refuses_instead_of_crashing(tiny_family):
 
 def test_resumed_session_continues_exactly(tiny_family):
     """A session moved to another verifier (prefill with resume) decodes on as if never moved."""
-    from specdec.sampling import SamplingParams
+    from specdec.params import SamplingParams
     from verifier.engine import VerifierEngine
 
     target = TargetModel(ModelSpec(str(tiny_family["target"])))

@@ -10,8 +10,9 @@ import specdec.acceptance as acceptance
 from specdec.decoding import StopCriteria
 from specdec.local import generate
 from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams, target_probs
-from specdec.tree import TreeConfig
+from specdec.params import SamplingParams
+from specdec.sampling import target_probs
+from specdec.params import TreeParams
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
 from stats import chi2_sf
@@ -36,7 +37,7 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:
 def sampled_joint(verifier, drafter, params: SamplingParams, method: str, proposals: str = "auto",
                   value_temperature: float | None = None, min_tau: float = 0.0) -> torch.Tensor:
     counts = torch.zeros([V] * NEW)
-    cfg = TreeConfig(method=method, total_tokens=6, depth=2, expand_k=2, value_temperature=value_temperature,
+    cfg = TreeParams(method=method, total_tokens=6, depth=2, expand_k=2, value_temperature=value_temperature,
                      proposals=proposals)
     stop = StopCriteria(max_new_tokens=NEW)
     for seed in range(RUNS):
@@ -110,6 +111,6 @@ def test_same_seed_same_output(engines):
     _, verifier, drafter = engines
     params = SamplingParams(temperature=1.0, seed=1234)
     stop = StopCriteria(max_new_tokens=20)
-    cfg = TreeConfig(total_tokens=6, depth=3, expand_k=2)
+    cfg = TreeParams(total_tokens=6, depth=3, expand_k=2)
     runs = [generate(verifier, drafter, PROMPT, params, stop, cfg).tokens for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]

@@ -48,12 +48,12 @@ class Local:
     def run(self, prompt, kind=None, method=None, n=N, min_tau=0.0, proposals="auto", **sampling):
         from specdec.decoding import StopCriteria
         from specdec.local import generate
-        from specdec.sampling import SamplingParams
-        from specdec.tree import TreeConfig
+        from specdec.params import SamplingParams
+        from specdec.params import TreeParams
 
         ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset([self.tok.eos_token_id]))
-        cfg = TreeConfig(method=method, proposals=proposals) if method not in (None, "vanilla") else None
+        cfg = TreeParams(method=method, proposals=proposals) if method not in (None, "vanilla") else None
         drafter = self.drafters[kind] if kind in self.drafters else None
         return generate(self.verifier, drafter, ids, SamplingParams(**sampling), stop, cfg, min_tau)
 
@@ -334,7 +334,7 @@ def test_default_tree_knobs_match_the_core():
     from dataclasses import asdict
 
     from orchestrator.service import TreeDefaults
-    from specdec.tree import TreeConfig
+    from specdec.params import TreeParams
 
-    core = asdict(TreeConfig())
+    core = asdict(TreeParams())
     assert asdict(TreeDefaults()) == {k: core[k] for k in ("method", "total_tokens", "depth", "expand_k")}

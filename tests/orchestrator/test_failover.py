@@ -29,8 +29,9 @@ from specdec import wire
 from specdec.client import SpecdecClient, SpecdecClientError, SpecdecUnavailable
 from specdec.errors import FailedPrecondition
 from specdec.metrics import REGISTRY
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig, tree_from_lists
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
+from specdec.tree import tree_from_lists
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 from test_routing import Background, Tap, add_orchestrator, wait_for
@@ -76,7 +77,7 @@ def test_drafter_prefilled_from_the_log_drafts_like_the_incremental_one(tiny_fam
     sends a new drafter) give the drafter the state it had."""
     verifier = verifier_builder(tiny_family)()
     drafter = drafter_builder(tiny_family, "eagle")()
-    cfg = TreeConfig(total_tokens=12, depth=4, expand_k=3)
+    cfg = TreeParams(total_tokens=12, depth=4, expand_k=3)
     prompt = [5, 17, 42, 8, 99, 23]
     log = FeatureLog()
     first = verifier.prefill("s", prompt, SamplingParams())

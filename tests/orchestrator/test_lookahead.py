@@ -57,8 +57,8 @@ def test_sampled_sessions_do_not_look_ahead(stack, tiny_family):
     from specdec.decoding import StopCriteria
     from specdec.local import generate
     from specdec.models import load_tokenizer
-    from specdec.sampling import SamplingParams
-    from specdec.tree import TreeConfig
+    from specdec.params import SamplingParams
+    from specdec.params import TreeParams
 
     params = dict(temperature=0.75, top_p=0.875, top_k=50, seed=7)
     with SpecdecClient(stack.address("oracle-ahead")) as client:
@@ -68,7 +68,7 @@ def test_sampled_sessions_do_not_look_ahead(stack, tiny_family):
     ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
     want = generate(verifier_builder(tiny_family)(), drafter_builder(tiny_family, "oracle")(), ids,
                     SamplingParams(**params), StopCriteria(max_new_tokens=N, eos_ids=frozenset([tok.eos_token_id])),
-                    TreeConfig(**CHAIN))
+                    TreeParams(**CHAIN))
     assert got.token_ids == want.tokens
 
 

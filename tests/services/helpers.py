@@ -1,7 +1,7 @@
 """Start real verifier / drafter servers in-process on 127.0.0.1, port 0.
 
     server, servicer = await start_verifier(paths, max_sessions=4, session_ttl=0.5)
-    server, servicer = await start_drafter(paths, "eagle", limits=TreeConfig(...))
+    server, servicer = await start_drafter(paths, "eagle", limits=TreeParams(...))
     ...
     await server.stop()
 

@@ -9,8 +9,8 @@ import torch
 
 from services.helpers import channel_to, rpc_error, start_drafter
 from specdec import wire
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import (DrafterCommitRequest, DrafterGetInfoRequest, DrafterPrefillRequest,
                                     DrafterReleaseRequest, DrafterRollbackRequest, DraftRequest)
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.asyncio
 
 PROMPT = [5, 17, 42, 8, 99, 23, 5, 17]
 CODE = grpc.StatusCode
-LIMITS = TreeConfig(total_tokens=10, depth=3, expand_k=3)
-DEFAULT = TreeConfig(total_tokens=6, depth=2, expand_k=2)
+LIMITS = TreeParams(total_tokens=10, depth=3, expand_k=3)
+DEFAULT = TreeParams(total_tokens=6, depth=2, expand_k=2)
 
 
 def assert_same_tree(msg, tree):
@@ -54,7 +54,7 @@ async def test_draft_with_commit_matches_in_process_drafter(tiny_family, kind, l
             reference.sessions.get("d").greedy = True
             commit, commit_f = [], None
             for cycle in range(4):
-                knobs = TreeConfig(method=("eagle2", "chain", "no-rerank", "static")[cycle],
+                knobs = TreeParams(method=("eagle2", "chain", "no-rerank", "static")[cycle],
                                    total_tokens=5 + cycle, depth=2, expand_k=2)
                 if commit:
                     reference.commit("d", commit, commit_f)
@@ -148,7 +148,7 @@ async def test_bad_features_and_sessions(tiny_family, local_verifier, make_local
             await stub.Rollback(DrafterRollbackRequest(session_id="a", length=len(ids) + 1))
             reference.rollback("a", len(ids) + 1)
             got = await stub.Draft(DraftRequest(session_id="a"))
-            assert_same_tree(got.tree, reference.draft("a", TreeConfig()))
+            assert_same_tree(got.tree, reference.draft("a", TreeParams()))
             assert (await stub.Release(DrafterReleaseRequest(session_id="b"))).released
             assert not (await stub.Release(DrafterReleaseRequest(session_id="b"))).released
             assert (await stub.GetInfo(DrafterGetInfoRequest())).active_sessions == 1
@@ -186,7 +186,7 @@ async def test_sampled_session_ships_its_proposals(tiny_family, kind, local_veri
     reference = make_local_drafter(kind)
     eagle = kind == "eagle"
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
-    knobs = TreeConfig(total_tokens=8, depth=3, expand_k=3)
+    knobs = TreeParams(total_tokens=8, depth=3, expand_k=3)
     try:
         async with channel_to(server) as ch:
             stub = DrafterServiceStub(ch)
@@ -209,7 +209,7 @@ async def test_sampled_session_ships_its_proposals(tiny_family, kind, local_veri
                 result = local_verifier.verify("s", wire.tree_from_proto(got.tree, reference.vocab_size))
                 commit, commit_f = result.tokens, (result.features if eagle else None)
             top = await stub.Draft(DraftRequest(session_id="s", commit_tokens=commit, commit_features=feats(commit_f),
-                                                tree=wire.tree_params_to_proto(TreeConfig(proposals="top"))))
+                                                tree=wire.tree_params_to_proto(TreeParams(proposals="top"))))
             assert not top.tree.proposals and (len(top.tree.tokens) > 1 or kind == "ngram")
             await stub.Prefill(DrafterPrefillRequest(session_id="g", token_ids=PROMPT + [first.token],
                                                      features=feats(f0),

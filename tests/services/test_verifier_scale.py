@@ -14,7 +14,7 @@ from specdec import wire
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
+from specdec.params import SamplingParams
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 

@@ -11,8 +11,9 @@ import torch
 from services.helpers import channel_to, rpc_error, start_verifier
 from specdec import wire
 from specdec.metrics import REGISTRY
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig, tree_from_lists
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
+from specdec.tree import tree_from_lists
 from specdec.v1 import common_pb2
 from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequest, VerifierReleaseRequest,
                                      VerifierRollbackRequest, VerifyRequest)
@@ -78,7 +79,7 @@ async def test_sampled_verify_with_drafter_trees_matches_engine(verifier, verifi
     stub = VerifierServiceStub(verifier_channel)
     drafter = make_local_drafter("eagle")
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
-    cfg = TreeConfig(total_tokens=8, depth=3, expand_k=2)
+    cfg = TreeParams(total_tokens=8, depth=3, expand_k=2)
     local = local_verifier.prefill("s", PROMPT, params)
     remote = await stub.Prefill(prefill_request("s", params=params))
     assert remote.token == local.token and not remote.features.data    # none unless asked

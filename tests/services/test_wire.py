@@ -7,8 +7,9 @@ import torch
 
 from specdec import wire
 from specdec.errors import InvalidArgument
-from specdec.sampling import SamplingParams
-from specdec.tree import METHODS, DraftTree, TreeConfig, tree_from_lists
+from specdec.params import SamplingParams
+from specdec.params import METHODS, TreeParams
+from specdec.tree import DraftTree, tree_from_lists
 from specdec.v1 import common_pb2
 
 
@@ -124,8 +125,8 @@ def test_bad_sampling_names_the_field(msg, field):
 
 
 # -- tree knobs --------------------------------------------------------------------------------------
-DEFAULT = TreeConfig(method="eagle2", total_tokens=12, depth=4, expand_k=3)
-LIMITS = TreeConfig(total_tokens=20, depth=5, expand_k=4)
+DEFAULT = TreeParams(method="eagle2", total_tokens=12, depth=4, expand_k=3)
+LIMITS = TreeParams(total_tokens=20, depth=5, expand_k=4)
 
 
 def test_method_maps_cover_every_method():
@@ -138,18 +139,18 @@ def test_tree_knobs_default_clamp_and_vanilla():
     assert wire.tree_config_from_proto(common_pb2.TreeParams(), DEFAULT, LIMITS) == DEFAULT
     cfg = wire.tree_config_from_proto(common_pb2.TreeParams(method=common_pb2.TREE_METHOD_CHAIN, total_tokens=500,
                                                             depth=2, expand_k=99), DEFAULT, LIMITS)
-    assert cfg == TreeConfig(method="chain", total_tokens=20, depth=2, expand_k=4)
-    small_limits = TreeConfig(total_tokens=6, depth=2, expand_k=2)
+    assert cfg == TreeParams(method="chain", total_tokens=20, depth=2, expand_k=4)
+    small_limits = TreeParams(total_tokens=6, depth=2, expand_k=2)
     assert wire.tree_config_from_proto(common_pb2.TreeParams(), DEFAULT, small_limits) == \
-        TreeConfig(method="eagle2", total_tokens=6, depth=2, expand_k=2)
+        TreeParams(method="eagle2", total_tokens=6, depth=2, expand_k=2)
     assert wire.tree_config_from_proto(common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA),
                                        DEFAULT, LIMITS) is None
 
 
-@pytest.mark.parametrize("cfg", [None, TreeConfig(method="no-rerank", total_tokens=9, depth=3, expand_k=2),
-                                 TreeConfig(total_tokens=9, depth=3, expand_k=2, value_temperature=0.5),
-                                 TreeConfig(total_tokens=9, depth=3, expand_k=2, proposals="top"),
-                                 TreeConfig(method="chain", total_tokens=5, depth=4, expand_k=1, proposals="sampled")])
+@pytest.mark.parametrize("cfg", [None, TreeParams(method="no-rerank", total_tokens=9, depth=3, expand_k=2),
+                                 TreeParams(total_tokens=9, depth=3, expand_k=2, value_temperature=0.5),
+                                 TreeParams(total_tokens=9, depth=3, expand_k=2, proposals="top"),
+                                 TreeParams(method="chain", total_tokens=5, depth=4, expand_k=1, proposals="sampled")])
 def test_tree_params_round_trip(cfg):
     msg = wire.tree_params_to_proto(cfg)
     assert wire.tree_config_from_proto(msg, DEFAULT, LIMITS) == cfg

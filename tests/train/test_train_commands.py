@@ -66,14 +66,14 @@ def test_artifacts_load_through_public_loaders(trained):
     from transformers import AutoModelForCausalLM
 
     from drafter.eagle import EagleDrafter
-    from specdec.tree import TreeConfig
+    from specdec.params import TreeParams
 
     for name in ("target", "draft"):
         model = AutoModelForCausalLM.from_pretrained(trained / name, dtype=torch.float32)
         assert model.config.num_hidden_layers == 2
     drafter = EagleDrafter(trained / "eagle", trained / "target")
     drafter.prefill("s", [1, 2, 3], torch.randn(2, drafter.hidden_size))
-    assert drafter.draft("s", TreeConfig(total_tokens=6, depth=2, expand_k=2)).size == 6
+    assert drafter.draft("s", TreeParams(total_tokens=6, depth=2, expand_k=2)).size == 6
 
 
 def test_eagle_head_ships_its_fitted_value_temperature(trained, corpus, capsys):

@@ -10,12 +10,13 @@ from specdec.errors import FailedPrecondition, NotFound
 from specdec.local import DrafterChoice, build_local, cycle_config, generate
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig, tree_from_lists
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
+from specdec.tree import tree_from_lists
 from verifier.batch import BatchScheduler, verify_batch
 
 PROMPTS = [[5, 6, 7], [20, 21, 22, 20, 21, 22, 23], [3] * 12, [100, 50, 25, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
-CFGS = [TreeConfig(total_tokens=t, depth=d, expand_k=k) for t, d, k in [(8, 3, 2), (4, 2, 2), (12, 4, 3), (1, 1, 1), (6, 5, 1)]]
+CFGS = [TreeParams(total_tokens=t, depth=d, expand_k=k) for t, d, k in [(8, 3, 2), (4, 2, 2), (12, 4, 3), (1, 1, 1), (6, 5, 1)]]
 NEW = 30
 
 

@@ -5,8 +5,8 @@ import pytest
 from specdec.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.models import ModelSpec
-from specdec.sampling import SamplingParams
-from specdec.tree import TreeConfig
+from specdec.params import SamplingParams
+from specdec.params import TreeParams
 from verifier.tp import check_tp_degree, launch
 
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22, 20, 21], [3] * 6, [100, 50, 25, 12, 6, 3]]
@@ -14,7 +14,7 @@ PROMPTS = [[5, 6, 7, 8], [20, 21, 22, 20, 21], [3] * 6, [100, 50, 25, 12, 6, 3]]
 
 def run_all(verifier, drafter):
     stop = StopCriteria(max_new_tokens=24)
-    cfg = TreeConfig(total_tokens=8, depth=3, expand_k=2)
+    cfg = TreeParams(total_tokens=8, depth=3, expand_k=2)
     out = []
     for p in PROMPTS:
         out.append(generate(verifier, None, p, SamplingParams(), stop, None).tokens)
