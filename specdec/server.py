@@ -7,14 +7,19 @@ drafter and orchestrator alike.
   mutual TLS, an optional bearer token, and Prometheus on its own HTTP port.
 - One interceptor per server: request ids (``x-request-id`` metadata or a fresh
   one, into ``specdec.logs.request_id_var``), the token check (health checks
-  are exempt so probes work), RPC duration / count metrics and the in-flight
-  count that autoscaling reads.
+  are exempt so probes work), RPC duration / count metrics, the in-flight
+  count that autoscaling reads, and errors: a servicer's handler (unary or
+  streaming) just raises, and the interceptor ends the call with the status
+  the error stands for (``status_code_of``: a ``SpecdecError``'s code,
+  INVALID_ARGUMENT for any ValueError) and its message; anything unexpected is
+  logged once and answered INTERNAL. Servicers are thin translators: proto in,
+  ``specdec.wire`` conversion, a domain call, proto out.
 - Drain: readiness goes NOT_SERVING, servicers refuse new sessions, open
   sessions and in-flight RPCs get up to ``drain_s`` to finish, then the server
   stops. SIGTERM / SIGINT start it (``install_signal_drain``); a second signal
   stops at once.
 - ``open_channel`` for calls between services (TLS, token and the request id
-  passed on), ``abort_from`` / ``status_code_of`` mapping errors to statuses.
+  passed on).
 - ``Lifecycle``: loading -> ready -> draining, which servicers check; the
   verifier and drafter servicers' shared base lives in ``specdec.engine_servicer``.
 
@@ -45,6 +50,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec import metrics
 from specdec.errors import SpecdecError, Unavailable
 from specdec.logs import configure_logging, request_id_var
+from specdec.params import is_request_id
 
 __all__ = ["ServerConfig", "ClientTls", "Lifecycle", "RunningServer", "start_server", "run_server",
            "install_signal_drain", "open_channel", "abort_from", "status_code_of", "configure_logging",
@@ -229,7 +235,9 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         if method.startswith(_REFLECTION_PREFIX):
             return handler
         service, _, name = method.lstrip("/").rpartition("/")
-        rid = md.get("x-request-id") or uuid.uuid4().hex[:16]
+        rid = md.get("x-request-id")
+        if not is_request_id(rid):             # absent, or not one a request could carry: a fresh one
+            rid = uuid.uuid4().hex[:16]
         return _wrap(handler, lambda context: self._observe(context, service, name, rid))
 
     @asynccontextmanager
@@ -249,10 +257,10 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
-        except Exception:
-            code = grpc.StatusCode.UNKNOWN
-            log.exception("unhandled error in %s/%s", service, name)
-            raise
+        except Exception as exc:
+            # the one place errors become statuses: handlers just raise
+            code = status_code_of(exc)
+            await abort_from(context, exc)
         finally:
             elapsed = time.perf_counter() - start
             self.in_flight[0] -= 1

@@ -328,13 +328,3 @@ def test_metrics_count_each_request(stack):
     assert sample("specdec_accepted_tokens_per_position_total", position="1") - first == (
         s.accepted_per_position[0] if s.accepted_per_position else 0)
     assert 0 < sample("specdec_inter_token_latency_seconds_count") - itl < N   # tokens after the first chunk
-
-
-def test_default_tree_knobs_match_the_core():
-    from dataclasses import asdict
-
-    from orchestrator.service import TreeDefaults
-    from specdec.params import TreeParams
-
-    core = asdict(TreeParams())
-    assert asdict(TreeDefaults()) == {k: core[k] for k in ("method", "total_tokens", "depth", "expand_k")}
