@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
-from specdec.params import PROPOSALS, REQUEST_METHODS, SamplingParams, is_request_id
+from specdec.params import PROPOSALS as PROPOSALS  # re-exported: the names build_request accepts
+from specdec.params import REQUEST_METHODS, SamplingParams, is_request_id
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from specdec.wire import METHOD_TO_PROTO, PROPOSALS_TO_PROTO, enum_to_proto, sampling_to_proto
 
