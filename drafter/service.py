@@ -4,7 +4,8 @@ small LM or n-gram).
 ``Draft`` is the per-cycle call: commit the tokens the verifier accepted last
 cycle (with their target features for EAGLE), then build a tree with the
 request's knobs, 0 meaning the server default and every knob clamped to the
-server's limits. Status mapping as in ``verifier.service``. With
+server's limits (``specdec.params.TreeRequest.resolve``). Handlers just
+raise; status mapping as in ``verifier.service``. With
 ``batch_window_ms`` > 0, concurrent sessions' Draft calls are collected by a
 ``drafter.batch.DraftScheduler`` and drafted together, one model forward per
 tree level for all of them (``drafter.batch.draft_batch``); each still gets
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,8 +30,7 @@ import torch
 from specdec import kv, metrics, wire
 from specdec.errors import InvalidArgument
 from specdec.engine_servicer import EngineServicer
-from specdec.server import abort_from
-from specdec.params import TreeParams
+from specdec.params import TreeParams, check_count, check_session_id
 from specdec.tree import tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
@@ -53,9 +53,7 @@ class DrafterServiceConfig:
             raise ValueError(f"batch_window_ms must be >= 0 and max_batch >= 1, got {self.batch_window_ms} "
                              f"and {self.max_batch}")
         # the default itself obeys the limits
-        clamped = {k: min(getattr(self.default_tree, k), getattr(self.limits, k))
-                   for k in ("total_tokens", "depth", "expand_k")}
-        object.__setattr__(self, "default_tree", replace(self.default_tree, **clamped))
+        object.__setattr__(self, "default_tree", self.default_tree.clamped(self.limits))
 
 
 class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
@@ -146,86 +144,66 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             await self.scheduler.close()
         await super().aclose()
 
-    # -- RPCs -------------------------------------------------------------------------------------
+    # -- RPCs (errors become statuses in specdec.server's interceptor) -------------------------------
     async def Prefill(self, request, context):
-        try:
-            self.check(opens_session=True)
-            tokens = list(request.token_ids)
-            feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
-            sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
-            _, seconds = await self.run(self._evict_then, self.drafter.prefill, request.session_id, tokens, feats,
-                                        request.greedy, sampling, opening=True)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check(opens_session=True)
+        sid = check_session_id(request.session_id)
+        tokens = list(request.token_ids)
+        feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
+        sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
+        _, seconds = await self.run(self._evict_then, self.drafter.prefill, sid, tokens, feats, request.greedy,
+                                    sampling, opening=True)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         return drafter_pb2.DrafterPrefillResponse()
 
     async def Draft(self, request, context):
-        try:
-            self.check()
-            tokens, feats = self._commit_of(request)
-            cfg = self._tree_config(request.tree)
-            # a tree to draft ahead from is drafted alone (with one session there is nothing to batch)
-            if self.scheduler is not None and not (request.ahead and len(self.sessions) <= 1):
-                tree, seconds = await self.scheduler.draft(request.session_id, tokens, feats, cfg)
-            else:
-                tree, seconds = await self.run(self._commit_and_draft, request.session_id, tokens, feats, cfg,
-                                               request.ahead)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        sid = check_session_id(request.session_id)
+        tokens, feats = self._commit_of(request)
+        cfg = self._tree_config(request.tree)
+        # a tree to draft ahead from is drafted alone (with one session there is nothing to batch)
+        if self.scheduler is not None and not (request.ahead and len(self.sessions) <= 1):
+            tree, seconds = await self.scheduler.draft(sid, tokens, feats, cfg)
+        else:
+            tree, seconds = await self.run(self._commit_and_draft, sid, tokens, feats, cfg, request.ahead)
         metrics.DRAFT_DURATION.observe(seconds)
         return drafter_pb2.DraftResponse(tree=wire.tree_to_proto(tree), compute_s=seconds)
 
     async def DraftAhead(self, request, context):
-        try:
-            self.check()
-            if request.count < 0 or request.tokens_left < 0:
-                raise InvalidArgument(f"count and tokens_left must be >= 0, got {request.count} and "
-                                      f"{request.tokens_left}")
-            tokens, feats = self._commit_of(request)
-            cfg = self._tree_config(request.tree)
-            if cfg is None:
-                raise InvalidArgument("tree: DraftAhead needs tree knobs (method VANILLA drafts nothing)")
-            trees, seconds = await self.run(self._draft_ahead, request.session_id, tokens, feats, cfg,
-                                            min(request.count, MAX_AHEAD_PATHS), request.tokens_left)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        sid = check_session_id(request.session_id)
+        count = min(check_count(request.count, "count", note="0 = commit only"), MAX_AHEAD_PATHS)
+        tokens_left = check_count(request.tokens_left, "tokens_left")
+        tokens, feats = self._commit_of(request)
+        cfg = self._tree_config(request.tree)
+        if cfg is None:
+            raise InvalidArgument("tree: DraftAhead needs tree knobs (method VANILLA drafts nothing)")
+        trees, seconds = await self.run(self._draft_ahead, sid, tokens, feats, cfg, count, tokens_left)
         metrics.DRAFT_AHEAD_DURATION.observe(seconds)
         return drafter_pb2.DraftAheadResponse(
             trees=[drafter_pb2.AheadTree(commit_tokens=commit, tree=wire.tree_to_proto(tree)) for commit, tree in trees],
             compute_s=seconds)
 
     async def Commit(self, request, context):
-        try:
-            self.check()
-            tokens = list(request.token_ids)
-            feats = self._feature_tensor(request.features, "features", len(tokens))
-            await self.run(self.drafter.commit, request.session_id, tokens, feats)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        sid = check_session_id(request.session_id)
+        tokens = list(request.token_ids)
+        feats = self._feature_tensor(request.features, "features", len(tokens))
+        await self.run(self.drafter.commit, sid, tokens, feats)
         return drafter_pb2.DrafterCommitResponse()
 
     async def Rollback(self, request, context):
-        try:
-            self.check()
-            await self.run(self.drafter.rollback, request.session_id, request.length)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        await self.run(self.drafter.rollback, check_session_id(request.session_id), request.length)
         return drafter_pb2.DrafterRollbackResponse()
 
     async def Release(self, request, context):
-        try:
-            self.check()
-            released, _ = await self.run(self.drafter.release, request.session_id, shield=True)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        released, _ = await self.run(self.drafter.release, check_session_id(request.session_id), shield=True)
         return drafter_pb2.DrafterReleaseResponse(released=released)
 
     async def GetInfo(self, request, context):
-        try:
-            self.check()
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
         limits = self.config.limits
         return drafter_pb2.DrafterGetInfoResponse(
             kind=self.drafter.name, needs_features=self.drafter.needs_features, vocab_size=self.drafter.vocab_size,

@@ -1,12 +1,13 @@
 """OrchestratorService: the public API (``Generate`` streams, ``Complete`` returns the whole).
 
-The servicer validates a request (INVALID_ARGUMENT naming the field),
-tokenizes it, runs ``orchestrator.loop.Generation`` on the verifier and
+The servicer converts a request once (``specdec.wire`` into a validated
+``specdec.params.GenerationRequest``: INVALID_ARGUMENT naming the field, before
+any backend is called), applies this server's defaults and limits, tokenizes it, runs ``orchestrator.loop.Generation`` on the verifier and
 drafter the ``orchestrator.routing.Router`` pins it to, and translates chunks
 and statistics into messages. It owns what the services must agree on:
 session ids (uuid4), seeds (one is drawn when the request has none, and sent
-to the verifier), tree knobs (request, else this server's defaults, clamped
-to the pinned drafter's limits) and the deadline, passed down as the timeout
+to the verifier), tree knobs (request, else this server's defaults
+``OrchestratorConfig.tree``, clamped to the pinned drafter's limits) and the deadline, passed down as the timeout
 of every internal call. A client cancel or an expired deadline cancels the
 handler; the loop's ``finally`` releases both sessions.
 
@@ -21,46 +22,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
-from orchestrator.loop import TREE_KNOBS, Deadline, Generation, Job
+from orchestrator.loop import Deadline, Generation, Job
 from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
 from orchestrator.text import Delta, TextStream, TextTokenizer
-from specdec import knobs, metrics
+from specdec import metrics, wire
 from specdec.decoding import Decoding, StopCriteria
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.logs import request_id_var
-from specdec.server import ClientTls, Lifecycle, abort_from, status_code_of
-from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
-from specdec.wire import METHOD_FROM_PROTO, METHOD_TO_PROTO
+from specdec.params import VANILLA, GenerationRequest, TreeParams
+from specdec.server import ClientTls, Lifecycle, status_code_of
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 
 log = logging.getLogger("specdec.orchestrator")
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 DRAFTER_WAIT_S = 60.0          # readiness waits this long for a drafter once a verifier answers
-
-
-@dataclass(frozen=True)
-class TreeDefaults:
-    """Knobs a request leaves at 0 (``specdec.knobs``, shared with ``specdec.tree.TreeParams``)."""
-
-    method: str = knobs.DEFAULT_METHOD
-    total_tokens: int = knobs.DEFAULT_TOTAL_TOKENS
-    depth: int = knobs.DEFAULT_DEPTH
-    expand_k: int = knobs.DEFAULT_EXPAND_K
-
-    def __post_init__(self):
-        if self.method not in METHOD_TO_PROTO or self.method == "vanilla":
-            raise ValueError(f"default tree method must be one of "
-                             f"{', '.join(m for m in METHOD_TO_PROTO if m != 'vanilla')}, got {self.method!r}")
-        for name in TREE_KNOBS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"default {name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +57,7 @@ class OrchestratorConfig:
     drafter_dns: str | None = None
     resolve_interval_s: float = 10.0
     probe_interval_s: float = 2.0                  # GetInfo on every backend (health, capacity)
-    tree: TreeDefaults = field(default_factory=TreeDefaults)
+    tree: TreeParams = TreeParams()                # knobs a request leaves unset (static_shape unused)
     default_max_new_tokens: int = 128              # for requests that leave it at 0
     max_new_tokens_limit: int = 2048
     backend_tls: ClientTls | None = None
@@ -202,15 +184,16 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         gen, stats = await self._serve(request.request, context, emit)
         return orchestrator_pb2.CompleteResponse(text=gen.text.text, token_ids=gen.dec.tokens, stats=stats)
 
-    async def _serve(self, request, context, emit: Callable[[Delta], Awaitable[None]]):
-        if request.request_id:
-            request_id_var.set(request.request_id)
+    async def _serve(self, msg, context, emit: Callable[[Delta], Awaitable[None]]):
         start = time.perf_counter()
         status = "OK"
         gen = None
         self.active += 1
         self.stats.update(self.active)
         try:
+            request = wire.generation_request_from_proto(msg)
+            if request.request_id:
+                request_id_var.set(request.request_id)
             if self.verifier_info is None:
                 raise Unavailable("not ready: waiting for a verifier")
             self.lifecycle.check(opens_session=True)
@@ -221,9 +204,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         except asyncio.CancelledError:
             status = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
             raise
-        except Exception as exc:
+        except Exception as exc:              # the server's interceptor answers it
             status = status_code_of(exc).name
-            await abort_from(context, exc)
+            raise
         finally:
             self.active -= 1
             self.stats.update(self.active)
@@ -233,17 +216,15 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 self._count(gen, status)
 
     # -- requests -------------------------------------------------------------------------
-    def _prepare(self, request, deadline: Deadline) -> Generation:
-        """Validate and tokenize; INVALID_ARGUMENT names the field."""
-        if not request.prompt:
-            raise InvalidArgument("prompt must not be empty")
+    def _prepare(self, request: GenerationRequest, deadline: Deadline) -> Generation:
+        """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT names the field."""
         max_new = self._max_new_tokens(request.max_new_tokens)
-        sampling = _sampling(request.sampling)
-        tree = self._tree(request.tree)
-        try:
-            text = TextStream(self.tokenizer, list(request.stop))
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+        sampling = request.sampling
+        if sampling.seed is None:          # drawn here so that the verifier and the logs share it
+            sampling = replace(sampling, seed=secrets.randbits(63))
+        # explicit knobs for a drafter (the loop clamps them to the one it pins), or None for root-only trees
+        tree = request.tree.resolve(self.config.tree) if self.config.drafters.configured else None
+        text = TextStream(self.tokenizer, list(request.stop))
         prompt_ids = self.tokenizer.encode(request.prompt)
         if not prompt_ids:
             raise InvalidArgument("prompt encodes to no tokens")
@@ -252,39 +233,22 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument(f"prompt is too long: {len(prompt_ids)} tokens + max_new_tokens {max_new} "
                                   f"exceed the model's context of {context} tokens")
         stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
-        job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
-                  tree=tree)
+        job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new,
+                  sampling=wire.sampling_to_proto(sampling),
+                  tree=None if tree is None else wire.tree_params_to_proto(tree))
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
-                                      "method": METHOD_FROM_PROTO[tree.method] if tree else "vanilla"})
+                                      "method": tree.method if tree else VANILLA})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
                           gate_by_kind=self.config.min_tau is None)
 
     def _max_new_tokens(self, value: int) -> int:
+        """A request's max_new_tokens (already >= 0) within this server's limit; 0 takes the default."""
         limit = self.config.max_new_tokens_limit
-        if value < 0:
-            raise InvalidArgument(f"max_new_tokens must be >= 0 (0 = server default), got {value}")
         if value > limit:
             raise InvalidArgument(f"max_new_tokens must be <= {limit}, got {value}")
         return value or min(self.config.default_max_new_tokens, limit)
-
-    def _tree(self, msg: common_pb2.TreeParams) -> common_pb2.TreeParams | None:
-        """Explicit knobs for a drafter (the loop clamps them to the one it pins), or None
-        for root-only trees."""
-        if msg.method != common_pb2.TREE_METHOD_UNSPECIFIED and msg.method not in METHOD_FROM_PROTO:
-            raise InvalidArgument(f"tree.method {msg.method} is not a known TreeMethod")
-        if msg.proposals not in common_pb2.Proposals.values():
-            raise InvalidArgument(f"tree.proposals {msg.proposals} is not a known Proposals value")
-        for name in TREE_KNOBS:
-            if getattr(msg, name) < 0:
-                raise InvalidArgument(f"tree.{name} must be >= 0 (0 = server default), got {getattr(msg, name)}")
-        if msg.method == common_pb2.TREE_METHOD_VANILLA or not self.config.drafters.configured:
-            return None
-        defaults = self.config.tree
-        method = METHOD_TO_PROTO[defaults.method] if msg.method == common_pb2.TREE_METHOD_UNSPECIFIED else msg.method
-        values = {name: getattr(msg, name) or getattr(defaults, name) for name in TREE_KNOBS}
-        return common_pb2.TreeParams(method=method, proposals=msg.proposals, **values)
 
     # -- results --------------------------------------------------------------------------
     def _stats(self, gen: Generation) -> orchestrator_pb2.GenerationStats:
@@ -308,19 +272,6 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             "tau": round(s.tau, 3), "finish_reason": gen.dec.finish_reason, "wall_s": round(s.wall_s, 4),
             "verifier": gen.verifier.address if gen.verifier else None,
             "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
-
-
-def _sampling(msg: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """Checked sampling parameters with top_p 0 read as 1 and a seed always set."""
-    if not msg.temperature >= 0 or math.isinf(msg.temperature):
-        raise InvalidArgument(f"sampling.temperature must be >= 0 and finite, got {msg.temperature}")
-    top_p = msg.top_p or 1.0
-    if not 0 < top_p <= 1:
-        raise InvalidArgument(f"sampling.top_p must be in (0, 1] (0 = unset), got {msg.top_p}")
-    if msg.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k must be >= 0 (0 = off), got {msg.top_k}")
-    seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
-    return common_pb2.SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=seed)
 
 
 def _expired(context) -> bool:

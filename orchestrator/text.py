@@ -32,9 +32,9 @@ from typing import Callable, NamedTuple, Sequence
 
 from tokenizers import Tokenizer
 
+from specdec.params import check_stop_strings
+
 REPLACEMENT = "\ufffd"
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -84,16 +84,8 @@ def _eos_ids(directory: Path, tok: Tokenizer) -> set[int]:
 
 
 def validate_stop_strings(stop: Sequence[str]) -> list[str]:
-    """ValueError naming the field ``stop`` for unusable stop strings."""
-    stop = list(stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    for s in stop:
-        if not s:
-            raise ValueError("stop: stop strings must not be empty")
-        if len(s) > MAX_STOP_CHARS:
-            raise ValueError(f"stop: stop strings must be at most {MAX_STOP_CHARS} characters, got {len(s)}")
-    return stop
+    """InvalidArgument naming the field ``stop`` for unusable stop strings (``specdec.params`` bounds)."""
+    return list(check_stop_strings(stop))
 
 
 class IncrementalDetokenizer:

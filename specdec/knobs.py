@@ -1,20 +1,14 @@
-"""Tree methods and default knobs: one torch-free place for every component
-(the tree builder, the CLI, the orchestrator, the deployment ConfigMap).
+"""Default knobs: one torch-free place for every component (the tree
+builder, the CLI, the orchestrator, the deployment ConfigMap). The methods,
+the proposal modes and every bound live in ``specdec.params``.
 
 The defaults are CPU-sized (small trees win when a verify of n tokens costs
 noticeably more than a verify of one); ``specdec bench sweep`` measures the
 trade-off on your hardware.
 """
 
-METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank")
-
-DEFAULT_METHOD = "eagle2"
-# How draft tokens are proposed: "top" (the draft's most likely tokens, one-hot
-# proposals), "sampled" (drawn from the draft distribution and shipped with the
-# tree; sessions at temperature > 0 only), "auto" (sampled when the session
-# samples and the drafter has a distribution, else top). See specdec.proposals.
-PROPOSALS = ("auto", "top", "sampled")
-DEFAULT_PROPOSALS = "auto"
+DEFAULT_METHOD = "eagle2"       # one of specdec.params.METHODS
+DEFAULT_PROPOSALS = "auto"      # one of specdec.params.PROPOSALS
 # `specdec bench sweep` on the 2-core CPU with the demo family: tokens/s is
 # flat from 12 to 32 nodes, and over depth peaks on a plateau from 6 to 8.
 DEFAULT_TOTAL_TOKENS = 16     # nodes incl. the root

@@ -1,20 +1,126 @@
-"""Request parameters, torch-free: what a client may ask for and its limits.
+"""Request parameters, torch-free: what a client may ask for, its bounds, its validation.
 
 Every component (CLI, SDK, wire conversion, services, engines) uses these
-frozen dataclasses; protos are converted to and from them only at the edges
-(``specdec.wire``).
+frozen dataclasses and this one list of methods; protos are converted to and
+from them only at the edges (``specdec.wire``). A value out of bounds raises
+``specdec.errors.InvalidArgument`` whose message starts with the field as a
+client writes it (``sampling.top_p must be in (0, 1], got 1.5``).
+
+Bounds, field by field (a request's 0 / "" / unset leaves a knob to the server):
+
+==========================  ====================================================
+sampling.temperature        finite, >= 0 (0 = greedy)
+sampling.top_k              integer >= 0 (0 = off)
+sampling.top_p              in (0, 1] (on the wire 0 = unset = 1)
+sampling.seed               integer in [0, 2**64), or unset (the server draws one)
+tree.method                 one of ``METHODS``; a request may also say "vanilla"
+tree.total_tokens, depth,   integer >= 1 (a request: >= 0, 0 = server default;
+tree.expand_k               larger values are clamped to the drafter's limits)
+tree.value_temperature      finite, > 0 (a request: >= 0, 0 = the drafter's choice)
+tree.proposals              one of ``PROPOSALS``
+tree.static_shape           rank paths, each after its parent (``tree_shapes``)
+prompt                      1 to ``MAX_PROMPT_CHARS`` characters (the model's
+                            context bounds its tokens, checked by the server)
+max_new_tokens              integer >= 0 (0 = server default; the server's limit)
+stop                        at most ``MAX_STOP_STRINGS`` strings of 1 to
+                            ``MAX_STOP_CHARS`` characters
+request_id                  at most ``MAX_ID_CHARS`` printable ASCII characters
+session_id (internal)       1 to ``MAX_ID_CHARS`` characters
+counts (internal)           integers >= 0 (rollback lengths, DraftAhead count...)
+==========================  ====================================================
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from specdec.errors import InvalidArgument
 from specdec.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_PROPOSALS,
-                           DEFAULT_TOTAL_TOKENS, METHODS, PROPOSALS)
+                           DEFAULT_TOTAL_TOKENS)
 from specdec.tree_shapes import Shape, check_shape
 
+# The tree methods a drafter implements (specdec.tree). A request may also ask
+# for VANILLA: no drafting, every cycle verifies the root alone.
+METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank")
+VANILLA = "vanilla"
+REQUEST_METHODS = METHODS + (VANILLA,)
+# How draft tokens are proposed: "top" (the draft's most likely tokens, one-hot
+# proposals), "sampled" (drawn from the draft distribution and shipped with the
+# tree; sessions at temperature > 0 only), "auto" (sampled when the session
+# samples and the drafter has a distribution, else top). See specdec.proposals.
+PROPOSALS = ("auto", "top", "sampled")
+TREE_KNOBS = ("total_tokens", "depth", "expand_k")
 
+MAX_PROMPT_CHARS = 1 << 20     # 1 Mi characters: far past any context, short of the 64 MiB message cap
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_ID_CHARS = 128             # request and session ids (they travel in metadata and logs)
+MAX_SEED = 2**64 - 1           # the wire's uint64; torch generators take the whole range
+
+
+# -- field checks ------------------------------------------------------------------------------
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_count(value, field: str, low: int = 0, note: str = "") -> int:
+    """An integer >= ``low``; ``note`` says what a special value means (e.g. "0 = server default")."""
+    if not is_int(value) or value < low:
+        bound = f">= {low} ({note})" if note and is_int(value) else f"an integer >= {low}"
+        raise InvalidArgument(f"{field} must be {bound}, got {value!r}")
+    return value
+
+
+def check_text(value, field: str, max_chars: int, *, empty_ok: bool = False, ascii_only: bool = False) -> str:
+    """A string of at most ``max_chars`` characters (non-empty unless ``empty_ok``)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
+    if not value and not empty_ok:
+        raise InvalidArgument(f"{field} must not be empty")
+    if len(value) > max_chars:
+        raise InvalidArgument(f"{field} must be at most {max_chars} characters, got {len(value)}")
+    if ascii_only and not all(" " <= c <= "~" for c in value):
+        raise InvalidArgument(f"{field} must be printable ASCII")
+    return value
+
+
+def check_session_id(value, field: str = "session_id") -> str:
+    return check_text(value, field, MAX_ID_CHARS)
+
+
+def check_request_id(value, field: str = "request_id") -> str:
+    return check_text(value, field, MAX_ID_CHARS, empty_ok=True, ascii_only=True)
+
+
+def is_request_id(value) -> bool:
+    """Whether ``value`` would pass ``check_request_id`` and is not empty (metadata checks)."""
+    try:
+        return bool(check_request_id(value))
+    except InvalidArgument:
+        return False
+
+
+def check_stop_strings(stop, field: str = "stop") -> tuple[str, ...]:
+    stop = tuple(stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"{field}: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        check_text(s, f"{field}[{i}]", MAX_STOP_CHARS)
+    return stop
+
+
+def check_choice(value, choices: tuple[str, ...], field: str) -> str:
+    if value not in choices:
+        raise InvalidArgument(f"{field} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def prefixed(field: str, name: str) -> str:
+    return f"{field}.{name}" if field else name
+
+
+# -- sampling ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 => greedy (argmax)
@@ -22,22 +128,35 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 => off
     seed: int | None = None  # None => a random seed per request
 
-    def validate(self) -> None:
+    def validate(self, field: str = "") -> SamplingParams:
+        """Raise InvalidArgument naming ``field``.<name> unless every value is in bounds."""
         # Written as negated range checks so that NaN fails them too.
-        if not (self.temperature >= 0.0) or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0.0) or math.isinf(t):
+            raise InvalidArgument(f"{prefixed(field, 'temperature')} must be >= 0 and finite, got {t!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument(f"{prefixed(field, 'top_p')} must be in (0, 1], got {self.top_p!r}")
+        check_count(self.top_k, prefixed(field, "top_k"), note="0 = off")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidArgument(f"{prefixed(field, 'seed')} must be an integer in [0, 2**64), got {self.seed!r}")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+# -- tree knobs --------------------------------------------------------------------------------
+def check_value_temperature(t, field: str, zero_ok: bool = False) -> None:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t < math.inf) or (t == 0 and not zero_ok):
+        bound = ">= 0 (0 = the drafter's choice)" if zero_ok else "> 0"
+        raise InvalidArgument(f"{field} must be {bound} and finite, got {t!r}")
+
+
 @dataclass(frozen=True)
 class TreeParams:
+    """Resolved tree knobs, as a drafter builds a tree with them (every knob set)."""
+
     method: str = DEFAULT_METHOD
     total_tokens: int = DEFAULT_TOTAL_TOKENS  # nodes in the draft incl. the root
     depth: int = DEFAULT_DEPTH  # deepest draft level (root is level 0); at most this many expand() calls
@@ -47,25 +166,85 @@ class TreeParams:
     # (rank and rerank); None: the drafter's choice (its calibration for greedy
     # sessions, else 1). Output never depends on it.
     value_temperature: float | None = None
-    proposals: str = DEFAULT_PROPOSALS  # "auto" | "top" | "sampled" (knobs.PROPOSALS); the drafter resolves it
-
+    proposals: str = DEFAULT_PROPOSALS  # one of PROPOSALS; the drafter resolves "auto"
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.proposals not in PROPOSALS:
-            raise ValueError(f"proposals must be one of {PROPOSALS}, got {self.proposals!r}")
-        for name in ("total_tokens", "depth", "expand_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_choice(self.method, METHODS, "method")
+        check_choice(self.proposals, PROPOSALS, "proposals")
+        for name in TREE_KNOBS:
+            check_count(getattr(self, name), name, low=1)
         if self.static_shape is not None:
             try:
                 shape = tuple(tuple(path) for path in self.static_shape)
             except TypeError as e:
-                raise ValueError(f"static_shape must be a sequence of rank paths: {e}") from None
-            check_shape(shape)
+                raise InvalidArgument(f"static_shape must be a sequence of rank paths: {e}") from None
+            try:
+                check_shape(shape)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
             object.__setattr__(self, "static_shape", shape)
-        t = self.value_temperature
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
-            raise ValueError(f"value_temperature must be a number > 0, got {t!r}")
+        if self.value_temperature is not None:
+            check_value_temperature(self.value_temperature, "value_temperature")
+
+    def clamped(self, limits: TreeParams) -> TreeParams:
+        """These knobs, each at most the one of ``limits`` (method and the rest unchanged)."""
+        return replace(self, **{k: min(getattr(self, k), getattr(limits, k)) for k in TREE_KNOBS})
+
+
+@dataclass(frozen=True)
+class TreeRequest:
+    """A request's tree knobs as a client writes them: "" / 0 / "auto" leave a
+    knob to the server, whose defaults fill it in (``resolve``)."""
+
+    method: str = ""               # "" = server default; one of REQUEST_METHODS
+    total_tokens: int = 0          # 0 = server default (all three are clamped to the drafter's limits)
+    depth: int = 0
+    expand_k: int = 0
+    value_temperature: float = 0.0   # 0 = the drafter's choice
+    proposals: str = "auto"          # "auto" = the server's default (itself "auto" unless configured)
+
+    def __post_init__(self):
+        if self.method:
+            check_choice(self.method, REQUEST_METHODS, "tree.method")
+        for name in TREE_KNOBS:
+            check_count(getattr(self, name), f"tree.{name}", note="0 = server default")
+        check_value_temperature(self.value_temperature, "tree.value_temperature", zero_ok=True)
+        check_choice(self.proposals, PROPOSALS, "tree.proposals")
+
+    @property
+    def vanilla(self) -> bool:
+        return self.method == VANILLA
+
+    def resolve(self, default: TreeParams, limits: TreeParams | None = None) -> TreeParams | None:
+        """The knobs a drafter builds with: unset ones from ``default``, all
+        clamped to ``limits`` when given; None for VANILLA (no drafting)."""
+        if self.vanilla:
+            return None
+        method = self.method or default.method
+        knobs = {name: getattr(self, name) or getattr(default, name) for name in TREE_KNOBS}
+        resolved = replace(default, method=method, static_shape=default.static_shape if method == default.method
+                           else None, value_temperature=self.value_temperature or default.value_temperature,
+                           proposals=default.proposals if self.proposals == "auto" else self.proposals, **knobs)
+        return resolved if limits is None else resolved.clamped(limits)
+
+
+# -- a whole request ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated public request (``GenerateRequest`` / ``CompleteRequest``):
+    constructing one checks every field. Server-dependent bounds (the
+    max_new_tokens limit, the model's context) are the server's to check."""
+
+    prompt: str
+    max_new_tokens: int = 0                    # 0 = server default
+    sampling: SamplingParams = SamplingParams()
+    tree: TreeRequest = TreeRequest()
+    stop: tuple[str, ...] = ()                 # stop strings (not included in the output)
+    request_id: str = ""                       # optional; echoed in logs and stats
+
+    def __post_init__(self):
+        check_text(self.prompt, "prompt", MAX_PROMPT_CHARS)
+        check_count(self.max_new_tokens, "max_new_tokens", note="0 = server default")
+        self.sampling.validate("sampling")
+        object.__setattr__(self, "stop", check_stop_strings(self.stop))
+        check_request_id(self.request_id)

@@ -5,16 +5,17 @@ drafter and orchestrator alike.
   ("liveness" SERVING at once; "readiness", "" and each hosted service
   NOT_SERVING until ``set_ready(True)``), server reflection, optional TLS /
   mutual TLS, an optional bearer token, and Prometheus on its own HTTP port.
-- One interceptor per server: request ids (``x-request-id`` metadata or a fresh
-  one, into ``specdec.logs.request_id_var``), the token check (health checks
-  are exempt so probes work), RPC duration / count metrics and the in-flight
-  count that autoscaling reads.
+- One interceptor per server (``specdec.interceptor``): request ids, the token
+  check (health checks are exempt so probes work), RPC metrics, the in-flight
+  count that autoscaling reads, and errors: servicers' handlers just raise and
+  the interceptor answers with the status the error stands for
+  (``status_code_of``; unexpected errors: INTERNAL, logged once).
 - Drain: readiness goes NOT_SERVING, servicers refuse new sessions, open
   sessions and in-flight RPCs get up to ``drain_s`` to finish, then the server
   stops. SIGTERM / SIGINT start it (``install_signal_drain``); a second signal
   stops at once.
 - ``open_channel`` for calls between services (TLS, token and the request id
-  passed on), ``abort_from`` / ``status_code_of`` mapping errors to statuses.
+  passed on).
 - ``Lifecycle``: loading -> ready -> draining, which servicers check; the
   verifier and drafter servicers' shared base lives in ``specdec.engine_servicer``.
 
@@ -24,18 +25,14 @@ No torch here: the orchestrator imports this module.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import inspect
 import json
 import logging
 import signal
 import threading
 import time
-import uuid
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, NoReturn
+from typing import Awaitable, Callable
 
 import grpc
 import grpc.aio
@@ -43,7 +40,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specdec import metrics
-from specdec.errors import SpecdecError, Unavailable
+from specdec.errors import Unavailable
+from specdec.interceptor import HEALTH_SERVICE, RpcInterceptor, abort_from, status_code_of
 from specdec.logs import configure_logging, request_id_var
 
 __all__ = ["ServerConfig", "ClientTls", "Lifecycle", "RunningServer", "start_server", "run_server",
@@ -54,9 +52,6 @@ log = logging.getLogger("specdec.server")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-_HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
-_REFLECTION_PREFIX = "/grpc.reflection."
 
 
 @dataclass(frozen=True)
@@ -170,101 +165,6 @@ class _Health(health_pb2_grpc.HealthServicer):
             statuses={s: health_pb2.HealthCheckResponse(status=v) for s, v in self._status.items()})
 
 
-def _token_ok(header: str | None, token: str) -> bool:
-    scheme, _, value = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
-
-
-def _wrap(handler: grpc.RpcMethodHandler, around) -> grpc.RpcMethodHandler:
-    """The same handler with each call run inside ``around(context)`` (an async
-    context manager); handles both response styles (value / async generator)."""
-
-    def unary_response(inner):
-        async def behavior(request, context):
-            async with around(context):
-                result = inner(request, context)
-                return await result if inspect.isawaitable(result) else result
-        return behavior
-
-    def stream_response(inner):
-        if inspect.isasyncgenfunction(inner):
-            async def behavior(request, context):
-                async with around(context):
-                    async for item in inner(request, context):
-                        yield item
-            return behavior
-        return unary_response(inner)
-
-    kinds = (("unary_unary", unary_response, grpc.unary_unary_rpc_method_handler),
-             ("unary_stream", stream_response, grpc.unary_stream_rpc_method_handler),
-             ("stream_unary", unary_response, grpc.stream_unary_rpc_method_handler),
-             ("stream_stream", stream_response, grpc.stream_stream_rpc_method_handler))
-    for attr, wrapper, make in kinds:
-        inner = getattr(handler, attr)
-        if inner is not None:
-            return make(wrapper(inner), request_deserializer=handler.request_deserializer,
-                        response_serializer=handler.response_serializer)
-    return handler
-
-
-class _Interceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, role: str, token: str | None, in_flight: list[int]):
-        self.role = role
-        self.token = token
-        self.in_flight = in_flight          # one-element list shared with RunningServer
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        method = details.method
-        if handler is None or method.startswith(_HEALTH_PREFIX):
-            return handler
-        md = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        if self.token is not None and not _token_ok(md.get("authorization"), self.token):
-            @asynccontextmanager
-            async def deny(context):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
-                yield
-            return _wrap(handler, deny)
-        if method.startswith(_REFLECTION_PREFIX):
-            return handler
-        service, _, name = method.lstrip("/").rpartition("/")
-        rid = md.get("x-request-id") or uuid.uuid4().hex[:16]
-        return _wrap(handler, lambda context: self._observe(context, service, name, rid))
-
-    @asynccontextmanager
-    async def _observe(self, context, service: str, name: str, rid: str):
-        token = request_id_var.set(rid)
-        depth = metrics.QUEUE_DEPTH.labels(self.role)
-        depth.inc()
-        self.in_flight[0] += 1
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            yield
-            code = context.code() or grpc.StatusCode.OK
-        except grpc.aio.AbortError:
-            code = context.code() or grpc.StatusCode.UNKNOWN
-            raise
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception:
-            code = grpc.StatusCode.UNKNOWN
-            log.exception("unhandled error in %s/%s", service, name)
-            raise
-        finally:
-            elapsed = time.perf_counter() - start
-            self.in_flight[0] -= 1
-            depth.dec()
-            code_name = code.name if isinstance(code, grpc.StatusCode) else str(code)
-            metrics.RPC_DURATION.labels(service, name).observe(elapsed)
-            metrics.RPCS.labels(service, name, code_name).inc()
-            log.log(logging.DEBUG if code_name == "OK" else logging.INFO, "rpc",
-                    extra={"method": f"{service}/{name}", "code": code_name, "ms": round(elapsed * 1e3, 3)})
-            request_id_var.reset(token)
-
-
 # -- the server ------------------------------------------------------------------------------
 class RunningServer:
     def __init__(self, server: grpc.aio.Server, health: _Health, port: int, metrics_http,
@@ -359,7 +259,7 @@ def _server_credentials(cfg: ServerConfig):
 async def start_server(cfg: ServerConfig, services: list[tuple[Callable, object, str]], name: str) -> RunningServer:
     """services: (add_XServicer_to_server, servicer, "specdec.v1.XService") triples."""
     in_flight = [0]
-    server = grpc.aio.server(interceptors=[_Interceptor(name, cfg.auth_token, in_flight)],
+    server = grpc.aio.server(interceptors=[RpcInterceptor(name, cfg.auth_token, in_flight)],
                              options=cfg.grpc_options())
     health = _Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -481,29 +381,3 @@ def open_channel(target: str, tls: ClientTls | None = None, token: str | None = 
                                          private_key=_read(tls.key, "TLS client key"),
                                          certificate_chain=_read(tls.cert, "TLS client certificate"))
     return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
-
-
-# -- errors ----------------------------------------------------------------------------------
-def status_code_of(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code()
-    if isinstance(exc, SpecdecError):
-        return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    return grpc.StatusCode.INTERNAL
-
-
-async def abort_from(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-    """End the RPC with the status ``exc`` stands for; unexpected errors are logged."""
-    code = status_code_of(exc)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        message = exc.details() or code.name
-    elif code == grpc.StatusCode.INTERNAL:
-        log.error("internal error", exc_info=exc)
-        message = f"internal error: {type(exc).__name__}: {exc}"
-    else:
-        message = str(exc) or type(exc).__name__
-    await context.abort(code, message)

@@ -297,9 +297,9 @@ class _Pool:
         lp, tok = _top_tokens(logp, k)
         t = self.value_temperature
         if t != 1.0:
-            # log softmax(logits / t) at the same tokens: the order within a row is unchanged
-            scaled = logp.float() / t
-            lp = (lp / t - torch.logsumexp(scaled, dim=-1, keepdim=True).cpu()).clamp(max=0.0)
+            # log softmax(logits / t) at the same tokens (order unchanged); an all -inf row stays -inf, not NaN
+            lse = torch.logsumexp(logp.float() / t, dim=-1, keepdim=True).cpu()  # [f, 1]
+            lp = torch.where(torch.isfinite(lse), (lp / t - lse).clamp(max=0.0), lp)
         return lp, tok
 
     def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

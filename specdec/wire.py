@@ -1,13 +1,20 @@
-"""Conversions between the specdec.v1 messages and the core types.
+"""Conversions between the specdec.v1 messages and the core types, both ways.
 
-Validation happens here, at the edge: a malformed message becomes an
-``InvalidArgument`` whose text names the offending field the way a client
-wrote it (``tree.parents[3] = 5 is not in [0, 3) ...``,
-``features.shape [2, 4] needs 32 bytes ...``), so services can return it as is.
+The SDK, the CLI and the three services convert here and nowhere else: a
+server turns the proto it receives into ``specdec.params`` dataclasses at the
+top of its handler and works with those. Validation happens on the way in: a
+malformed message becomes an ``InvalidArgument`` whose text names the
+offending field the way a client wrote it (``tree.parents[3] = 5 is not in
+[0, 3) ...``, ``features.shape [2, 4] needs 32 bytes ...``,
+``tree.value_temperature must be >= 0 ...``), so services can return it as is.
+The bounds themselves are ``specdec.params``'s; this module only adds what is
+the wire's own (unknown enum values, 0 meaning unset).
 
-torch and the core modules are imported inside the functions: the orchestrator
-(no torch) imports this module for the enum maps and only forwards ``Tensor``
-messages between the verifier and the drafter.
+Parameters and requests convert without torch. Tensors and draft trees need
+it, and import it (with the torch-based core modules) inside their functions:
+the orchestrator and the SDK, which never import torch, use this module for
+parameters and forward ``Tensor`` messages between verifier and drafter as
+they are.
 """
 
 from __future__ import annotations
@@ -17,29 +24,27 @@ import sys
 from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidArgument
-from specdec.v1 import common_pb2
+from specdec.params import PROPOSALS, REQUEST_METHODS, GenerationRequest, SamplingParams, TreeParams, TreeRequest
+from specdec.v1 import common_pb2, orchestrator_pb2
 
 if TYPE_CHECKING:
     import torch
 
-    from specdec.params import SamplingParams
-    from specdec.params import TreeParams
     from specdec.tree import DraftTree
 
-METHOD_TO_PROTO: dict[str, int] = {
-    "eagle2": common_pb2.TREE_METHOD_EAGLE2,
-    "static": common_pb2.TREE_METHOD_STATIC,
-    "chain": common_pb2.TREE_METHOD_CHAIN,
-    "no-value": common_pb2.TREE_METHOD_NO_VALUE,
-    "no-rerank": common_pb2.TREE_METHOD_NO_RERANK,
-    "vanilla": common_pb2.TREE_METHOD_VANILLA,
-}
+
+
+def _enum_suffix(name: str) -> str:
+    return name.upper().replace("-", "_")
+
+
+# Built from the one list in specdec.params: a method or mode the proto lacks
+# fails here, at import, not on the first request that uses it.
+METHOD_TO_PROTO: dict[str, int] = {m: common_pb2.TreeMethod.Value(f"TREE_METHOD_{_enum_suffix(m)}")
+                                   for m in REQUEST_METHODS}
 METHOD_FROM_PROTO: dict[int, str] = {v: k for k, v in METHOD_TO_PROTO.items()}
-PROPOSALS_TO_PROTO: dict[str, int] = {
-    "auto": common_pb2.PROPOSALS_AUTO,
-    "top": common_pb2.PROPOSALS_TOP,
-    "sampled": common_pb2.PROPOSALS_SAMPLED,
-}
+PROPOSALS_TO_PROTO: dict[str, int] = {p: common_pb2.Proposals.Value(f"PROPOSALS_{_enum_suffix(p)}")
+                                      for p in PROPOSALS}
 PROPOSALS_FROM_PROTO: dict[int, str] = {v: k for k, v in PROPOSALS_TO_PROTO.items()}
 
 # dtype name -> bytes per element. Bytes travel in the host's order, which the
@@ -144,19 +149,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Validated SamplingParams; top_p 0 (unset) reads as 1, an unset seed as None."""
-    from specdec.params import SamplingParams
-
-    params = SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
-                            seed=msg.seed if msg.HasField("seed") else None)
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise InvalidArgument(f"{field}.{exc}") from None
-    return params
+    return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
+                          seed=msg.seed if msg.HasField("seed") else None).validate(field)
 
 
 def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
-    """None (no drafting) is the VANILLA method."""
+    """Resolved knobs (static_shape stays with the drafter's defaults); None
+    (no drafting) is the VANILLA method."""
     if cfg is None:
         return common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA)
     return common_pb2.TreeParams(method=METHOD_TO_PROTO[cfg.method], total_tokens=cfg.total_tokens,
@@ -165,36 +164,49 @@ def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
                                  proposals=PROPOSALS_TO_PROTO[cfg.proposals])
 
 
-def _enum_value(value: int, unset: int, default: str, names: dict[int, str], field: str, what: str) -> str:
-    """The name of an enum field's value; ``unset`` takes ``default``."""
-    if value == unset:
-        return default
+def tree_request_to_proto(req: TreeRequest) -> common_pb2.TreeParams:
+    method = METHOD_TO_PROTO[req.method] if req.method else common_pb2.TREE_METHOD_UNSPECIFIED
+    return common_pb2.TreeParams(method=method, total_tokens=req.total_tokens, depth=req.depth,
+                                 expand_k=req.expand_k, value_temperature=req.value_temperature,
+                                 proposals=PROPOSALS_TO_PROTO[req.proposals])
+
+
+def _enum_name(value: int, names: dict[int, str], field: str, what: str) -> str:
     if value not in names:
         raise InvalidArgument(f"{field} {value} is not a known {what}")
     return names[value]
 
 
-def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeParams, limits: TreeParams,
-                           field: str = "tree") -> TreeParams | None:
-    """The tree knobs of a request: 0 / UNSPECIFIED take ``default``, then every
-    knob is clamped to ``limits``. VANILLA (no drafting) gives None."""
-    from dataclasses import replace
+def tree_request_from_proto(msg: common_pb2.TreeParams) -> TreeRequest:
+    """A request's validated tree knobs (UNSPECIFIED / 0 / AUTO: the server's)."""
+    method = "" if msg.method == common_pb2.TREE_METHOD_UNSPECIFIED else \
+        _enum_name(msg.method, METHOD_FROM_PROTO, "tree.method", "TreeMethod")
+    return TreeRequest(method=method, total_tokens=msg.total_tokens, depth=msg.depth, expand_k=msg.expand_k,
+                       value_temperature=msg.value_temperature,
+                       proposals=_enum_name(msg.proposals, PROPOSALS_FROM_PROTO, "tree.proposals", "Proposals value"))
 
-    if msg.method == common_pb2.TREE_METHOD_VANILLA:
-        return None
-    method = _enum_value(msg.method, common_pb2.TREE_METHOD_UNSPECIFIED, default.method, METHOD_FROM_PROTO,
-                         f"{field}.method", "TreeMethod")
-    knobs = {}
-    for name in ("total_tokens", "depth", "expand_k"):
-        value = getattr(msg, name)
-        if value < 0:
-            raise InvalidArgument(f"{field}.{name} must be >= 0 (0 = server default), got {value}")
-        knobs[name] = min(value or getattr(default, name), getattr(limits, name))
-    static_shape = default.static_shape if method == default.method else None
-    t = msg.value_temperature
-    if not (t >= 0 and math.isfinite(t)):
-        raise InvalidArgument(f"{field}.value_temperature must be >= 0 (0 = the drafter's choice), got {t}")
-    proposals = _enum_value(msg.proposals, common_pb2.PROPOSALS_AUTO, default.proposals, PROPOSALS_FROM_PROTO,
-                            f"{field}.proposals", "Proposals value")
-    return replace(default, method=method, static_shape=static_shape, value_temperature=t or default.value_temperature,
-                   proposals=proposals, **knobs)
+
+def tree_config_from_proto(msg: common_pb2.TreeParams, default: TreeParams, limits: TreeParams) -> TreeParams | None:
+    """The knobs a drafter builds with: unset ones take ``default``, every one
+    is clamped to ``limits``. VANILLA (no drafting) gives None."""
+    return tree_request_from_proto(msg).resolve(default, limits)
+
+
+def enum_to_proto(name: str, table: dict[str, int], field: str) -> int:
+    """A method / proposals name as its enum value; InvalidArgument naming ``field`` for an unknown one."""
+    if name not in table:
+        raise InvalidArgument(f"{field} must be one of {', '.join(table)}, got {name!r}")
+    return table[name]
+
+
+def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_new_tokens,
+                                            sampling=sampling_to_proto(req.sampling), stop=list(req.stop),
+                                            tree=tree_request_to_proto(req.tree), request_id=req.request_id)
+
+
+def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
+    """The validated public request: InvalidArgument names the first bad field."""
+    return GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
+                             sampling=sampling_from_proto(msg.sampling), tree=tree_request_from_proto(msg.tree),
+                             stop=tuple(msg.stop), request_id=msg.request_id)

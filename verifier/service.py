@@ -1,8 +1,9 @@
 """VerifierService: the gRPC face of ``verifier.engine.VerifierEngine``.
 
-Each RPC validates its message (``specdec.wire``), runs one engine call on the
-servicer's worker thread and translates the result; errors become statuses
-(``specdec.server.abort_from``): a malformed tree is INVALID_ARGUMENT naming
+Each RPC converts its message (``specdec.wire``, bounds from
+``specdec.params``), runs one engine call on the servicer's worker thread and
+translates the result. Handlers just raise; the server's interceptor turns
+errors into statuses (``specdec.server.status_code_of``): a malformed tree is INVALID_ARGUMENT naming
 the field, an unknown or evicted session NOT_FOUND, the session cap
 RESOURCE_EXHAUSTED, a tree whose root is not the last committed token
 FAILED_PRECONDITION, loading or draining UNAVAILABLE. ``Prefill`` with
@@ -18,10 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec import metrics, wire
-from specdec.errors import InvalidArgument
-from specdec.params import SamplingParams
 from specdec.engine_servicer import EngineServicer
-from specdec.server import abort_from
+from specdec.params import SamplingParams, check_count, check_session_id
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -97,18 +96,14 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     def _features(self, features):
         return wire.tensor_to_proto(features, self.config.feature_dtype)
 
-    # -- RPCs ---------------------------------------------------------------------------------
+    # -- RPCs (errors become statuses in specdec.server's interceptor) -------------------------
     async def Prefill(self, request, context):
-        try:
-            self.check(opens_session=True)
-            params = wire.sampling_from_proto(request.sampling)
-            if request.max_new_tokens < 0:
-                raise InvalidArgument(f"max_new_tokens must be >= 0, got {request.max_new_tokens}")
-            result, seconds = await self.run(self._evict_then, self.engine.prefill, request.session_id,
-                                             list(request.prompt_ids), params, request.max_new_tokens,
-                                             request.resume, opening=True)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check(opens_session=True)
+        sid = check_session_id(request.session_id)
+        params = wire.sampling_from_proto(request.sampling)
+        max_new = check_count(request.max_new_tokens, "max_new_tokens", note="0 = no reservation")
+        result, seconds = await self.run(self._evict_then, self.engine.prefill, sid, list(request.prompt_ids),
+                                         params, max_new, request.resume, opening=True)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds)
         if request.return_features:
@@ -116,15 +111,13 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         return response
 
     async def Verify(self, request, context):
-        try:
-            self.check()
-            tree = wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
-            if self.scheduler is not None:
-                result, seconds = await self.scheduler.verify(request.session_id, tree)
-            else:
-                result, seconds = await self.run(self.engine.verify, request.session_id, tree)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        sid = check_session_id(request.session_id)
+        tree = wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
+        if self.scheduler is not None:
+            result, seconds = await self.scheduler.verify(sid, tree)
+        else:
+            result, seconds = await self.run(self.engine.verify, sid, tree)
         metrics.VERIFY_DURATION.observe(seconds)
         response = verifier_pb2.VerifyResponse(accepted_nodes=result.accepted, tokens=result.tokens,
                                                compute_s=seconds)
@@ -133,27 +126,18 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         return response
 
     async def Rollback(self, request, context):
-        try:
-            self.check()
-            await self.run(self.engine.rollback, request.session_id, request.length)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        await self.run(self.engine.rollback, check_session_id(request.session_id), request.length)
         return verifier_pb2.VerifierRollbackResponse()
 
     async def Release(self, request, context):
-        try:
-            self.check()
-            # shielded: a client that gives up on Release still gets the memory freed
-            released, _ = await self.run(self.engine.release, request.session_id, shield=True)
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
+        # shielded: a client that gives up on Release still gets the memory freed
+        released, _ = await self.run(self.engine.release, check_session_id(request.session_id), shield=True)
         return verifier_pb2.VerifierReleaseResponse(released=released)
 
     async def GetInfo(self, request, context):
-        try:
-            self.check()
-        except Exception as exc:
-            await abort_from(context, exc)
+        self.check()
         target = self.engine.target
         return verifier_pb2.VerifierGetInfoResponse(
             model=self.config.model_name or str(target.spec.path), vocab_size=target.vocab_size,

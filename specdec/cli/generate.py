@@ -9,10 +9,10 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.decoding import StopCriteria
+from specdec.params import PROPOSALS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
 
 # torch-free at import: `specdec --help` and the service subcommands that
 # don't need torch must not pay for (or require) it.
-METHODS = knobs.METHODS
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -49,7 +49,7 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")
-    p.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=knobs.PROPOSALS,
+    p.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=PROPOSALS,
                    help="how draft tokens are proposed when sampling (T > 0): sampled = drawn from the draft "
                         "distribution and accepted by recursive rejection sampling, top = the draft's most likely "
                         "tokens; auto (default): sampled where the drafter has a distribution (not n-gram); "
@@ -57,7 +57,7 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="eagle2", choices=("vanilla",) + METHODS)
+    p.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=REQUEST_METHODS)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -105,18 +105,13 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def sampling_from(args):
-    from specdec.params import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    params.validate()
-    return params
+def sampling_from(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed).validate()
 
 
-def tree_from(args):
-    from specdec.params import TreeParams
-
-    if args.method == "vanilla":
+def tree_from(args) -> TreeParams | None:
+    if args.method == VANILLA:
         return None
     return TreeParams(method=args.method, total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
                       value_temperature=args.value_temperature, proposals=args.proposals)
@@ -134,7 +129,7 @@ def resolve_models(args):
         hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
         raise CliError(f"target model directory {target} has no config.json{hint}")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device)
-    if args.method == "vanilla":
+    if args.method == VANILLA:
         return spec, DrafterChoice("none")
     if args.ngram:
         return spec, DrafterChoice("ngram")

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from specdec.params import VANILLA
+
 
 def add_client_flags(p: argparse.ArgumentParser) -> None:
     """Flags of ``generate`` that only matter with ``--server``."""
@@ -28,10 +30,11 @@ def _request_params(args, params, tree_cfg) -> dict:
     out = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                top_k=params.top_k, seed=params.seed)
     if tree_cfg is None:
-        out["method"] = "vanilla"
+        out["method"] = VANILLA
     else:
         out.update(method=tree_cfg.method, total_tokens=tree_cfg.total_tokens, depth=tree_cfg.depth,
-                   expand_k=tree_cfg.expand_k, proposals=tree_cfg.proposals)
+                   expand_k=tree_cfg.expand_k, value_temperature=tree_cfg.value_temperature or 0.0,
+                   proposals=tree_cfg.proposals)
     return out
 
 

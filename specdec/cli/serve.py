@@ -21,7 +21,9 @@ import argparse
 import asyncio
 import os
 
+from specdec import knobs
 from specdec.cli.main import model_dir
+from specdec.params import METHODS, PROPOSALS, TreeParams
 from specdec.server import ServerConfig
 
 VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
@@ -135,14 +137,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    from specdec import knobs
-
     t = p.add_argument_group("draft tree (a request's 0 / unset knobs take these; larger ones are clamped)")
-    t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=knobs.METHODS)
+    t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
     t.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH)
     t.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K)
-    t.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=knobs.PROPOSALS,
+    t.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=PROPOSALS,
                    help="sessions at T > 0: sampled (drawn from the draft distribution), top, or auto (sampled)")
     t.add_argument("--max-total-tokens", type=int, default=64)
     t.add_argument("--max-depth", type=int, default=8)
@@ -255,8 +255,6 @@ def _drafter_builder(args):
 
 
 def run_drafter(args) -> int:
-    from specdec.params import TreeParams
-
     _check_sessions(args)
     cfg = server_config_from(args)
     default = TreeParams(method=args.method, total_tokens=args.total_tokens, depth=args.depth,

@@ -47,14 +47,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.service import TreeDefaults
 from specdec import knobs
 from specdec.cli.serve import add_server_flags, server_config_from
-from specdec.wire import METHOD_TO_PROTO
+from specdec.params import METHODS, REQUEST_METHODS, VANILLA, TreeParams
 
 ORCHESTRATOR_PORTS = (50051, 9451)    # (gRPC, metrics) defaults
 DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-TREE_METHODS = tuple(m for m in METHOD_TO_PROTO if m != "vanilla")
 
 
 def _min_tau(text: str) -> float | None:
@@ -101,10 +99,10 @@ def add_orchestrator_parser(sub) -> None:
                         "(env SPECDEC_PROBE_INTERVAL_S; default 2)")
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the demo target)")
     t = p.add_argument_group("defaults of a request's 0 / unset knobs (clamped to the drafter's limits)")
-    t.add_argument("--method", default=TreeDefaults.method, choices=TREE_METHODS)
-    t.add_argument("--total-tokens", type=int, default=TreeDefaults.total_tokens)
-    t.add_argument("--depth", type=int, default=TreeDefaults.depth)
-    t.add_argument("--expand-k", type=int, default=TreeDefaults.expand_k)
+    t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
+    t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
+    t.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH)
+    t.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K)
     t.add_argument("--max-new-tokens", type=int, default=128)
     t.add_argument("--min-tau", type=_min_tau, metavar="TAU", default=_env("SPECDEC_MIN_TAU", "auto"),
                    help="pause a session's drafting while its recent cycles commit fewer tokens than this on "
@@ -152,8 +150,8 @@ def orchestrator_config(args):
     tls = None
     if args.backend_ca or args.backend_cert or args.backend_key:
         tls = ClientTls(ca=args.backend_ca, cert=args.backend_cert, key=args.backend_key)
-    tree = TreeDefaults(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
-                        expand_k=args.expand_k)
+    tree = TreeParams(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
+                      expand_k=args.expand_k)
     return OrchestratorConfig(verifier=verifiers, drafter=drafters, verifier_dns=args.verifier_dns or None,
                               drafter_dns=args.drafter_dns or None, resolve_interval_s=args.resolve_interval_s,
                               probe_interval_s=args.probe_interval_s, tree=tree,
@@ -216,7 +214,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=ORCHESTRATOR_PORTS[0], help="orchestrator port (0 = any free port)")
     p.add_argument("--metrics-port", default="0", help="orchestrator metrics port (0 = any free port, 'off')")
     add_model_flags(p)
-    p.add_argument("--method", default=TreeDefaults.method, choices=("vanilla",) + TREE_METHODS,
+    p.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=REQUEST_METHODS,
                    help="default tree method (vanilla: no drafter process)")
     p.add_argument("--demo-generation", action="store_true",
                    help="once ready, stream one generation of a built-in prompt with its stats")
@@ -428,7 +426,7 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
 
     target = _model_dir(args.target or str(demo_path("target")), "target model")
     verifier = ["--target", target, "--dtype", args.dtype]
-    if args.method == "vanilla":
+    if args.method == VANILLA:
         drafter = None
     elif args.ngram:
         drafter = ["--ngram", "--target", target]

@@ -1,6 +1,7 @@
 """Client SDK for the specdec orchestrator (``specdec.v1.OrchestratorService``).
 
-Needs only grpcio and the generated messages (no torch)::
+Needs only grpcio, the generated messages and specdec's torch-free parameter
+layer (``specdec.params``, ``specdec.wire``)::
 
     with SpecdecClient("127.0.0.1:50051") as client:
         stream = client.generate("def fib(n):", max_new_tokens=64)
@@ -30,23 +31,13 @@ from typing import Any, Callable, Iterable
 
 import grpc
 
+from specdec.params import PROPOSALS as PROPOSALS  # re-exported: the names build_request accepts
+from specdec.params import REQUEST_METHODS, SamplingParams, is_request_id
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from specdec.wire import METHOD_TO_PROTO, PROPOSALS_TO_PROTO, enum_to_proto, sampling_to_proto
 
-METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank", "vanilla")
-_METHOD_ENUM = {
-    "eagle2": common_pb2.TREE_METHOD_EAGLE2,
-    "static": common_pb2.TREE_METHOD_STATIC,
-    "chain": common_pb2.TREE_METHOD_CHAIN,
-    "no-value": common_pb2.TREE_METHOD_NO_VALUE,
-    "no-rerank": common_pb2.TREE_METHOD_NO_RERANK,
-    "vanilla": common_pb2.TREE_METHOD_VANILLA,
-}
-PROPOSALS = ("auto", "top", "sampled")
-_PROPOSALS_ENUM = {
-    "auto": common_pb2.PROPOSALS_AUTO,
-    "top": common_pb2.PROPOSALS_TOP,
-    "sampled": common_pb2.PROPOSALS_SAMPLED,
-}
+METHODS = REQUEST_METHODS                # "vanilla" included: no drafting
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_BACKOFF_S = 2.0
 
@@ -138,26 +129,24 @@ class Completion:
 # -- requests ------------------------------------------------------------------
 def build_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: Iterable[str] = (), method: str | None = None,
-                  total_tokens: int = 0, depth: int = 0, expand_k: int = 0, proposals: str = "auto",
-                  request_id: str = "") -> orchestrator_pb2.GenerateRequest:
+                  total_tokens: int = 0, depth: int = 0, expand_k: int = 0, value_temperature: float = 0.0,
+                  proposals: str = "auto", request_id: str = "") -> orchestrator_pb2.GenerateRequest:
     """The request message; 0 / None leave a knob to the server's default.
-    ``proposals``: how draft tokens are proposed when sampling ("auto": the
-    drafter's choice; "top" / "sampled"). Values are checked by the server,
-    which names the offending field."""
-    if method is not None and method not in _METHOD_ENUM:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if proposals not in _PROPOSALS_ENUM:
-        raise ValueError(f"proposals must be one of {', '.join(PROPOSALS)}, got {proposals!r}")
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if seed is not None:
-        sampling.seed = seed
-    tree = common_pb2.TreeParams(method=_METHOD_ENUM.get(method, common_pb2.TREE_METHOD_UNSPECIFIED),
-                                 total_tokens=total_tokens, depth=depth, expand_k=expand_k,
-                                 proposals=_PROPOSALS_ENUM[proposals])
+    ``method``: one of ``METHODS`` ("vanilla": no drafting); ``proposals``: how
+    draft tokens are proposed when sampling ("auto": the drafter's choice;
+    "top" / "sampled"). Names are checked here (ValueError); values are checked
+    by the server against ``specdec.params``'s bounds, INVALID_ARGUMENT naming
+    the offending field."""
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    tree = common_pb2.TreeParams(
+        method=common_pb2.TREE_METHOD_UNSPECIFIED if method is None else enum_to_proto(method, METHOD_TO_PROTO, "method"),
+        total_tokens=total_tokens, depth=depth, expand_k=expand_k, value_temperature=value_temperature,
+        proposals=enum_to_proto(proposals, PROPOSALS_TO_PROTO, "proposals"))
     if isinstance(stop, str):
         stop = [stop]
-    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                                            stop=list(stop), tree=tree, request_id=request_id)
+    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens,
+                                            sampling=sampling_to_proto(sampling), stop=list(stop), tree=tree,
+                                            request_id=request_id)
 
 
 def channel_credentials(tls: Any) -> grpc.ChannelCredentials | None:
@@ -221,7 +210,7 @@ class _ClientBase:
         md = []
         if self._token:
             md.append(("authorization", f"Bearer {self._token}"))
-        if request.request_id:
+        if is_request_id(request.request_id):    # one the server would refuse is left to its answer
             md.append(("x-request-id", request.request_id))
         return md
 

@@ -168,6 +168,13 @@ def test_typed_errors_carry_code_and_details(stack):
             client.complete("x", method="beam")
         with pytest.raises(ValueError, match="proposals"):
             client.complete("x", proposals="greedy")
+        # values are the server's to check (specdec.params bounds), the field named in the details
+        for params, field in (({"request_id": "r" * 1_000_000}, "request_id"),
+                              ({"value_temperature": float("nan")}, "tree.value_temperature"),
+                              ({"seed": 2**64 - 1, "temperature": float("inf")}, "sampling.temperature")):
+            with pytest.raises(SpecdecInvalidArgument) as err:
+                client.complete("x", max_new_tokens=2, **params)
+            assert err.value.details.startswith(field), err.value.details
 
     async def run_async():
         async with AsyncSpecdecClient(stack.address("orchestrator")) as client:

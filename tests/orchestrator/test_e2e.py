@@ -2,6 +2,7 @@
 lossless output, stream order, stop strings, seeds, cancellation, deadlines,
 bad input, backends going down, auth and metrics."""
 
+import math
 import time
 
 import grpc
@@ -255,6 +256,57 @@ def test_invalid_argument_names_the_field(stack, prompt, params, field):
     assert stack.open_sessions("verifier", "drafter-eagle") == {"verifier": 0, "drafter-eagle": 0}
 
 
+def _bad_requests():
+    from specdec.params import MAX_ID_CHARS, MAX_STOP_CHARS
+    from specdec.v1 import common_pb2
+    from specdec.v1.orchestrator_pb2 import GenerateRequest
+
+    def req(**kw):
+        return GenerateRequest(**{"prompt": "x", "max_new_tokens": 2, **kw})
+
+    return [
+        ("tree.value_temperature", req(tree=common_pb2.TreeParams(value_temperature=math.nan))),
+        ("tree.value_temperature", req(tree=common_pb2.TreeParams(value_temperature=-0.5))),
+        ("tree.value_temperature", req(tree=common_pb2.TreeParams(value_temperature=math.inf))),
+        ("tree.method", req(tree=common_pb2.TreeParams(method=77))),
+        ("tree.proposals", req(tree=common_pb2.TreeParams(proposals=5))),
+        ("tree.depth", req(tree=common_pb2.TreeParams(depth=-1))),
+        ("sampling.temperature", req(sampling=common_pb2.SamplingParams(temperature=math.nan))),
+        ("sampling.top_p", req(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=math.nan))),
+        ("request_id", req(request_id="r" * 1_000_000)),
+        ("request_id", req(request_id="r" * (MAX_ID_CHARS + 1))),
+        ("request_id", req(request_id="caf\u00e9")),
+        ("stop[0]", req(stop=["s" * (MAX_STOP_CHARS + 1)])),
+        ("stop", req(stop=["s"] * 17)),
+        ("prompt", req(prompt="")),
+        ("max_new_tokens", req(max_new_tokens=-1)),
+    ]
+
+
+def test_every_bound_is_invalid_argument_before_any_backend(stack):
+    """Raw messages (what the SDK would not build) through both RPCs: INVALID_ARGUMENT
+    naming the field, no backend session opened, the server still serving."""
+    from specdec.v1.orchestrator_pb2 import CompleteRequest
+    from specdec.v1.orchestrator_pb2_grpc import OrchestratorServiceStub
+
+    before = sample("specdec_requests_total", status="INVALID_ARGUMENT")
+    bad = _bad_requests()
+    with grpc.insecure_channel(stack.address("eagle")) as channel:
+        stub = OrchestratorServiceStub(channel)
+        for field, request in bad:
+            for call in (lambda: stub.Complete(CompleteRequest(request=request), timeout=30),
+                         lambda: list(stub.Generate(request, timeout=30))):
+                with pytest.raises(grpc.RpcError) as err:
+                    call()
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+                assert err.value.details().startswith(field), (field, err.value.details())
+    assert sample("specdec_requests_total", status="INVALID_ARGUMENT") - before == 2 * len(bad)
+    assert stack.open_sessions("verifier", "drafter-eagle") == {"verifier": 0, "drafter-eagle": 0}
+    with SpecdecClient(stack.address("eagle")) as client:
+        got = client.complete("x", max_new_tokens=3, value_temperature=0.5, request_id="r" * 128)
+        assert got.stats.completion_tokens == 3 and got.stats.request_id == "r" * 128
+
+
 def test_verifier_down_is_unavailable(stack):
     stack.add_verifier("verifier-2")
     stack.add_orchestrator("orch-2", verifier="verifier-2")
@@ -328,13 +380,3 @@ def test_metrics_count_each_request(stack):
     assert sample("specdec_accepted_tokens_per_position_total", position="1") - first == (
         s.accepted_per_position[0] if s.accepted_per_position else 0)
     assert 0 < sample("specdec_inter_token_latency_seconds_count") - itl < N   # tokens after the first chunk
-
-
-def test_default_tree_knobs_match_the_core():
-    from dataclasses import asdict
-
-    from orchestrator.service import TreeDefaults
-    from specdec.params import TreeParams
-
-    core = asdict(TreeParams())
-    assert asdict(TreeDefaults()) == {k: core[k] for k in ("method", "total_tokens", "depth", "expand_k")}
