@@ -21,9 +21,11 @@ sample of the same distribution (the resumed verifier starts its generator
 from the seed again).
 
 An EAGLE drafter needs the target's feature row before every committed token
-but the first: the drafter handle keeps every row the verifier sent in a
-``FeatureLog`` (``orchestrator.features``), so that a new drafter can be
-prefilled with all of them.
+but the first; the verifier sent each of them once (prefill: one per prompt
+token, each cycle: one per committed token), so the drafter handle keeps
+those ``Tensor`` messages in a ``FeatureLog`` and concatenates their raw
+bytes: same dtype, row-major [n, H] each, so the bytes of [n1, H] then
+[n2, H] are those of [n1 + n2, H]. No torch needed.
 
 Which failures move a session (``MOVE_CODES``): the backend is gone
 (UNAVAILABLE, which connection errors are too) or no longer knows the session
@@ -43,7 +45,6 @@ import grpc
 from prometheus_client import Counter
 
 from orchestrator.backend import Backend, BackendError, Deadline
-from orchestrator.features import FeatureLog
 from orchestrator.routing import Pool
 from specdec import wire
 from specdec.errors import ResourceExhausted, Unavailable
@@ -51,6 +52,7 @@ from specdec.metrics import REGISTRY
 from specdec.params import SamplingParams, TreeParams
 from specdec.speculative import Committed, Draft
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specdec.wire import TENSOR_DTYPES
 
 log = logging.getLogger("specdec.orchestrator")
 
@@ -71,6 +73,44 @@ FALLBACKS = Counter("specdec_fallback_total",
                     "plain decoding, by reason.", ["reason"], registry=REGISTRY)
 FAILOVERS = Counter("specdec_failovers_total", "Sessions moved to another backend after losing one, by role.",
                     ["role"], registry=REGISTRY)
+
+
+class FeatureLog:
+    """Feature rows ([n, H] ``Tensor`` messages) in the order the verifier sent them."""
+
+    def __init__(self) -> None:
+        self.parts: list[common_pb2.Tensor] = []
+        self.rows = 0
+        self.dtype: str | None = None
+        self.hidden: int | None = None
+
+    def add(self, msg: common_pb2.Tensor) -> None:
+        """Append one message; ValueError if it does not continue the others."""
+        shape = list(msg.shape)
+        if len(shape) != 2 or msg.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"features must be a 2-D tensor of {', '.join(TENSOR_DTYPES)}, "
+                             f"got {msg.dtype or 'no dtype'} {shape}")
+        rows, hidden = shape
+        if len(msg.data) != rows * hidden * TENSOR_DTYPES[msg.dtype]:
+            raise ValueError(f"features of shape {shape} ({msg.dtype}) carry {len(msg.data)} bytes")
+        if self.dtype is not None and (msg.dtype, hidden) != (self.dtype, self.hidden):
+            raise ValueError(f"features changed from {self.dtype} [*, {self.hidden}] to {msg.dtype} [*, {hidden}]")
+        self.dtype, self.hidden = msg.dtype, hidden
+        self.parts.append(msg)
+        self.rows += rows
+
+    def clear(self) -> None:
+        self.parts.clear()
+        self.rows = 0
+
+    def tensor(self) -> common_pb2.Tensor | None:
+        """All rows as one [rows, H] message; None when nothing was added."""
+        if not self.parts:
+            return None
+        if len(self.parts) == 1:
+            return self.parts[0]
+        return common_pb2.Tensor(data=b"".join(p.data for p in self.parts), dtype=self.dtype,
+                                 shape=[self.rows, self.hidden])
 
 
 def clamp_tree(params: common_pb2.TreeParams, limits: common_pb2.TreeParams) -> common_pb2.TreeParams:
