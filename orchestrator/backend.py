@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import ABC, abstractmethod
 
 import grpc
 
@@ -51,11 +52,11 @@ class BackendError(SpecdecError):
         super().__init__(f"{where} {method}: {exc.details() or self.code}")
 
 
-class Backend:
+class Backend(ABC):
     """One role's side of a session: the endpoint it is pinned to, the ones it
     gave up (released at the end too), and its calls under the request's deadline."""
 
-    role = "backend"
+    role: str                                   # "verifier" | "drafter"
 
     def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
         self.pool = pool
@@ -104,8 +105,9 @@ class Backend:
     def holds_session(self) -> bool:
         return True
 
+    @abstractmethod
     def release_request(self):
-        raise NotImplementedError
+        """The role's Release message for this session."""
 
     async def release(self) -> None:
         """Unpin, and release the session everywhere it may be held (once)."""
