@@ -1,31 +1,60 @@
-"""What the accept loop keeps so that losing a backend costs a re-prefill, never a token.
+"""The loop's verifier and drafter over gRPC, with failover inside: losing a
+backend costs a re-prefill, never a token.
+
+``RemoteVerifier`` and ``RemoteDrafter`` implement ``specdec.speculative``'s
+``Verifier`` and ``Drafter`` for one session, pinned by the router
+(``orchestrator.routing``) to an endpoint of their pool; they convert the
+loop's parameters to protos and hand trees and features through untouched.
 
 The committed tokens (prompt + everything the verifier committed) are the
-source of truth: a new verifier is opened on them with ``resume`` (their KV is
-recomputed, the last token is the pending root again, nothing is sampled), a
-new drafter is prefilled with them. An EAGLE drafter also needs the target's
-feature row before every committed token but the first; the verifier sent
-each of them once (prefill: one per prompt token, each cycle: one per
-committed token), so the request keeps those ``Tensor`` messages in a
-``FeatureLog`` and concatenates their raw bytes: same dtype, row-major
-[n, H] each, so the bytes of [n1, H] then [n2, H] are those of [n1 + n2, H].
-No torch needed.
+source of truth, and each handle keeps what it was told of them:
+- a lost verifier is replaced by another one opened with ``resume`` on the
+  committed tokens (their KV is recomputed, the last token is the pending
+  root again, nothing is sampled) and the failed call is repeated there (a
+  tree's root is the last committed token, so the same tree verifies); with
+  no verifier left the request fails with UNAVAILABLE;
+- a lost drafter is replaced by another one prefilled with every committed
+  token and, for EAGLE, every feature row the verifier sent; with none left
+  ``draft`` hands back "no drafter" and the loop goes on as plain decoding.
+Greedy output is the same as an undisturbed run; with sampling it stays a
+sample of the same distribution (the resumed verifier starts its generator
+from the seed again).
+
+An EAGLE drafter needs the target's feature row before every committed token
+but the first; the verifier sent each of them once (prefill: one per prompt
+token, each cycle: one per committed token), so the drafter handle keeps
+those ``Tensor`` messages in a ``FeatureLog`` and concatenates their raw
+bytes: same dtype, row-major [n, H] each, so the bytes of [n1, H] then
+[n2, H] are those of [n1 + n2, H]. No torch needed.
 
 Which failures move a session (``MOVE_CODES``): the backend is gone
 (UNAVAILABLE, which connection errors are too) or no longer knows the session
 (NOT_FOUND: restarted or evicted). Opening a session may also meet a full
 server (RESOURCE_EXHAUSTED): try the next. INVALID_ARGUMENT,
 FAILED_PRECONDITION, DEADLINE_EXCEEDED and CANCELLED are never retried.
+
+Pinning, calls under the request's deadline, transport time and release are
+``orchestrator.backend``'s.
 """
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from prometheus_client import Counter
 
+from orchestrator.backend import Backend, BackendError, Deadline
+from orchestrator.routing import Pool
+from specdec import wire
+from specdec.errors import ResourceExhausted, Unavailable
 from specdec.metrics import REGISTRY
-from specdec.v1 import common_pb2
+from specdec.params import SamplingParams, TreeParams
+from specdec.speculative import Committed, Draft
+from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specdec.wire import TENSOR_DTYPES
+
+log = logging.getLogger("specdec.orchestrator")
 
 MOVE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND})
 OPEN_MOVE_CODES = MOVE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -34,6 +63,7 @@ FATAL_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANC
 # A request gives up moving a role's session after this many moves (a server
 # that keeps forgetting sessions must not keep a request spinning).
 MAX_MOVES = 8
+TREE_KNOBS = ("total_tokens", "depth", "expand_k")
 
 # reason: drafters_full | drafters_unavailable (none reachable, or none can take
 # the session over) | drafter_error (a status that is no reason to move) |
@@ -81,3 +111,283 @@ class FeatureLog:
             return self.parts[0]
         return common_pb2.Tensor(data=b"".join(p.data for p in self.parts), dtype=self.dtype,
                                  shape=[self.rows, self.hidden])
+
+
+def clamp_tree(params: common_pb2.TreeParams, limits: common_pb2.TreeParams) -> common_pb2.TreeParams:
+    """``params`` with each knob at most the drafter's limit (0: no limit)."""
+    out = common_pb2.TreeParams()
+    out.CopyFrom(params)
+    for name in TREE_KNOBS:
+        limit = getattr(limits, name)
+        if limit > 0:
+            setattr(out, name, min(getattr(out, name), limit))
+    return out
+
+
+class RemoteVerifier(Backend):
+    """``speculative.Verifier`` over the verifier pool: a session that moves to
+    another verifier when it loses its own."""
+
+    role = "verifier"
+
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
+        super().__init__(pool, session_id, deadline)
+        self.opened = False                      # the pinned verifier holds the session
+        self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
+        self.committed: list[int] = []           # prompt + every token committed
+        self.prompt_len = 0
+        self.max_new_tokens = 0
+        self.sampling = common_pb2.SamplingParams()
+
+    @property
+    def sessions(self) -> int:
+        return self.endpoint.sessions if self.endpoint is not None else 1
+
+    @property
+    def holds_session(self) -> bool:
+        return self.opened
+
+    async def pin(self) -> None:
+        """Pin the least loaded verifier; none free: ResourceExhausted, none reachable: Unavailable."""
+        self.endpoint, _ = await self.pool.acquire(timeout_s=self.probe_timeout())
+
+    async def prefill(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int,
+                      features: bool) -> Committed:
+        self.sampling = wire.sampling_to_proto(sampling)
+        self.prompt_len, self.max_new_tokens = len(prompt), max_new_tokens
+        first = await self.on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
+            session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling, max_new_tokens=max_new_tokens,
+            return_features=features))
+        self.opened = True
+        self.committed = [*prompt, first.token]
+        return Committed([first.token], [], first.features)
+
+    async def verify(self, draft: Draft | None, features: bool) -> Committed:
+        tree = draft.tree if draft is not None else common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
+        result = await self.on_verifier("Verify", verifier_pb2.VerifyRequest(
+            session_id=self.session_id, tree=tree, return_features=features))
+        self.committed.extend(result.tokens)
+        return Committed(list(result.tokens), list(result.accepted_nodes), result.features)
+
+    def release_request(self):
+        return verifier_pb2.VerifierReleaseRequest(session_id=self.session_id)
+
+    # -- failover --------------------------------------------------------------------------
+    async def on_verifier(self, name: str, request):
+        """A call that survives losing the verifier: the session moves to another
+        one (resumed from the committed tokens) and the call is repeated there."""
+        while True:
+            try:
+                return await self.call(name, request)
+            except BackendError as exc:
+                await self.leave(exc, opening=not self.opened)
+            if self.opened:
+                await self.resume()
+
+    async def resume(self) -> None:
+        """Open the session on the newly pinned verifier from the committed tokens."""
+        remaining = self.max_new_tokens - (len(self.committed) - self.prompt_len)
+        request = verifier_pb2.VerifierPrefillRequest(
+            session_id=self.session_id, prompt_ids=self.committed, sampling=self.sampling,
+            max_new_tokens=max(remaining, 0), resume=True)
+        while True:
+            try:
+                await self.call("Prefill", request)
+                return
+            except BackendError as exc:
+                await self.leave(exc, opening=True)
+
+    async def leave(self, exc: BackendError, opening: bool) -> None:
+        """Give up the pinned verifier after ``exc`` and pin another one; raises
+        ``exc`` when it is not a reason to move, Unavailable / ResourceExhausted
+        when no verifier can take the session."""
+        codes = OPEN_MOVE_CODES if opening else MOVE_CODES
+        if exc.status not in codes or self.moves >= MAX_MOVES:
+            raise exc
+        self.unpin(exc)
+        if exc.status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.refused_full += 1
+        self.moves += 1
+        try:
+            self.endpoint, _ = await self.pool.acquire(frozenset(self.excluded), timeout_s=self.probe_timeout())
+        except (Unavailable, ResourceExhausted) as none_left:
+            if not self.opened and (self.refused_full or isinstance(none_left, ResourceExhausted)):
+                raise ResourceExhausted(f"all verifiers are at capacity ({self.refused_full} refused "
+                                        f"the session, no other is free)") from None
+            if self.opened:
+                raise Unavailable(f"lost the verifier ({exc}) and no other verifier can take the session: "
+                                  f"{none_left}") from None
+            raise
+        if self.opened:
+            FAILOVERS.labels("verifier").inc()
+            log.warning("verifier lost, resuming the session on another", extra={
+                "session": self.session_id, "error": str(exc), "verifier": self.endpoint.address,
+                "committed": len(self.committed)})
+
+
+class RemoteDrafter(Backend):
+    """``speculative.Drafter`` over the drafter pool: a session re-prefilled on
+    another drafter when it loses its own, or none ("no drafter": plain decoding)."""
+
+    role = "drafter"
+
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
+        super().__init__(pool, session_id, deadline)
+        self.features: FeatureLog | None = None   # every feature row, kept while an EAGLE drafter may need them
+        self.committed: list[int] = []            # every token this handle was given
+        self.sampling = common_pb2.SamplingParams()
+        self.drafts = 0                           # trees drafted (Draft calls that answered)
+
+    @property
+    def kind(self) -> str:
+        return self.endpoint.info.kind
+
+    @property
+    def needs_features(self) -> bool:
+        return self.endpoint is not None and self.features is not None
+
+    @property
+    def drafts_ahead(self) -> bool:
+        return self.endpoint is not None and self.endpoint.info.drafts_ahead
+
+    async def pin(self, first: bool = False) -> bool:
+        """Pin the least loaded drafter that can continue this session; False
+        (and plain decoding from now on) when there is none."""
+        if first:
+            accept = None
+        else:     # a drafter that needs features can only take over if they were kept
+            accept = (lambda e: self.features is not None or not e.info.needs_features)
+        endpoint, reason = await self.pool.acquire(frozenset(self.excluded), accept, optional=True,
+                                                   timeout_s=self.probe_timeout())
+        if endpoint is None:
+            self.fall_back(f"drafters_{reason}", f"no drafter can take the session ({reason})")
+            return False
+        self.endpoint = endpoint
+        if first and endpoint.info.needs_features:
+            self.features = FeatureLog()
+        return True
+
+    async def prefill(self, tokens: list[int], features, sampling: SamplingParams) -> None:
+        self.sampling = wire.sampling_to_proto(sampling)
+        self.committed = list(tokens)
+        if self.features is not None and not self.keep_features([features], FeatureLog()):
+            return
+        await self.open()
+
+    async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft | None:
+        """This cycle's tree (carrying ``commits``), or None: no drafter left."""
+        tokens, features = self.take(commits)
+        while self.endpoint is not None:
+            request = drafter_pb2.DraftRequest(
+                session_id=self.session_id, commit_tokens=tokens, tree=self.fit(tree),
+                commit_features=features.tensor() if tokens else None, ahead=ahead and self.drafts_ahead)
+            try:
+                response = await self.call("Draft", request)
+            except BackendError as exc:
+                if await self.leave(exc, opening=False):
+                    await self.open()
+                tokens, features = [], FeatureLog()     # a new drafter was prefilled with them
+                continue
+            self.drafts += 1
+            return Draft(response.tree, len(response.tree.tokens))
+        return None
+
+    async def draft_ahead(self, commits: list[Committed], tree: TreeParams, count: int,
+                          tokens_left: int) -> dict[tuple[int, ...], Draft]:
+        """DraftAhead carrying ``commits``; {} when it fails (the drafter is then
+        replaced, as for a failed Draft)."""
+        tokens, features = self.take(commits)
+        if self.endpoint is None:
+            return {}
+        request = drafter_pb2.DraftAheadRequest(
+            session_id=self.session_id, commit_tokens=tokens, tree=self.fit(tree), count=count,
+            tokens_left=tokens_left, commit_features=features.tensor() if tokens else None)
+        try:
+            response = await self.call("DraftAhead", request, account=False)
+        except BackendError as exc:
+            if await self.leave(exc, opening=False):
+                await self.open()
+            return {}
+        return {tuple(t.commit_tokens): Draft(t.tree, len(t.tree.tokens)) for t in response.trees}
+
+    def release_request(self):
+        return drafter_pb2.DrafterReleaseRequest(session_id=self.session_id)
+
+    # -- what the session was told ---------------------------------------------------------------
+    def fit(self, tree: TreeParams) -> common_pb2.TreeParams:
+        """The loop's knobs as the pinned drafter's message, within its limits."""
+        return clamp_tree(wire.tree_params_to_proto(tree), self.endpoint.info.max_tree)
+
+    def take(self, commits: list[Committed]) -> tuple[list[int], FeatureLog]:
+        """Record ``commits`` (tokens, and feature rows into the log); returns them
+        joined, to send with the next call."""
+        if self.endpoint is None:
+            return [], FeatureLog()
+        tokens = [t for c in commits for t in c.tokens]
+        self.committed.extend(tokens)
+        joined = FeatureLog()
+        if self.features is not None:
+            self.keep_features([c.features for c in commits], joined)
+        return tokens, joined
+
+    def keep_features(self, parts: list[common_pb2.Tensor], joined: FeatureLog) -> bool:
+        """Append ``parts`` to the log and to ``joined``; rows that do not continue
+        the log drop the drafter (False)."""
+        try:
+            for part in parts:
+                self.features.add(part)
+                joined.add(part)
+        except ValueError as exc:
+            self.drop("features", str(exc))
+            return False
+        return True
+
+    # -- failover --------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Prefill the pinned drafter with every committed token (and feature row);
+        another drafter if it fails, none (plain decoding) if all do."""
+        while self.endpoint is not None:
+            request = drafter_pb2.DrafterPrefillRequest(
+                session_id=self.session_id, token_ids=self.committed,
+                features=self.features.tensor() if self.endpoint.info.needs_features else None,
+                greedy=self.sampling.temperature <= 0.0, sampling=self.sampling)
+            try:
+                await self.call("Prefill", request)
+            except BackendError as exc:
+                await self.leave(exc, opening=True)
+                continue
+            return
+
+    async def leave(self, exc: BackendError, opening: bool) -> bool:
+        """Give up the pinned drafter after ``exc``; True when another one was pinned
+        (it needs ``open``), False when the session goes on without."""
+        if exc.status in FATAL_CODES:
+            raise exc
+        codes = OPEN_MOVE_CODES if opening else MOVE_CODES
+        self.unpin(exc)
+        if exc.status not in codes:
+            self.fall_back("drafter_error", str(exc))
+            return False
+        if self.moves >= MAX_MOVES:
+            self.fall_back("moves_exhausted", str(exc))
+            return False
+        self.moves += 1
+        if not await self.pin():
+            return False
+        FAILOVERS.labels("drafter").inc()
+        log.warning("drafter lost, re-prefilling another", extra={
+            "session": self.session_id, "error": str(exc), "drafter": self.endpoint.address,
+            "committed": len(self.committed)})
+        return True
+
+    def drop(self, reason: str, error: str) -> None:
+        if self.endpoint is not None:
+            self.pool.unpin(self.endpoint)
+            self.abandoned.append(self.endpoint)
+            self.endpoint = None
+        self.fall_back(reason, error)
+
+    def fall_back(self, reason: str, error: str) -> None:
+        FALLBACKS.labels(reason).inc()
+        log.warning("going on with plain decoding", extra={"session": self.session_id, "reason": reason,
+                                                           "error": error})

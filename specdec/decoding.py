@@ -1,9 +1,8 @@
 """Bookkeeping of one generation: committed tokens, stop conditions, statistics.
 
-Pure Python (no torch): the in-process loop (``specdec.local``) and the
-orchestrator's async loop both drive a ``Decoding`` with what their verifier
-and drafter return, so stop rules and the figures they report are the same
-code. Vocabulary: per cycle the verifier *accepts* some draft tokens and adds
+Pure Python (no torch): the speculative loop (``specdec.speculative``), run
+in-process and by the orchestrator, drives a ``Decoding`` with what the
+verifier commits, so stop rules and the figures reported are the same code. Vocabulary: per cycle the verifier *accepts* some draft tokens and adds
 one *bonus* token (the target's own choice at the last accepted node);
 tau = mean tokens committed per draft/verify cycle, bonus included (vLLM's
 "mean acceptance length"). Vanilla decoding has tau = 1.
@@ -37,6 +36,7 @@ class DecodeStats:
     accepted: int = 0                             # draft tokens accepted
     committed_per_cycle: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: cycles with >= j+1 accepted
+    # prefill: the verifier's prefill; commit: the drafter's; network: transport (gRPC)
     time_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                                "commit": 0.0, "network": 0.0})
     ttft_s: float = 0.0

@@ -1,23 +1,25 @@
 """In-process speculative generation: drafter and verifier engines in one process.
 
-The loop (DESIGN.md §1) per request: prefill the verifier (first token and
-features), prefill the drafter, then draft -> verify (which commits the
-accepted path) -> commit to the drafter, until a stop condition. With no
-drafter every tree is the root alone: plain autoregressive decoding through
-the very same verifier code, the baseline every method is compared with.
+The loop is ``specdec.speculative`` (the one the orchestrator runs over
+gRPC); here it runs on the engines themselves, through ``LocalVerifier`` and
+``LocalDrafter``, which convert at their edge. With no drafter every tree is
+the root alone: plain autoregressive decoding through the very same verifier
+code, the baseline every method is compared with.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from specdec.decoding import Decoding, StopCriteria
 from specdec.models import ModelSpec, demo_path, load_tokenizer
-from specdec.params import SamplingParams
-from specdec.params import TreeParams
+from specdec.params import SamplingParams, TreeParams
+from specdec.speculative import Committed, Draft, Request, speculative_generate
 from specdec.tree import tree_from_lists
 
 
@@ -57,83 +59,98 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     return LocalStack(verifier, drafter, tok)
 
 
-def cycle_config(cfg: TreeParams, remaining: int) -> TreeParams | None:
-    """Never draft deeper than the tokens still wanted; None: root-only."""
-    if remaining <= 1:
-        return None
-    return cfg if cfg.depth < remaining else replace(cfg, depth=remaining - 1)
+class LocalVerifier:
+    """``speculative.Verifier`` over an in-process engine (``verifier.engine.VerifierEngine``)."""
+
+    network_s = 0.0
+
+    def __init__(self, engine, sid: str):
+        self.engine = engine
+        self.sid = sid
+        self.root: int | None = None               # the last committed token
+
+    @property
+    def sessions(self) -> int:
+        return len(self.engine.sessions)
+
+    async def prefill(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int,
+                      features: bool) -> Committed:
+        first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens)
+        self.root = first.token
+        return Committed([first.token], [], first.features)
+
+    async def verify(self, draft: Draft | None, features: bool) -> Committed:
+        tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
+        result = self.engine.verify(self.sid, tree)
+        self.root = result.tokens[-1]
+        return Committed(result.tokens, result.accepted, result.features)
+
+    async def release(self) -> None:
+        self.engine.release(self.sid)
+
+
+class LocalDrafter:
+    """``speculative.Drafter`` over an in-process engine (``drafter.base.Drafter``);
+    the commits a draft carries are joined into one (tokens, features [n, H])."""
+
+    network_s = 0.0
+
+    def __init__(self, engine, sid: str):
+        self.engine = engine
+        self.sid = sid
+
+    @property
+    def needs_features(self) -> bool:
+        return self.engine.needs_features
+
+    @property
+    def drafts_ahead(self) -> bool:
+        return self.engine.drafts_ahead
+
+    async def prefill(self, tokens: list[int], features, sampling: SamplingParams) -> None:
+        self.engine.prefill(self.sid, tokens, features if self.needs_features else None, sampling=sampling)
+
+    async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft:
+        if commits:
+            self.engine.commit(self.sid, *self.joined(commits))
+        drafted = self.engine.draft(self.sid, tree, ahead=True) if ahead else self.engine.draft(self.sid, tree)
+        return Draft(drafted, drafted.size)
+
+    async def draft_ahead(self, commits: list[Committed], tree: TreeParams, count: int,
+                          tokens_left: int) -> dict[tuple[int, ...], Draft]:
+        tokens, features = self.joined(commits)
+        trees = self.engine.draft_ahead(self.sid, tokens, features, tree, count, tokens_left)
+        return {tuple(commit): Draft(drafted, drafted.size) for commit, drafted in trees}
+
+    async def release(self) -> None:
+        self.engine.release(self.sid)
+
+    def joined(self, commits: list[Committed]) -> tuple[list[int], torch.Tensor | None]:
+        """Several cycles' commits as one: tokens, features [n, H] (None unless needed)."""
+        tokens = [t for c in commits for t in c.tokens]
+        features = torch.cat([c.features for c in commits]) if self.needs_features and commits else None
+        return tokens, features
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0) -> Decoding:
-    """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla.
-    ``min_tau``: pause drafting while recent cycles commit fewer tokens (``SpeculationGate``).
-    ``lookahead``: trees drafted one round ahead per cycle (``Drafter.draft_ahead``);
-    here they are drafted before the verify, where the services draft them during it,
-    so both loops use the same trees."""
+    """Run one request to completion through the speculative loop
+    (``specdec.speculative``) on in-process engines; ``drafter=None`` or
+    ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
+    cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
+    drafted one round ahead per cycle (``Drafter.draft_ahead``, greedy
+    sessions); in-process they are drafted before the verify, where the
+    services draft them during it, so both use the same trees."""
     sid = uuid.uuid4().hex
-    dec = Decoding(stop, min_tau)
-    times = dec.stats.time_s
-    use_drafter = drafter is not None and tree_cfg is not None
-    pending: list[tuple[list[int], object]] = []      # committed, not yet given to the drafter
-    ahead: dict[tuple[int, ...], object] = {}          # outcome tokens -> tree drafted for it
-    try:
-        t = time.perf_counter()
-        first = verifier.prefill(sid, prompt, params, stop.max_new_tokens)
-        times["prefill"] += time.perf_counter() - t
-        dec.add([first.token])
-        if use_drafter and not dec.done:
-            t = time.perf_counter()
-            drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None,
-                            sampling=params)
-            times["commit"] += time.perf_counter() - t
-        last: tuple[int, ...] = ()
-        while not dec.done:
-            t = time.perf_counter()
-            drafting = use_drafter and dec.gate.speculate()
-            remaining = stop.max_new_tokens - len(dec.tokens)
-            cfg = cycle_config(tree_cfg, remaining) if drafting else None
-            tree = ahead.get(last) if cfg is not None else None
-            dec.stats.ahead_hits += tree is not None
-            if tree is None and cfg is not None:
-                if pending:
-                    drafter.commit(sid, *_joined(pending, drafter.needs_features))
-                    pending = []
-                tree = drafter.draft(sid, cfg, ahead=True) if lookahead > 0 else drafter.draft(sid, cfg)
-            ahead = {}
-            if tree is not None and lookahead > 0:
-                tokens, feats = _joined(pending, drafter.needs_features)
-                pending = []
-                ahead = {tuple(c): tr for c, tr in drafter.draft_ahead(sid, tokens, feats, cfg, lookahead,
-                                                                        remaining)}
-            if tree is None:
-                tree = tree_from_lists([dec.tokens[-1]], [-1])
-            t2 = time.perf_counter()
-            result = verifier.verify(sid, tree)
-            t3 = time.perf_counter()
-            times["draft"] += t2 - t
-            times["verify"] += t3 - t2
-            dec.stats.record_cycle(tree.size, len(result.accepted))
-            dec.gate.record(tree.size > 1, len(result.tokens))
-            dec.add(result.tokens)
-            last = tuple(result.tokens)
-            if use_drafter and not dec.done:
-                pending.append((list(result.tokens), result.features if drafter.needs_features else None))
-    finally:
-        verifier.release(sid)
-        if drafter is not None:
-            drafter.release(sid)
-    dec.finish()
-    return dec
+    request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
 
+    async def run() -> Decoding:
+        return await speculative_generate(LocalVerifier(verifier, sid),
+                                          LocalDrafter(drafter, sid) if drafter is not None else None,
+                                          request, Decoding(stop, min_tau))
 
-def _joined(pending: list[tuple[list[int], object]], with_features: bool) -> tuple[list[int], object]:
-    """Several cycles' commits as one (tokens, features)."""
-    import torch
-
-    tokens = [t for toks, _ in pending for t in toks]
-    feats = torch.cat([f for _, f in pending]) if with_features and pending else None
-    return tokens, feats
+    # the engines are synchronous: the loop never waits on I/O, asyncio only sequences it
+    return asyncio.run(run())
 
 
 def default_paths() -> dict[str, Path]:

@@ -100,7 +100,7 @@ def schedule(methods: Sequence[str], n_prompts: int, repeats: int = 1) -> list[S
 
 # -- in-process methods ----------------------------------------------------------
 class LocalMethod:
-    """``specdec.local.generate``: vanilla with no drafter / tree, else speculative."""
+    """The speculative loop in-process (``specdec.local.generate``): vanilla with no drafter / tree."""
 
     def __init__(self, verifier, drafter, tree: TreeParams | None, params: SamplingParams, stop: StopCriteria,
                  min_tau: float = 0.0):
@@ -115,10 +115,8 @@ class LocalMethod:
         dec = generate(self.verifier, self.drafter, prompt.ids, params, self.stop, self.tree, self.min_tau)
         wall = time.perf_counter() - t
         s, ts = dec.stats, dec.stats.time_s
-        # with no drafter, the loop's "draft" time is building root-only trees: bookkeeping (other)
-        drafted = ts["draft"] + ts["commit"] if self.drafter is not None and self.tree is not None else 0.0
         return Sample(tokens=list(dec.tokens), wall_s=wall, cycles=s.cycles, committed=sum(s.committed_per_cycle),
-                      accepted_counts=list(s.accepted_per_position), draft_s=drafted,
+                      accepted_counts=list(s.accepted_per_position), draft_s=ts["draft"] + ts["commit"],
                       verify_s=ts["prefill"] + ts["verify"], network_s=0.0)
 
 

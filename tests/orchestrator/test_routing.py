@@ -495,7 +495,7 @@ def test_draining_verifier_gets_no_new_sessions(stack, reference):
 
 
 def test_shared_tree_tokens_split_the_budget_with_a_floor():
-    from orchestrator.loop import MIN_SHARED_TREE, shared_tree_tokens
+    from specdec.speculative import MIN_SHARED_TREE, shared_tree_tokens
     from orchestrator.service import OrchestratorConfig
 
     assert [shared_tree_tokens(64, s) for s in (0, 1, 2, 4, 8, 64)] == [64, 64, 32, 16, 8, MIN_SHARED_TREE]

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from specdec.errors import FailedPrecondition, NotFound
-from specdec.local import DrafterChoice, build_local, cycle_config, generate
+from specdec.local import DrafterChoice, build_local, generate
+from specdec.speculative import cycle_tree
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams
@@ -57,7 +58,7 @@ def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed, sampled):
         rng.shuffle(active)
         batch = active[:rng.randint(1, len(active))]
         # trees no deeper than the tokens still wanted, as in generate(): the same trees as alone
-        trees = [d.draft(sid, cycle_config(CFGS[sids.index(sid)], NEW - len(out[sid])) or CFGS[3])
+        trees = [d.draft(sid, cycle_tree(CFGS[sids.index(sid)], NEW - len(out[sid])) or CFGS[3])
                  for sid in batch]
         results = verify_batch(v, list(zip(batch, trees)))
         for sid, res in zip(batch, results):

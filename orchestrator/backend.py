@@ -1,0 +1,131 @@
+"""One role's side of a session on the backends: the endpoint it is pinned
+to, its calls under the request's deadline, and its release.
+
+Transport time: each call's wall time minus the compute its response reports
+(all of it for a call that failed) adds to the handle's ``network_s``, which
+the speculative loop books as network; the rest is the backend's compute.
+A session is released, once, on the endpoint that holds it and on every
+endpoint it was moved away from (a lost backend may still hold it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+
+import grpc
+
+from orchestrator.routing import PROBE_TIMEOUT_S, Endpoint, Pool
+from specdec.errors import SpecdecError
+
+log = logging.getLogger("specdec.orchestrator")
+
+RELEASE_TIMEOUT_S = 5.0
+
+
+class DeadlineExceeded(SpecdecError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Deadline:
+    def __init__(self, timeout: float | None):
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        if self.at is None:
+            return None
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("deadline exceeded")
+        return left
+
+
+class BackendError(SpecdecError):
+    """A verifier or drafter call failed; keeps its status code."""
+
+    def __init__(self, backend: str, method: str, exc: grpc.aio.AioRpcError, address: str = ""):
+        self.status = exc.code()
+        self.code = self.status.name
+        where = f"{backend} {address}" if address else backend
+        super().__init__(f"{where} {method}: {exc.details() or self.code}")
+
+
+class Backend(ABC):
+    """One role's side of a session: the endpoint it is pinned to, the ones it
+    gave up (released at the end too), and its calls under the request's deadline."""
+
+    role: str                                   # "verifier" | "drafter"
+
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
+        self.pool = pool
+        self.session_id = session_id
+        self.deadline = deadline
+        self.endpoint: Endpoint | None = None
+        self.moves = 0
+        self.excluded: set[str] = set()
+        self.abandoned: list[Endpoint] = []     # may still hold the session
+        self.network_s = 0.0
+        self.released = False
+
+    def probe_timeout(self) -> float:
+        """How long a probe made on behalf of this request may take."""
+        left = self.deadline.remaining()
+        return PROBE_TIMEOUT_S if left is None else min(PROBE_TIMEOUT_S, left)
+
+    async def call(self, name: str, request, account: bool = True):
+        """One call to the pinned endpoint; ``account``: its transport time goes
+        to ``network_s`` (a call that runs beside another is accounted by the caller)."""
+        start = time.perf_counter()
+        try:
+            response = await getattr(self.endpoint.stub, name)(request, timeout=self.deadline.remaining())
+        except grpc.aio.AioRpcError as exc:
+            if account:
+                self.network_s += time.perf_counter() - start
+            raise BackendError(self.role, name, exc, self.endpoint.address) from None
+        if account:
+            wall = time.perf_counter() - start
+            self.network_s += wall - min(getattr(response, "compute_s", wall), wall)
+        return response
+
+    def unpin(self, exc: BackendError) -> None:
+        """Stop using the pinned endpoint for this session after ``exc``."""
+        endpoint, self.endpoint = self.endpoint, None
+        self.pool.unpin(endpoint)
+        if exc.status == grpc.StatusCode.UNAVAILABLE:
+            self.pool.failed(endpoint, str(exc))
+        if exc.status != grpc.StatusCode.NOT_FOUND:
+            # a restarted server (NOT_FOUND) may take the session again; others are done for this request
+            self.excluded.add(endpoint.address)
+        if exc.status not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            self.abandoned.append(endpoint)
+
+    @property
+    def holds_session(self) -> bool:
+        return True
+
+    @abstractmethod
+    def release_request(self):
+        """The role's Release message for this session."""
+
+    async def release(self) -> None:
+        """Unpin, and release the session everywhere it may be held (once)."""
+        if self.released:
+            return
+        self.released = True
+        current = []
+        if self.endpoint is not None:
+            self.pool.unpin(self.endpoint)
+            if self.holds_session:
+                current.append(self.endpoint)
+
+        async def release(endpoint: Endpoint) -> None:
+            try:
+                await endpoint.stub.Release(self.release_request(), timeout=RELEASE_TIMEOUT_S)
+            except Exception as exc:      # a lost backend's failure is expected, the others' worth a line
+                if endpoint in current:
+                    log.warning("release failed", extra={"session": self.session_id, "backend": endpoint.address,
+                                                         "error": str(exc)})
+
+        await asyncio.gather(*(release(e) for e in current + self.abandoned))
