@@ -10,6 +10,7 @@ surviving process whose RSS grew by more than the threshold.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -24,7 +25,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)
-    rank = min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))
+    rank = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
     return ordered[rank]
 
 
