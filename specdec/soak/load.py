@@ -43,7 +43,7 @@ PROMPTS = (
 KIND_WEIGHTS = {"greedy": 3, "greedy-stream": 2, "sampled": 2, "cancel": 2, "deadline": 2, "malformed": 1}
 REQUEST_TIMEOUT_S = 120.0              # well-formed requests: hitting it is a failure, not a deadline case
 MIN_DEADLINE_S, MAX_DEADLINE_S = 0.001, 2.0
-RETRY_PAUSE_S = 0.05                   # after UNAVAILABLE: a client does not spin on a process that is away
+RETRY_PAUSE_S = 0.2                    # after UNAVAILABLE: a client does not spin on a process that is away
 CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_send_message_length", 8 << 20)]
 

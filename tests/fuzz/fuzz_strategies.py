@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 import re
 
+import grpc
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, orchestrator_pb2
 
 # Reproducible in CI: the same examples on every run, no example database.
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
@@ -132,8 +134,6 @@ def generate_requests(draw):
     """Public GenerateRequest: a well-formed request with some of its fields (none,
     a few or all) replaced by arbitrary values; max_new_tokens mostly small (a
     generation costs time)."""
-    from specdec.v1 import orchestrator_pb2
-
     fields = {
         "prompt": (st.sampled_from(["def f(x):", "for i in range(3):\n", "import os\n"]), texts),
         "max_new_tokens": (st.integers(1, 6), st.one_of(st.sampled_from([0, -1, INT32_MIN, INT32_MAX, 2048, 2049, 600]),
@@ -185,8 +185,6 @@ def public_violation(request, max_new_tokens_limit: int) -> str | None:
 
 def answer_of(call, request, timeout: float = 60.0) -> tuple[str, str]:
     """(status code name, details) of one unary call, or of a stream read to its end."""
-    import grpc
-
     try:
         result = call(request, timeout=timeout)
         if not hasattr(result, "ListFields"):        # a stream
