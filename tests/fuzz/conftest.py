@@ -1,6 +1,7 @@
 """The servers the fuzz tests hit, and the well-formed sessions that run beside them.
 
-One stack for the whole fuzz suite: a verifier and an EAGLE drafter (the
+One stack per test module (torn down with it, so nothing runs on behind
+later tests that read the process's metrics): a verifier and an EAGLE drafter (the
 tiny family, 64 session slots) and an orchestrator over both, in-process on
 127.0.0.1 (``tests/running_stack.py``). While the fuzz runs, a ``Witness``
 thread sends well-formed greedy requests through the orchestrator; each
@@ -91,7 +92,7 @@ class FuzzTargets:
             channel.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fuzz_stack(tiny_family):
     stack = Stack(tiny_family)
     stack.add_verifier("verifier", max_sessions=64)
@@ -101,14 +102,14 @@ def fuzz_stack(tiny_family):
     stack.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def targets(fuzz_stack):
     t = FuzzTargets(fuzz_stack)
     yield t
     t.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def witness(fuzz_stack):
     w = Witness(fuzz_stack.address("orchestrator"))
     yield w
