@@ -9,7 +9,8 @@ the verifier's or the drafter's Prefill / Verify on its worker thread): a
 request ends while that call is in flight.
 
 - client deadlines from 1 ms up on Complete and Generate, ending during the
-  verifier's Prefill, during the drafter's Prefill and during the cycles;
+  verifier's Prefill; from 150 ms up, ending during the drafter's Prefill
+  and during the cycles;
 - a Generate stream cancelled before its first token (verifier Prefill in
   flight), during the drafter's Prefill, mid-way and near the end;
 - the orchestrator killed with SIGKILL mid-request.
@@ -41,6 +42,10 @@ PROMPT = "class Point:"
 SLOW_S = 0.4                      # a slowed engine call takes this long
 CLOSED_WITHIN_S = 5.0             # "within a few seconds"
 DEADLINES_S = (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.6, 1.0, 2.0)
+# Deadlines that end after the verifier's Prefill (a few ms on the tiny model):
+# on today's code a shorter one may land in that Prefill, the leak the first
+# test pins down, and make the later stages' tests fail for that reason.
+LATER_DEADLINES_S = (0.15, 0.3, 0.6, 1.0, 2.0)
 PREFILL_LEAK = ("issue 18: a verifier Prefill still in flight when its request ends is never released "
                 "(orchestrator/loop.py Generation._release skips the verifier while `opened` is False)")
 
@@ -103,8 +108,8 @@ def call_with_deadline(address: str, rpc: str, timeout: float, max_new_tokens: i
     return "OK"
 
 
-def deadline_sweep(stack: Stack, rpc: str) -> list[str]:
-    codes = [call_with_deadline(stack.address("orchestrator"), rpc, t) for t in DEADLINES_S]
+def deadline_sweep(stack: Stack, rpc: str, deadlines=DEADLINES_S) -> list[str]:
+    codes = [call_with_deadline(stack.address("orchestrator"), rpc, t) for t in deadlines]
     assert set(codes) <= {"OK", "DEADLINE_EXCEEDED"}, codes
     assert "DEADLINE_EXCEEDED" in codes
     return codes
@@ -121,15 +126,15 @@ def test_deadline_during_the_verifier_prefill_leaks_nothing(stack, monkeypatch, 
 
 @pytest.mark.parametrize("rpc", ["Complete", "Generate"])
 def test_deadline_during_the_drafter_prefill_leaks_nothing(stack, monkeypatch, rpc):
-    slow_down(monkeypatch, stack.servicer("drafter").drafter, "prefill")
-    deadline_sweep(stack, rpc)
+    slow_down(monkeypatch, stack.servicer("drafter").drafter, "prefill", 2.5)
+    deadline_sweep(stack, rpc, LATER_DEADLINES_S)
     assert_all_closed(stack)
 
 
 @pytest.mark.parametrize("rpc", ["Complete", "Generate"])
 def test_deadline_during_the_cycles_leaks_nothing(stack, monkeypatch, rpc):
     slow_down(monkeypatch, stack.servicer("verifier").engine, "verify", 0.05)
-    deadline_sweep(stack, rpc)
+    deadline_sweep(stack, rpc, LATER_DEADLINES_S)
     assert_all_closed(stack)
 
 
