@@ -129,7 +129,8 @@ def run_soak(args) -> int:
 
 
 def _soak_own_stack(args, config: SoakConfig):
-    """Start the stack, soak it, stop it; its logs are kept when something went wrong."""
+    """Start the stack, soak it, stop it; the services' logs are kept when one of
+    them would not start or died on its own."""
     models = _models(args)
     workdir = Path(tempfile.mkdtemp(prefix="specdec-soak-"))
     stack = SoakStack(models, args.verifiers, args.drafters, workdir, args.log_level)
@@ -150,7 +151,7 @@ def _soak_own_stack(args, config: SoakConfig):
     finally:
         signal.signal(signal.SIGTERM, previous)
         stack.stop()
-        if report is not None and not report.failures():
+        if report is not None and not report.died:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             _progress(f"the services' logs are in {workdir}")
