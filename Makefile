@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup run test bench protos protos-check clean-venv
+.PHONY: setup run test bench soak protos protos-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,14 @@ bench: setup
 	$(VENV)/bin/specdec bench --temperature 1 --methods vanilla,hf-generate,hf-assisted,chain,static,eagle2,eagle2-top,ngram,sps --prompts specdec/bench/prompts.jsonl --json bench-t1.json --report bench-report/t1
 	$(VENV)/bin/specdec bench sweep --json bench-sweep.json --report bench-report
 	$(VENV)/bin/specdec bench --concurrency 1,2,4,8 --verify-token-budget 64 --threads 1 --json bench-concurrency.json --report bench-report/concurrency
+
+# The whole stack under a disturbed load (kills and restarts); fails on any loss
+# or leak. SOAK_ARGS, e.g. SOAK_ARGS='--duration 60 --clients 4', overrides the
+# defaults (16 clients, 10 minutes, the drafter, a verifier and the orchestrator
+# each killed twice).
+SOAK_ARGS ?=
+soak: setup
+	$(VENV)/bin/specdec soak --verifiers 2 --drafters 1 --json soak-report.json $(SOAK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -19,7 +19,7 @@ class CliError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.cli import bench, generate, remote, serve, stack, train
+    from specdec.cli import bench, generate, remote, serve, soak, stack, train
 
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding (EAGLE-2).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_parsers(sub)
     remote.add_client_flags(sub.choices["generate"])
     bench.add_parser(sub)
+    soak.add_parser(sub)
     return parser
 
 
