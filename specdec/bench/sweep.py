@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.bench.runner import BenchConfig, Models, device_name, measure
+from specdec.bench.runner import BenchConfig, device_name, measure
+from specdec.bench.suite import Models
 from specdec.params import TreeParams
 
 TOTALS = (8, 12, 16, 24, 32, 48, 60)
