@@ -52,6 +52,8 @@ DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
 ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top")
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
+SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
+SWEEP_DEPTHS = (2, 3, 4, 5, 6, 7, 8)           # and depths at the configured total_tokens
 CALIBRATED = "eagle2"                      # the method whose trees feed the calibration plot
 
 

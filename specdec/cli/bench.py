@@ -33,8 +33,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     from specdec.bench.concurrency import DEFAULT_REQUESTS_PER_LEVEL
-    from specdec.bench.runner import ALL_METHODS
-    from specdec.bench.sweep import DEPTHS, TOTALS
+    from specdec.bench.runner import ALL_METHODS, SWEEP_DEPTHS, SWEEP_TOTALS
 
     p = sub.add_parser("bench", help="benchmark methods side by side (speedup, tau, acceptance, plots)",
                        description="Run every method on the same prompts, interleaved per prompt, and report "
@@ -78,10 +77,10 @@ def add_parser(sub) -> None:
                         "that drafts one round ahead for the N likeliest accepted paths (greedy sessions), "
                         "as METHOD@grpc-aheadN, over the same verifier and drafter")
     s = p.add_argument_group("sweep")
-    s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
-                   help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
-    s.add_argument("--sweep-depths", type=_int_list, default=DEPTHS,
-                   help=f"depth values (default {','.join(map(str, DEPTHS))}), at --total-tokens")
+    s.add_argument("--sweep-totals", type=_int_list, default=SWEEP_TOTALS,
+                   help=f"total_tokens values (default {','.join(map(str, SWEEP_TOTALS))}), at --depth")
+    s.add_argument("--sweep-depths", type=_int_list, default=SWEEP_DEPTHS,
+                   help=f"depth values (default {','.join(map(str, SWEEP_DEPTHS))}), at --total-tokens")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
     p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

@@ -58,6 +58,18 @@ def test_import_contracts_hold():
     assert "BROKEN" not in done.stdout and "KEPT" in done.stdout
 
 
+def test_the_command_line_loads_without_torch():
+    """`specdec --help`, and the orchestrator's entry point ``python -m
+    specdec.cli.stack``, import no torch: the application layer may use torch
+    (import-linter sees every import, also inside functions), but only in the
+    commands that run models."""
+    code = ("import sys; from specdec.cli import main, stack; main.build_parser(); "
+            "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; assert not bad, bad")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 # -- underscore names ------------------------------------------------------------------------
 def private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
