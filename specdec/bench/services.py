@@ -85,7 +85,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
     start, so the caller stops them whatever happens): one orchestrator without
     lookahead and one per ``cfg.lookahead`` value, all over the same verifier
     and drafter; return {lookahead: orchestrator address}."""
-    import torch        # the bench process's thread budget; this module is imported before any model runs
+    import torch        # here, not at the top: the `specdec bench` parser imports this module, torch-free
 
     internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "off", "--drain-s", "1",
                 "--log-level", "WARNING"]
@@ -101,7 +101,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
     solo = ["--solo-threads", str(budget)] if share < budget and not cfg.lookahead else []
     with _threads_env(share):
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
-                                                      "--dtype", cfg.dtype, "--device", cfg.device,
+                                                     "--dtype", cfg.dtype, "--device", cfg.device,
                                                      *solo, *internal],
                                 env_defaults=procs.solo_env() if solo else None))
         mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
