@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from specdec import kv, metrics, wire
+from specdec import kv, metrics, tensor_wire, wire
 from specdec.errors import InvalidArgument
 from specdec.engine_servicer import EngineServicer
 from specdec.params import TreeParams, check_count, check_session_id
@@ -104,7 +104,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return sum(kv.nbytes(s.cache) for _, s in self.drafter.sessions.items() if s.cache is not None)
 
     def _feature_tensor(self, msg, field: str, rows: int) -> torch.Tensor | None:
-        feats = wire.tensor_from_proto(msg, field)
+        feats = tensor_wire.tensor_from_proto(msg, field)
         if not self.drafter.needs_features:
             return None
         hidden = getattr(self.drafter, "hidden_size", None)
@@ -167,7 +167,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         else:
             tree, seconds = await self.run(self._commit_and_draft, sid, tokens, feats, cfg, request.ahead)
         metrics.DRAFT_DURATION.observe(seconds)
-        return drafter_pb2.DraftResponse(tree=wire.tree_to_proto(tree), compute_s=seconds)
+        return drafter_pb2.DraftResponse(tree=tensor_wire.tree_to_proto(tree), compute_s=seconds)
 
     async def DraftAhead(self, request, context):
         self.check()
@@ -181,7 +181,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         trees, seconds = await self.run(self._draft_ahead, sid, tokens, feats, cfg, count, tokens_left)
         metrics.DRAFT_AHEAD_DURATION.observe(seconds)
         return drafter_pb2.DraftAheadResponse(
-            trees=[drafter_pb2.AheadTree(commit_tokens=commit, tree=wire.tree_to_proto(tree)) for commit, tree in trees],
+            trees=[drafter_pb2.AheadTree(commit_tokens=commit, tree=tensor_wire.tree_to_proto(tree)) for commit, tree in trees],
             compute_s=seconds)
 
     async def Commit(self, request, context):

@@ -49,7 +49,7 @@ from orchestrator.routing import Pool
 from specdec import wire
 from specdec.errors import ResourceExhausted, Unavailable
 from specdec.metrics import REGISTRY
-from specdec.params import SamplingParams, TreeParams
+from specdec.params import TREE_KNOBS, SamplingParams, TreeParams
 from specdec.speculative import Committed, Draft
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specdec.wire import TENSOR_DTYPES
@@ -63,7 +63,6 @@ FATAL_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANC
 # A request gives up moving a role's session after this many moves (a server
 # that keeps forgetting sessions must not keep a request spinning).
 MAX_MOVES = 8
-TREE_KNOBS = ("total_tokens", "depth", "expand_k")
 
 # reason: drafters_full | drafters_unavailable (none reachable, or none can take
 # the session over) | drafter_error (a status that is no reason to move) |

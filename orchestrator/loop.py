@@ -34,34 +34,27 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from orchestrator.backend import Deadline
-from orchestrator.failover import TREE_KNOBS, RemoteDrafter, RemoteVerifier
+from orchestrator.failover import RemoteDrafter, RemoteVerifier
 from orchestrator.routing import Endpoint, Router
 from orchestrator.text import Delta, TextStream
-from specdec import knobs, metrics, wire
+from specdec import knobs, metrics
 from specdec.decoding import Decoding
-from specdec.params import TreeParams
+from specdec.params import SamplingParams, TreeParams
 from specdec.speculative import Request, speculative_generate
-from specdec.v1 import common_pb2
 
-__all__ = ["TREE_KNOBS", "Deadline", "Generation", "Job"]
+__all__ = ["Deadline", "Generation", "Job"]
 
 
 @dataclass(frozen=True)
 class Job:
-    """A validated request."""
+    """A validated request with this server's defaults applied (protos are the
+    gRPC handles' business: ``orchestrator.failover``)."""
 
     session_id: str
     prompt_ids: list[int]
     max_new_tokens: int
-    sampling: common_pb2.SamplingParams          # seed always set
-    tree: common_pb2.TreeParams | None           # explicit knobs; None: root-only trees
-
-
-def tree_params(msg: common_pb2.TreeParams) -> TreeParams:
-    """A job's explicit tree knobs as the loop's parameters."""
-    return TreeParams(method=wire.METHOD_FROM_PROTO[msg.method], total_tokens=msg.total_tokens, depth=msg.depth,
-                      expand_k=msg.expand_k, value_temperature=msg.value_temperature or None,
-                      proposals=wire.PROPOSALS_FROM_PROTO[msg.proposals])
+    sampling: SamplingParams          # seed always set
+    tree: TreeParams | None           # explicit knobs; None: root-only trees
 
 
 class Generation:
@@ -73,8 +66,7 @@ class Generation:
         self.dec = decoding
         self.text = text
         self.gate_by_kind = gate_by_kind    # the gate's min_tau follows the first pinned drafter's kind
-        self.request = Request(prompt=list(job.prompt_ids), sampling=wire.sampling_from_proto(job.sampling),
-                               tree=tree_params(job.tree) if job.tree is not None else None,
+        self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
         self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline)
         self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline) if job.tree is not None

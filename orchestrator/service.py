@@ -233,9 +233,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument(f"prompt is too long: {len(prompt_ids)} tokens + max_new_tokens {max_new} "
                                   f"exceed the model's context of {context} tokens")
         stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
-        job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new,
-                  sampling=wire.sampling_to_proto(sampling),
-                  tree=None if tree is None else wire.tree_params_to_proto(tree))
+        job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
+                  tree=tree)
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": tree.method if tree else VANILLA})

@@ -32,3 +32,9 @@ class Unavailable(SpecdecError):
 
 class FailedPrecondition(SpecdecError):
     code = "FAILED_PRECONDITION"
+
+
+class UsageError(Exception):
+    """A failure the user can fix (a bad flag or input file, a service that
+    would not start, a failed request of a command): the CLI prints it as one
+    line on stderr and exits with status 2."""

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec import metrics, wire
+from specdec import metrics, tensor_wire, wire
 from specdec.engine_servicer import EngineServicer
 from specdec.params import SamplingParams, check_count, check_session_id
 from specdec.tree import tree_from_lists
@@ -94,7 +94,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         return self.engine.kv_bytes() if self.engine is not None else 0
 
     def _features(self, features):
-        return wire.tensor_to_proto(features, self.config.feature_dtype)
+        return tensor_wire.tensor_to_proto(features, self.config.feature_dtype)
 
     # -- RPCs (errors become statuses in specdec.server's interceptor) -------------------------
     async def Prefill(self, request, context):
@@ -113,7 +113,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     async def Verify(self, request, context):
         self.check()
         sid = check_session_id(request.session_id)
-        tree = wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
+        tree = tensor_wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
         if self.scheduler is not None:
             result, seconds = await self.scheduler.verify(sid, tree)
         else:

@@ -43,6 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.bench.runner import GRPC_SUFFIX, SPECULATIVE, BenchConfig, device_name, schedule
+from specdec.bench.services import REQUEST_TIMEOUT_S, grpc_methods
+from specdec.client import AsyncSpecdecClient, SpecdecClientError
+from specdec.errors import UsageError
 
 CONCURRENT_METHODS = ("vanilla", *SPECULATIVE)
 DEFAULT_LEVELS = (1, 2, 4, 8)
@@ -119,10 +122,6 @@ def jobs_for(texts: Sequence[str], n: int, seed: int, greedy: bool) -> list[Job]
 
 
 async def run_one(client, method: str, job: Job, cfg: BenchConfig) -> Finished:
-    from specdec.bench.services import REQUEST_TIMEOUT_S
-    from specdec.cli.main import CliError
-    from specdec.client import SpecdecClientError
-
     tree = cfg.tree
     ttft = None
     t = time.perf_counter()
@@ -134,7 +133,7 @@ async def run_one(client, method: str, job: Job, cfg: BenchConfig) -> Finished:
             if ttft is None and chunk.token_ids:
                 ttft = time.perf_counter() - t
     except SpecdecClientError as exc:
-        raise CliError(f"--concurrency: {method} request failed: {exc}") from None
+        raise UsageError(f"--concurrency: {method} request failed: {exc}") from None
     latency = time.perf_counter() - t
     s = stream.stats
     return Finished(job.prompt, list(stream.token_ids), latency, ttft, s.cycles, round(s.tau * s.cycles))
@@ -158,9 +157,6 @@ async def run_pool(client, method: str, jobs: Sequence[Job], concurrency: int,
 async def measure(addresses: dict[str, str], texts: Sequence[str], cfg: BenchConfig, plan: ConcurrencyPlan,
                   progress: Callable[[str], None] | None = None) -> dict[str, dict[int, Pool]]:
     """{method: {C: Pool}}; ``addresses``: method -> orchestrator address."""
-    from specdec.bench.services import REQUEST_TIMEOUT_S
-    from specdec.client import AsyncSpecdecClient
-
     names = list(addresses)
     clients = {a: AsyncSpecdecClient(a, timeout=REQUEST_TIMEOUT_S) for a in set(addresses.values())}
     jobs = jobs_for(texts, plan.requests, cfg.seed, cfg.params.greedy)
@@ -247,8 +243,6 @@ def run_concurrency(cfg: BenchConfig, plan: ConcurrencyPlan, texts: Sequence[str
                     progress: Callable[[str], None] | None = None) -> dict:
     """Start the services, run every level for every method, stop the services;
     return the JSON record of ``specdec bench --concurrency``."""
-    from specdec.bench.services import grpc_methods
-
     names = concurrency_methods(cfg.methods)
     if not texts:
         raise ValueError("no prompts")

@@ -2,7 +2,7 @@
 
 One stack per drafter kind the methods need (verifier + drafter +
 orchestrator as separate processes on 127.0.0.1, free ports, started and
-stopped by the bench with the helpers of ``specdec up``); the bench calls the
+stopped by the bench with ``specdec.procs``, as ``specdec up`` does); the bench calls the
 orchestrator with the client SDK, so every figure includes the real wire path.
 Each speculative method M runs as ``M@grpc``; ``vanilla@grpc`` (method
 VANILLA on the first stack) measures the services' own per-token overhead.
@@ -22,7 +22,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from specdec import procs
 from specdec.bench.runner import AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample, method_tree
+from specdec.client import SpecdecClient, SpecdecClientError
+from specdec.errors import UsageError
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
@@ -33,9 +36,6 @@ class GrpcMethod:
         self.client, self.method, self.cfg, self.proposals = client, method, cfg, proposals
 
     def run(self, prompt: Prompt, seed: int | None) -> Sample:
-        from specdec.cli.main import CliError
-        from specdec.client import SpecdecClientError
-
         tree = self.cfg.tree
         t = time.perf_counter()
         try:
@@ -45,7 +45,7 @@ class GrpcMethod:
                 method=self.method, total_tokens=tree.total_tokens, depth=tree.depth, expand_k=tree.expand_k,
                 proposals=self.proposals)
         except SpecdecClientError as exc:
-            raise CliError(f"--grpc: {self.method} request failed: {exc}") from None
+            raise UsageError(f"--grpc: {self.method} request failed: {exc}") from None
         wall = time.perf_counter() - t
         s = done.stats
         return Sample(tokens=list(done.token_ids), wall_s=wall, cycles=s.cycles, committed=round(s.tau * s.cycles),
@@ -85,9 +85,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
     start, so the caller stops them whatever happens): one orchestrator without
     lookahead and one per ``cfg.lookahead`` value, all over the same verifier
     and drafter; return {lookahead: orchestrator address}."""
-    import torch
-
-    from specdec.cli import stack
+    import torch        # here, not at the top: the `specdec bench` parser imports this module, torch-free
 
     internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "off", "--drain-s", "1",
                 "--log-level", "WARNING"]
@@ -96,31 +94,31 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
     # The same core budget as the in-process methods, split between the two
     # torch processes (oversubscribed OpenMP threads spin on each other); the
     # verifier takes the whole budget while one session is open, when the two
-    # alternate (stack.solo_threads), unless an orchestrator drafts ahead:
+    # alternate (procs.solo_threads), unless an orchestrator drafts ahead:
     # then the drafter computes during verifies.
     budget = torch.get_num_threads()
     share = max(1, budget // 2)
     solo = ["--solo-threads", str(budget)] if share < budget and not cfg.lookahead else []
     with _threads_env(share):
-        mine.append(stack._spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
-                                                      "--dtype", cfg.dtype, "--device", cfg.device,
-                                                      *solo, *internal],
-                                 env_defaults=stack.solo_env() if solo else None))
-        mine.append(stack._spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
+        mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
+                                                     "--dtype", cfg.dtype, "--device", cfg.device,
+                                                     *solo, *internal],
+                                env_defaults=procs.solo_env() if solo else None))
+        mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
         children.extend(mine)
-        stack._wait_listening(mine, deadline)
+        procs.wait_listening(mine, deadline)
         verifier, drafter = mine
         orchestrators = {}
         for lookahead in (0, *cfg.lookahead):
-            orchestrators[lookahead] = stack._spawn(f"{kind} orchestrator", [
+            orchestrators[lookahead] = procs.spawn(f"{kind} orchestrator", [
                 "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
                 "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
                 "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.gate(kind)),
                 "--lookahead", str(lookahead), *internal])
     mine.extend(orchestrators.values())
     children.extend(orchestrators.values())
-    stack._wait_listening(mine, deadline)
-    stack._wait_serving(mine, deadline)
+    procs.wait_listening(mine, deadline)
+    procs.wait_serving(mine, deadline)
     return {lookahead: child.address for lookahead, child in orchestrators.items()}
 
 
@@ -129,12 +127,8 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
                  progress: Callable[[str], None] | None = None) -> Iterator[dict]:
     """{METHOD@grpc: GrpcMethod} for vanilla and the speculative methods among names,
     with their stacks running until the block exits."""
-    from specdec.cli import stack
-    from specdec.cli.main import CliError
-    from specdec.client import SpecdecClient
-
     def on_sigterm(signum, frame):
-        stack._ignore_stop_signals()        # a repeated signal must not cut the stopping short
+        procs.ignore_stop_signals()        # a repeated signal must not cut the stopping short
         raise KeyboardInterrupt             # unwind through the finally below: no orphaned services
 
     previous = None
@@ -151,8 +145,8 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
                 progress(f"starting the gRPC services ({kind} drafter)")
             try:
                 addresses = start_stack(cfg, kind, children)
-            except stack.ChildDied as exc:
-                raise CliError(f"--grpc: {exc}") from None
+            except procs.ChildDied as exc:
+                raise UsageError(f"--grpc: {exc}") from None
             for lookahead, address in addresses.items():
                 clients[kind, lookahead] = SpecdecClient(address, timeout=REQUEST_TIMEOUT_S)
         methods = {}
@@ -170,7 +164,7 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
     finally:
         for client in clients.values():
             client.close()
-        stack._stop(children)
+        procs.stop(children)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, previous_int)

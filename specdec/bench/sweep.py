@@ -5,8 +5,8 @@ so the EAGLE-2 reference drafts 48-60 tokens; on a CPU the verify cost grows
 with the tree (DESIGN.md §4) and a smaller tree wins. The sweep measures both
 axes with the other knob fixed:
 
-- total_tokens in TOTALS at the configured depth;
-- depth in DEPTHS at the configured total_tokens;
+- total_tokens in SWEEP_TOTALS at the configured depth;
+- depth in SWEEP_DEPTHS at the configured total_tokens;
 
 every point interleaved with the others and with vanilla on each prompt (the
 protocol of ``specdec.bench.runner``). ``best`` is the point of highest
@@ -19,26 +19,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.bench.runner import BenchConfig, Models, device_name, measure
+from specdec.bench.runner import SWEEP_DEPTHS, SWEEP_TOTALS, BenchConfig, device_name, measure
+from specdec.bench.suite import Models
 from specdec.params import TreeParams
-
-TOTALS = (8, 12, 16, 24, 32, 48, 60)
-DEPTHS = (2, 3, 4, 5, 6, 7, 8)
 
 
 def _key(tree: TreeParams) -> str:
     return f"eagle2[total={tree.total_tokens},depth={tree.depth},k={tree.expand_k}]"
 
 
-def sweep_points(base: TreeParams, totals: Sequence[int] = TOTALS,
-                 depths: Sequence[int] = DEPTHS) -> tuple[list[TreeParams], list[TreeParams]]:
+def sweep_points(base: TreeParams, totals: Sequence[int] = SWEEP_TOTALS,
+                 depths: Sequence[int] = SWEEP_DEPTHS) -> tuple[list[TreeParams], list[TreeParams]]:
     """(points over total_tokens at base.depth, points over depth at base.total_tokens)."""
     base = replace(base, method="eagle2")
     return ([replace(base, total_tokens=t) for t in totals], [replace(base, depth=d) for d in depths])
 
 
-def run_sweep(cfg: BenchConfig, texts: Sequence[str], totals: Sequence[int] = TOTALS,
-              depths: Sequence[int] = DEPTHS, progress: Callable[[str], None] | None = None) -> dict:
+def run_sweep(cfg: BenchConfig, texts: Sequence[str], totals: Sequence[int] = SWEEP_TOTALS,
+              depths: Sequence[int] = SWEEP_DEPTHS, progress: Callable[[str], None] | None = None) -> dict:
     by_total, by_depth = sweep_points(cfg.tree, totals, depths)
     deepest = max(t.depth for t in by_total + by_depth)
     models = Models(replace(cfg, tree=replace(cfg.tree, depth=deepest)))   # context check at the deepest tree

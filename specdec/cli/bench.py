@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.cli.generate import add_tree_flags, resolved_min_tau
-from specdec.cli.main import model_dir
+from specdec.cli.options import add_tree_flags, model_dir, read_prompts, resolved_min_tau
+from specdec.errors import UsageError
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency
@@ -33,8 +33,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     from specdec.bench.concurrency import DEFAULT_REQUESTS_PER_LEVEL
-    from specdec.bench.runner import ALL_METHODS
-    from specdec.bench.sweep import DEPTHS, TOTALS
+    from specdec.bench.runner import ALL_METHODS, SWEEP_DEPTHS, SWEEP_TOTALS
 
     p = sub.add_parser("bench", help="benchmark methods side by side (speedup, tau, acceptance, plots)",
                        description="Run every method on the same prompts, interleaved per prompt, and report "
@@ -78,10 +77,10 @@ def add_parser(sub) -> None:
                         "that drafts one round ahead for the N likeliest accepted paths (greedy sessions), "
                         "as METHOD@grpc-aheadN, over the same verifier and drafter")
     s = p.add_argument_group("sweep")
-    s.add_argument("--sweep-totals", type=_int_list, default=TOTALS,
-                   help=f"total_tokens values (default {','.join(map(str, TOTALS))}), at --depth")
-    s.add_argument("--sweep-depths", type=_int_list, default=DEPTHS,
-                   help=f"depth values (default {','.join(map(str, DEPTHS))}), at --total-tokens")
+    s.add_argument("--sweep-totals", type=_int_list, default=SWEEP_TOTALS,
+                   help=f"total_tokens values (default {','.join(map(str, SWEEP_TOTALS))}), at --depth")
+    s.add_argument("--sweep-depths", type=_int_list, default=SWEEP_DEPTHS,
+                   help=f"depth values (default {','.join(map(str, SWEEP_DEPTHS))}), at --total-tokens")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
     p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -90,12 +89,10 @@ def add_parser(sub) -> None:
 
 def _methods(text: str) -> tuple[str, ...]:
     from specdec.bench.runner import ALL_METHODS
-    from specdec.cli.main import CliError
-
     names = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     bad = [m for m in names if m not in ALL_METHODS]
     if bad or not names:
-        raise CliError(f"unknown method {bad[0]!r} in --methods; choose from {', '.join(ALL_METHODS)}" if bad
+        raise UsageError(f"unknown method {bad[0]!r} in --methods; choose from {', '.join(ALL_METHODS)}" if bad
                        else "--methods is empty")
     return names
 
@@ -103,17 +100,15 @@ def _methods(text: str) -> tuple[str, ...]:
 def config_from(args, sweep: bool):
     """Flags -> BenchConfig, checking only the model directories the run needs."""
     from specdec.bench.runner import DEFAULT_METHODS, SPECULATIVE, BenchConfig, with_references
-    from specdec.cli.main import CliError
-
     for flag, value, low in (("--max-new-tokens", args.max_new_tokens, 1), ("--repeats", args.repeats, 1),
                              ("--limit-prompts", args.limit_prompts, 1), ("--threads", args.threads, 1),
                              ("--verify-token-budget", args.verify_token_budget, 0)):
         if value is not None and value < low:
-            raise CliError(f"{flag} must be >= {low}, got {value}")
+            raise UsageError(f"{flag} must be >= {low}, got {value}")
     if any(not 1 <= n <= 8 for n in args.lookahead):
-        raise CliError(f"--lookahead values must be in [1, 8], got {','.join(map(str, args.lookahead))}")
+        raise UsageError(f"--lookahead values must be in [1, 8], got {','.join(map(str, args.lookahead))}")
     if args.lookahead and not args.grpc:
-        raise CliError("--lookahead needs --grpc (in-process methods have no round trip to hide)")
+        raise UsageError("--lookahead needs --grpc (in-process methods have no round trip to hide)")
     from specdec.params import TreeParams
 
     tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
@@ -141,17 +136,13 @@ def config_from(args, sweep: bool):
 
 def concurrency_plan(args):
     from specdec.bench.concurrency import ConcurrencyPlan
-    from specdec.cli.main import CliError
-
     try:
         return ConcurrencyPlan(levels=args.concurrency, requests=args.requests_per_level)
     except ValueError as exc:
-        raise CliError(f"--concurrency / --requests-per-level: {exc}") from None
+        raise UsageError(f"--concurrency / --requests-per-level: {exc}") from None
 
 
 def load_prompts(path: str, limit: int | None) -> list[str]:
-    from specdec.cli.generate import read_prompts
-
     prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=path))
     return prompts[:limit] if limit else prompts
 
@@ -160,11 +151,9 @@ def run(args) -> int:
     import torch
 
     from specdec.bench.runner import stderr_progress
-    from specdec.cli.main import CliError
-
     sweep = args.mode == "sweep"
     if args.concurrency and sweep:
-        raise CliError("--concurrency does not combine with `bench sweep`")
+        raise UsageError("--concurrency does not combine with `bench sweep`")
     plan = concurrency_plan(args) if args.concurrency else None
     cfg = config_from(args, sweep)
     prompts = load_prompts(args.prompts, args.limit_prompts)
@@ -197,7 +186,7 @@ def run(args) -> int:
         print(concurrency_markdown(result))
         return 0
     from specdec.bench.report import markdown, write_report
-    from specdec.bench.runner import run_bench
+    from specdec.bench.suite import run_bench
 
     result = run_bench(cfg, prompts, progress)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,52 +8,15 @@ import sys
 from pathlib import Path
 
 from specdec import knobs
+from specdec.cli.options import add_model_flags, add_tree_flags, read_prompts, resolved_min_tau, result_record
+from specdec.cli.remote import run_remote
 from specdec.decoding import StopCriteria
-from specdec.params import PROPOSALS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
+from specdec.errors import UsageError
+from specdec.params import REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
 
 # torch-free at import: `specdec --help` and the service subcommands that
-# don't need torch must not pay for (or require) it.
-
-
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("models (default: the bundled demo family)")
-    g.add_argument("--target", help="target model directory (HF causal LM)")
-    d = g.add_mutually_exclusive_group()
-    d.add_argument("--eagle", help="EAGLE-1/2 head directory (EAGLE checkpoint layout)")
-    d.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
-    d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
-    g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
-    g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
-
-
-def resolved_min_tau(text: str) -> float | None:
-    """--min-tau as a number, or None for auto (by drafter kind); CliError when malformed."""
-    from specdec.cli.main import CliError
-
-    try:
-        return knobs.parse_min_tau(text)
-    except ValueError as exc:
-        raise CliError(f"--min-tau: {exc}") from None
-
-
-def add_tree_flags(p: argparse.ArgumentParser) -> None:
-    """Draft tree knobs and the speculation gate (generate and bench)."""
-    p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
-                   help="draft tree size incl. the root")
-    p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
-    p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
-    p.add_argument("--min-tau", default="auto", metavar="TAU",
-                   help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
-                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft; "
-                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter)")
-    p.add_argument("--value-temperature", type=float, metavar="T",
-                   help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
-                        "for greedy, 1 when sampling); never changes the output")
-    p.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=PROPOSALS,
-                   help="how draft tokens are proposed when sampling (T > 0): sampled = drawn from the draft "
-                        "distribution and accepted by recursive rejection sampling, top = the draft's most likely "
-                        "tokens; auto (default): sampled where the drafter has a distribution (not n-gram); "
-                        "never changes the output distribution")
+# don't need torch must not pay for (or require) it; specdec.local (torch) is
+# imported by the functions that run models.
 
 
 def add_decoding_flags(p: argparse.ArgumentParser) -> None:
@@ -79,32 +42,6 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def read_prompts(args) -> list[str]:
-    from specdec.cli.main import CliError
-
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise CliError("give exactly one of PROMPT or --prompt-file")
-    if args.prompt is not None:
-        return [args.prompt]
-    path = Path(args.prompt_file)
-    if not path.is_file():
-        raise CliError(f"prompt file not found: {path}")
-    prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise CliError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise CliError(f"{path}:{lineno}: expected an object with a string \"prompt\"")
-        prompts.append(obj["prompt"])
-    if not prompts:
-        raise CliError(f"prompt file {path} has no prompts")
-    return prompts
-
-
 def sampling_from(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           seed=args.seed).validate()
@@ -119,7 +56,6 @@ def tree_from(args) -> TreeParams | None:
 
 def resolve_models(args):
     """Model flags -> (ModelSpec, DrafterChoice), defaulting to the demo family."""
-    from specdec.cli.main import CliError
     from specdec.local import DrafterChoice, default_paths
     from specdec.models import ModelSpec
 
@@ -127,7 +63,7 @@ def resolve_models(args):
     target = args.target or str(demo["target"])
     if not Path(target, "config.json").is_file():
         hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
-        raise CliError(f"target model directory {target} has no config.json{hint}")
+        raise UsageError(f"target model directory {target} has no config.json{hint}")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device)
     if args.method == VANILLA:
         return spec, DrafterChoice("none")
@@ -137,26 +73,17 @@ def resolve_models(args):
         return spec, DrafterChoice("draft-lm", args.draft_lm)
     eagle = args.eagle or str(demo["eagle"])
     if not Path(eagle, "config.json").is_file():
-        raise CliError(f"EAGLE head directory {eagle} has no config.json")
+        raise UsageError(f"EAGLE head directory {eagle} has no config.json")
     return spec, DrafterChoice("eagle", eagle)
 
 
-def result_record(tokens: list[int], text: str, stats) -> dict:
-    return {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
-            "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
-
-
 def run(args) -> int:
-    from specdec.cli.main import CliError
-
     prompts = read_prompts(args)
     params = sampling_from(args)
     tree_cfg = tree_from(args)
     if args.max_new_tokens < 1:
-        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.server:
-        from specdec.cli.remote import run_remote
-
         return run_remote(args, prompts, params, tree_cfg)
     from specdec.local import build_local, generate
 
@@ -168,7 +95,7 @@ def run(args) -> int:
     eos = {i for i in [tok.eos_token_id] if i is not None}
     for prompt in prompts:
         if not prompt:
-            raise CliError("prompt must not be empty")
+            raise UsageError("prompt must not be empty")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
         dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau)

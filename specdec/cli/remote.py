@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from specdec.cli.options import result_record
+from specdec.errors import UsageError
 from specdec.params import VANILLA
 
 
@@ -39,9 +41,7 @@ def _request_params(args, params, tree_cfg) -> dict:
 
 
 def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
-    from specdec.cli.generate import result_record
-    from specdec.cli.main import CliError
-    from specdec.client import SpecdecClient, SpecdecClientError
+    from specdec.client import SpecdecClient, SpecdecClientError     # grpc: only when calling a server
 
     request = _request_params(args, params, tree_cfg)
     tls = getattr(args, "tls_ca", None)
@@ -49,7 +49,7 @@ def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
                        timeout=getattr(args, "timeout", None)) as client:
         for prompt in prompts:
             if not prompt:
-                raise CliError("prompt must not be empty")
+                raise UsageError("prompt must not be empty")
             try:
                 if args.json:
                     result = client.complete(prompt, **request)
@@ -62,7 +62,7 @@ def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
                     sys.stdout.flush()
                 print(flush=True)
             except SpecdecClientError as exc:
-                raise CliError(f"{args.server}: {exc}") from None
+                raise UsageError(f"{args.server}: {exc}") from None
             s = stream.stats
             print(f"[{s.completion_tokens} tokens, {s.cycles} cycles, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s]",
                   file=sys.stderr)

@@ -19,20 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 
 from specdec import knobs
-from specdec.cli.main import model_dir
+from specdec.cli.options import env, model_dir
+from specdec.errors import UsageError
 from specdec.params import METHODS, PROPOSALS, TreeParams
 from specdec.server import ServerConfig
 
 VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
 DRAFTER_PORTS = (50053, 9453)
-
-
-def _env(name: str, default=None):
-    value = os.environ.get(name)
-    return default if value is None or value == "" else value
 
 
 def _port(text: str) -> int:
@@ -51,23 +46,23 @@ def _metrics_port(text: str) -> int | None:
 
 def add_server_flags(p: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=_env("SPECDEC_HOST", "127.0.0.1"),
+    g.add_argument("--host", default=env("SPECDEC_HOST", "127.0.0.1"),
                    help="address to listen on (env SPECDEC_HOST; default 127.0.0.1)")
-    g.add_argument("--port", type=_port, default=_env("SPECDEC_PORT", default_port),
+    g.add_argument("--port", type=_port, default=env("SPECDEC_PORT", default_port),
                    help=f"gRPC port, 0 = any free port (env SPECDEC_PORT; default {default_port})")
-    g.add_argument("--metrics-port", type=_metrics_port, default=_env("SPECDEC_METRICS_PORT", default_metrics_port),
+    g.add_argument("--metrics-port", type=_metrics_port, default=env("SPECDEC_METRICS_PORT", default_metrics_port),
                    help=f"Prometheus port, 0 = any free port, 'off' = none (env SPECDEC_METRICS_PORT; "
                         f"default {default_metrics_port})")
-    g.add_argument("--auth-token", default=_env("SPECDEC_AUTH_TOKEN"),
+    g.add_argument("--auth-token", default=env("SPECDEC_AUTH_TOKEN"),
                    help="require 'authorization: Bearer TOKEN' on every RPC but health checks "
                         "(env SPECDEC_AUTH_TOKEN, preferred: flags show in process lists)")
-    g.add_argument("--tls-cert", default=_env("SPECDEC_TLS_CERT"), help="server certificate, PEM (env SPECDEC_TLS_CERT)")
-    g.add_argument("--tls-key", default=_env("SPECDEC_TLS_KEY"), help="server private key, PEM (env SPECDEC_TLS_KEY)")
-    g.add_argument("--tls-client-ca", default=_env("SPECDEC_TLS_CLIENT_CA"),
+    g.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT"), help="server certificate, PEM (env SPECDEC_TLS_CERT)")
+    g.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY"), help="server private key, PEM (env SPECDEC_TLS_KEY)")
+    g.add_argument("--tls-client-ca", default=env("SPECDEC_TLS_CLIENT_CA"),
                    help="CA of client certificates: require mutual TLS (env SPECDEC_TLS_CLIENT_CA)")
-    g.add_argument("--drain-s", type=float, default=_env("SPECDEC_DRAIN_S", 20.0),
+    g.add_argument("--drain-s", type=float, default=env("SPECDEC_DRAIN_S", 20.0),
                    help="on SIGTERM, time given to open sessions to finish (env SPECDEC_DRAIN_S; default 20)")
-    g.add_argument("--log-level", default=_env("SPECDEC_LOG_LEVEL", "INFO"),
+    g.add_argument("--log-level", default=env("SPECDEC_LOG_LEVEL", "INFO"),
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper)
     g.add_argument("--ready-file", help="write the listening JSON line to this file once ready")
 
@@ -84,7 +79,7 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--session-ttl", type=float, default=600.0, help="evict a session idle this many seconds")
 
 
-    g.add_argument("--solo-threads", type=int, default=_env("SPECDEC_SOLO_THREADS", 0),
+    g.add_argument("--solo-threads", type=int, default=env("SPECDEC_SOLO_THREADS", 0),
                    help="torch threads for a model call while at most one session is open; otherwise "
                         "OMP_NUM_THREADS / torch's default (0 = always that; for a drafter and verifier "
                         "sharing cores, which alternate while one session runs, unless the orchestrator "
@@ -92,14 +87,12 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _check_sessions(args) -> None:
-    from specdec.cli.main import CliError
-
     if args.max_sessions < 1:
-        raise CliError(f"--max-sessions must be >= 1, got {args.max_sessions}")
+        raise UsageError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if not args.session_ttl > 0:
-        raise CliError(f"--session-ttl must be > 0, got {args.session_ttl}")
+        raise UsageError(f"--session-ttl must be > 0, got {args.session_ttl}")
     if args.solo_threads < 0:
-        raise CliError(f"--solo-threads must be >= 0, got {args.solo_threads}")
+        raise UsageError(f"--solo-threads must be >= 0, got {args.solo_threads}")
 
 
 def add_parsers(sub) -> None:
@@ -147,11 +140,11 @@ def add_parsers(sub) -> None:
     t.add_argument("--max-total-tokens", type=int, default=64)
     t.add_argument("--max-depth", type=int, default=8)
     t.add_argument("--max-expand-k", type=int, default=10)
-    p.add_argument("--batch-window-ms", type=float, default=_env("SPECDEC_BATCH_WINDOW_MS", 2.0),
+    p.add_argument("--batch-window-ms", type=float, default=env("SPECDEC_BATCH_WINDOW_MS", 2.0),
                    help="collect concurrent sessions' drafts for up to this long and expand their trees "
                         "together, one forward per level (0 = off; a lone session never waits; "
                         "env SPECDEC_BATCH_WINDOW_MS)")
-    p.add_argument("--max-batch", type=int, default=_env("SPECDEC_MAX_BATCH", 16),
+    p.add_argument("--max-batch", type=int, default=env("SPECDEC_MAX_BATCH", 16),
                    help="sessions per batched draft at most (env SPECDEC_MAX_BATCH)")
     _add_session_flags(p)
     add_server_flags(p, *DRAFTER_PORTS)
@@ -159,7 +152,6 @@ def add_parsers(sub) -> None:
 
 
 def _serve(cfg: ServerConfig, servicer, name: str, build, args) -> int:
-    from specdec.cli.main import CliError
     from specdec.server import configure_logging, run_server
 
     configure_logging(name, args.log_level)
@@ -167,7 +159,7 @@ def _serve(cfg: ServerConfig, servicer, name: str, build, args) -> int:
         asyncio.run(run_server(cfg, [servicer.registration()], name, load=lambda: servicer.load(build),
                                ready_file=args.ready_file))
     except (OSError, RuntimeError) as exc:     # port taken, unreadable weights...: logged in full above
-        raise CliError(f"{name} failed: {exc}") from None
+        raise UsageError(f"{name} failed: {exc}") from None
     return 0
 
 
@@ -180,20 +172,18 @@ def run_verifier(args) -> int:
                      device=args.device, attn_implementation=args.attn_implementation)
     from verifier.service import VerifierService, VerifierServiceConfig
 
-    from specdec.cli.main import CliError
-
     if args.tp < 1:
-        raise CliError(f"--tp must be >= 1, got {args.tp}")
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
     if args.kv_budget_bytes is not None and args.kv_budget_bytes < 1:
-        raise CliError(f"--kv-budget-bytes must be >= 1, got {args.kv_budget_bytes}")
+        raise UsageError(f"--kv-budget-bytes must be >= 1, got {args.kv_budget_bytes}")
     if args.batch_window_ms < 0 or args.max_batch < 1:
-        raise CliError("--batch-window-ms must be >= 0 and --max-batch >= 1")
+        raise UsageError("--batch-window-ms must be >= 0 and --max-batch >= 1")
     if args.tp > 1:
         from verifier.tp import check_tp_degree
 
         check_tp_degree(spec.path, args.tp)
     if args.tp > 1 and args.solo_threads:
-        raise CliError("--solo-threads needs --tp 1 (tensor-parallel ranks keep their own threads)")
+        raise UsageError("--solo-threads needs --tp 1 (tensor-parallel ranks keep their own threads)")
     servicer = VerifierService(VerifierServiceConfig(feature_dtype=args.feature_dtype,
                                                      batch_window_ms=args.batch_window_ms,
                                                      max_batch=args.max_batch, solo_threads=args.solo_threads))
@@ -217,14 +207,13 @@ def run_verifier(args) -> int:
 
 def _drafter_builder(args):
     """Validate the drafter flags now (one-line errors), build the drafter later."""
-    from specdec.cli.main import CliError
     from specdec.models import ModelSpec, read_config, torch_dtype
 
     sessions = dict(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
     if args.ngram:
         if args.vocab_size is not None:
             if args.vocab_size < 1:
-                raise CliError(f"--vocab-size must be >= 1, got {args.vocab_size}")
+                raise UsageError(f"--vocab-size must be >= 1, got {args.vocab_size}")
             vocab = args.vocab_size
         else:
             vocab = int(read_config(model_dir(args.target, "target", "target model", "--target"))["vocab_size"])
@@ -260,10 +249,8 @@ def run_drafter(args) -> int:
     default = TreeParams(method=args.method, total_tokens=args.total_tokens, depth=args.depth,
                          expand_k=args.expand_k, proposals=args.proposals)
     limits = TreeParams(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
-    from specdec.cli.main import CliError
-
     if not args.batch_window_ms >= 0 or args.max_batch < 1:
-        raise CliError("--batch-window-ms must be >= 0 and --max-batch >= 1")
+        raise UsageError("--batch-window-ms must be >= 0 and --max-batch >= 1")
     build = _drafter_builder(args)
     from drafter.service import DrafterService, DrafterServiceConfig
 

@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from specdec.cli.generate import add_model_flags
-from specdec.cli.main import CliError, model_dir
+from specdec.cli.options import model_dir
+from specdec.errors import UsageError
 from specdec.soak.run import DEFAULT_KILLS, Backend, Soak, SoakConfig, SoakError
 from specdec.soak.stack import ROLES, Models, SoakStack, StackError
 
@@ -32,7 +33,7 @@ def _kills(text: str) -> tuple[str, ...]:
     roles = tuple(r.strip() for r in text.split(",") if r.strip())
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
-        raise CliError(f"--kills: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})")
+        raise UsageError(f"--kills: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})")
     return roles
 
 
@@ -82,7 +83,7 @@ def _backends_from_state(path: str | None) -> tuple[list[Backend], dict[str, int
     try:
         state = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise CliError(f"--state {path}: {exc}") from None
+        raise UsageError(f"--state {path}: {exc}") from None
     backends = [Backend(f"{role}-{i + 1}", role, entry["addr"], entry.get("pid"))
                 for role, key in (("verifier", "verifiers"), ("drafter", "drafters"))
                 for i, entry in enumerate(state.get(key, []))]
@@ -97,7 +98,7 @@ def _config(args) -> SoakConfig:
                           max_rss_growth=args.max_rss_growth, seed=args.seed,
                           restart_timeout_s=args.startup_timeout)
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        raise UsageError(str(exc)) from None
 
 
 def _progress(line: str) -> None:
@@ -108,17 +109,17 @@ def run_soak(args) -> int:
     config = _config(args)
     if args.server:
         if config.kills:
-            raise CliError("--kills needs a stack the soak starts itself (leave out --server)")
+            raise UsageError("--kills needs a stack the soak starts itself (leave out --server)")
         backends, pids = _backends_from_state(args.state)
         try:
             report = asyncio.run(Soak(config, args.server, backends, pids=pids).run(_progress))
         except SoakError as exc:
-            raise CliError(str(exc)) from None
+            raise UsageError(str(exc)) from None
     else:
         if args.state:
-            raise CliError("--state goes with --server")
+            raise UsageError("--state goes with --server")
         if args.verifiers < 1 or args.drafters < 0:
-            raise CliError(f"--verifiers must be >= 1 and --drafters >= 0, got {args.verifiers} and {args.drafters}")
+            raise UsageError(f"--verifiers must be >= 1 and --drafters >= 0, got {args.verifiers} and {args.drafters}")
         report = _soak_own_stack(args, config)
     print(report.text(), flush=True)
     if args.json == "-":
@@ -147,7 +148,7 @@ def _soak_own_stack(args, config: SoakConfig):
         report = asyncio.run(Soak(config, stack.orchestrator.address, backends, stack).run(_progress))
         return report
     except (StackError, SoakError) as exc:
-        raise CliError(str(exc)) from None
+        raise UsageError(str(exc)) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         stack.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specdec.errors import UsageError
 from specdec.models import demo_path
 
 # The demo family's shapes (the bundled models were trained with these).
@@ -19,7 +20,6 @@ DRAFT_LM_SHAPE = dict(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=38
 
 
 def _corpus(args) -> tuple[list[str], list[str]]:
-    from specdec.cli.main import CliError
     from specdec.train.corpus import is_heldout, read_texts, stdlib_split
 
     if not args.data:
@@ -28,7 +28,7 @@ def _corpus(args) -> tuple[list[str], list[str]]:
     paths = [Path(p) for p in args.data]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise CliError(f"data file not found: {missing[0]}")
+        raise UsageError(f"data file not found: {missing[0]}")
     held = [p for p in paths if is_heldout(p.name)] or paths[-1:]
     train = [p for p in paths if p not in held] or held
     return read_texts(train), read_texts(held)

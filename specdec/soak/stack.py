@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.cli.stack import threads_per_process
+from specdec.procs import threads_per_process
 
 ROLES = ("verifier", "drafter", "orchestrator")
 

@@ -166,17 +166,18 @@ def test_a_lone_verifier_sharing_the_cores_gets_solo_threads(monkeypatch):
     """``up`` splits the cores between drafter and verifier and lets the one
     verifier use them all while a single session runs; never over the user's
     OMP_NUM_THREADS, nor where the verifier has the cores to itself."""
-    from specdec.cli import stack
+    from specdec import procs
+    from specdec.cli import up
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    assert stack.threads_per_process(2) == 2 and stack.solo_threads(2, 2) == 4
-    assert stack.solo_threads(4, 1) == 0                      # verifier alone: already all cores
-    assert stack.solo_threads(1, 4) == 4
+    assert procs.threads_per_process(2) == 2 and procs.solo_threads(2, 2) == 4
+    assert procs.solo_threads(4, 1) == 0                      # verifier alone: already all cores
+    assert procs.solo_threads(1, 4) == 4
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert stack.solo_threads(2, 2) == 0
-    assert stack.solo_env() == {"GOMP_SPINCOUNT": stack.SOLO_SPINCOUNT}
+    assert procs.solo_threads(2, 2) == 0
+    assert procs.solo_env() == {"GOMP_SPINCOUNT": procs.SOLO_SPINCOUNT}
     monkeypatch.setenv("SPECDEC_LOOKAHEAD", "0")
-    assert not stack._drafts_ahead()
+    assert not up.drafts_ahead()
     monkeypatch.setenv("SPECDEC_LOOKAHEAD", "1")      # the drafter then computes during verifies
-    assert stack._drafts_ahead()
+    assert up.drafts_ahead()

@@ -12,7 +12,7 @@ import torch
 
 from drafter.batch import DraftScheduler, draft_batch
 from services.helpers import channel_to, drafter_builder, rpc_error, start_drafter
-from specdec import kv, wire
+from specdec import kv, tensor_wire, wire
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
 from specdec.params import SamplingParams
 from specdec.params import TreeParams
@@ -232,7 +232,7 @@ async def test_server_batches_concurrent_drafts(tiny_family, kind):
     batched, servicer = await start_drafter(tiny_family, kind, batch_window_ms=2000, max_batch=8, metrics_port=None)
     plain, _ = await start_drafter(tiny_family, kind, metrics_port=None)
     s = Sessions(drafter_builder(tiny_family, kind)(), None, 11)
-    feats = (lambda t: wire.tensor_to_proto(t) if t is not None else common_pb2.Tensor())
+    feats = (lambda t: tensor_wire.tensor_to_proto(t) if t is not None else common_pb2.Tensor())
     try:
         async with channel_to(batched) as ch_b, channel_to(plain) as ch_p:
             stubs = DrafterServiceStub(ch_b), DrafterServiceStub(ch_p)

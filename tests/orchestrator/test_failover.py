@@ -25,7 +25,7 @@ import torch
 from orchestrator.failover import FeatureLog
 from running_stack import Stack, alive
 from services.helpers import channel_to, drafter_builder, rpc_error, start_verifier, verifier_builder
-from specdec import wire
+from specdec import tensor_wire, wire
 from specdec.client import SpecdecClient, SpecdecClientError, SpecdecUnavailable
 from specdec.errors import FailedPrecondition
 from specdec.metrics import REGISTRY
@@ -51,21 +51,21 @@ def test_feature_log_bytes_concatenate_like_torch_cat(dtype):
     parts = [torch.randn(rows, 6) for rows in (5, 1, 3, 2)]
     log = FeatureLog()
     for part in parts:
-        log.add(wire.tensor_to_proto(part, dtype))
+        log.add(tensor_wire.tensor_to_proto(part, dtype))
     msg = log.tensor()
     assert list(msg.shape) == [11, 6] and msg.dtype == dtype and log.rows == 11
     want = torch.cat(parts).to(getattr(torch, dtype))
-    assert torch.equal(wire.tensor_from_proto(msg), want)
+    assert torch.equal(tensor_wire.tensor_from_proto(msg), want)
     log.clear()
     assert log.tensor() is None
 
 
 def test_feature_log_refuses_rows_that_do_not_continue():
     log = FeatureLog()
-    log.add(wire.tensor_to_proto(torch.zeros(2, 4)))
-    for bad, match in ((wire.tensor_to_proto(torch.zeros(1, 5)), "changed"),
-                       (wire.tensor_to_proto(torch.zeros(1, 4), "float16"), "changed"),
-                       (wire.tensor_to_proto(torch.zeros(4)), "2-D"),
+    log.add(tensor_wire.tensor_to_proto(torch.zeros(2, 4)))
+    for bad, match in ((tensor_wire.tensor_to_proto(torch.zeros(1, 5)), "changed"),
+                       (tensor_wire.tensor_to_proto(torch.zeros(1, 4), "float16"), "changed"),
+                       (tensor_wire.tensor_to_proto(torch.zeros(4)), "2-D"),
                        (wire.common_pb2.Tensor(data=b"\0" * 8, dtype="float32", shape=[1, 4]), "bytes")):
         with pytest.raises(ValueError, match=match):
             log.add(bad)
@@ -82,15 +82,15 @@ def test_drafter_prefilled_from_the_log_drafts_like_the_incremental_one(tiny_fam
     log = FeatureLog()
     first = verifier.prefill("s", prompt, SamplingParams())
     committed = prompt + [first.token]
-    log.add(wire.tensor_to_proto(first.features))
+    log.add(tensor_wire.tensor_to_proto(first.features))
     drafter.prefill("a", committed, first.features)
     for _ in range(6):
         result = verifier.verify("s", drafter.draft("a", cfg))
         drafter.commit("a", result.tokens, result.features)
         committed += result.tokens
-        log.add(wire.tensor_to_proto(result.features))
+        log.add(tensor_wire.tensor_to_proto(result.features))
     assert log.rows == len(committed) - 1
-    drafter.prefill("b", committed, wire.tensor_from_proto(log.tensor()))
+    drafter.prefill("b", committed, tensor_wire.tensor_from_proto(log.tensor()))
     a, b = drafter.draft("a", cfg), drafter.draft("b", cfg)
     assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
     assert torch.allclose(a.values, b.values, atol=1e-4)
@@ -112,7 +112,7 @@ async def test_resumed_prefill_over_grpc_continues_the_session_exactly(tiny_fami
             log.add(first.features)
 
             async def step(sid):
-                tree = wire.tree_to_proto(tree_from_lists([committed[-1] if sid == "a" else moved[-1]], [-1]))
+                tree = tensor_wire.tree_to_proto(tree_from_lists([committed[-1] if sid == "a" else moved[-1]], [-1]))
                 return await stub.Verify(verifier_pb2.VerifyRequest(session_id=sid, tree=tree,
                                                                    return_features=True))
 
@@ -126,7 +126,7 @@ async def test_resumed_prefill_over_grpc_continues_the_session_exactly(tiny_fami
                 resume=True))
             assert resumed.token == moved[-1]                       # the pending root, nothing sampled
             assert list(resumed.features.shape) == [len(moved) - 1, log.hidden]
-            assert torch.allclose(wire.tensor_from_proto(resumed.features), wire.tensor_from_proto(log.tensor()),
+            assert torch.allclose(tensor_wire.tensor_from_proto(resumed.features), tensor_wire.tensor_from_proto(log.tensor()),
                                   atol=1e-4)
             for _ in range(8):
                 a, b = await step("a"), await step("b")

@@ -106,7 +106,7 @@ def test_draft_ahead_rpc_statuses(stack):
 def _zeros(rows: int, stack) -> common_pb2.Tensor:
     import torch
 
-    from specdec import wire
+    from specdec import tensor_wire
 
     hidden = stack.servicer("eagle").drafter.hidden_size
-    return wire.tensor_to_proto(torch.zeros(rows, hidden), "float32")
+    return tensor_wire.tensor_to_proto(torch.zeros(rows, hidden), "float32")

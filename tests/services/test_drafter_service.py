@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.helpers import channel_to, rpc_error, start_drafter
-from specdec import wire
+from specdec import tensor_wire, wire
 from specdec.params import SamplingParams
 from specdec.params import TreeParams
 from specdec.v1 import common_pb2
@@ -31,7 +31,7 @@ def assert_same_tree(msg, tree):
 
 
 def feats(t):
-    return wire.tensor_to_proto(t) if t is not None else common_pb2.Tensor()
+    return tensor_wire.tensor_to_proto(t) if t is not None else common_pb2.Tensor()
 
 
 @pytest.mark.parametrize("kind", ["eagle", "draft-lm", "ngram"])
@@ -81,7 +81,7 @@ async def test_knobs_default_and_clamp_to_limits(tiny_family, local_verifier, ma
             first = local_verifier.prefill("k", PROMPT, SamplingParams())
             reference.prefill("k", PROMPT + [first.token], first.features)
             await stub.Prefill(DrafterPrefillRequest(session_id="k", token_ids=PROMPT + [first.token],
-                                                     features=wire.tensor_to_proto(first.features)))
+                                                     features=tensor_wire.tensor_to_proto(first.features)))
             huge = common_pb2.TreeParams(method=common_pb2.TREE_METHOD_EAGLE2, total_tokens=1000, depth=50, expand_k=64)
             vanilla = common_pb2.TreeParams(method=common_pb2.TREE_METHOD_VANILLA)
             # all zero: the server default; far past the limits: clamped to them; vanilla: the root alone
@@ -113,10 +113,10 @@ async def test_bad_features_and_sessions(tiny_family, local_verifier, make_local
             stub = DrafterServiceStub(ch)
             first = local_verifier.prefill("a", PROMPT, SamplingParams())
             ids = PROMPT + [first.token]
-            f = wire.tensor_to_proto(first.features)
+            f = tensor_wire.tensor_to_proto(first.features)
             err = await rpc_error(stub.Prefill(DrafterPrefillRequest(session_id="x", token_ids=ids)))
             assert err.code() == CODE.INVALID_ARGUMENT and "features.shape must be [8, 48]" in err.details()
-            wide = wire.tensor_to_proto(torch.zeros(len(PROMPT), 49))
+            wide = tensor_wire.tensor_to_proto(torch.zeros(len(PROMPT), 49))
             err = await rpc_error(stub.Prefill(DrafterPrefillRequest(session_id="x", token_ids=ids, features=wide)))
             assert err.code() == CODE.INVALID_ARGUMENT and "got [8, 49]" in err.details()
             broken = common_pb2.Tensor(data=b"\0" * 3, dtype="float32", shape=[1, 48])
@@ -130,11 +130,11 @@ async def test_bad_features_and_sessions(tiny_family, local_verifier, make_local
             assert err.code() == CODE.RESOURCE_EXHAUSTED
             err = await rpc_error(stub.Draft(DraftRequest(session_id="a", commit_tokens=[3])))
             assert err.code() == CODE.INVALID_ARGUMENT and "commit_features.shape must be [1, 48]" in err.details()
-            err = await rpc_error(stub.Draft(DraftRequest(session_id="a", commit_features=wire.tensor_to_proto(
+            err = await rpc_error(stub.Draft(DraftRequest(session_id="a", commit_features=tensor_wire.tensor_to_proto(
                 torch.zeros(1, 48)))))
             assert err.code() == CODE.INVALID_ARGUMENT and "without commit_tokens" in err.details()
             err = await rpc_error(stub.Draft(DraftRequest(session_id="a", commit_tokens=[10**6],
-                                                          commit_features=wire.tensor_to_proto(torch.zeros(1, 48)))))
+                                                          commit_features=tensor_wire.tensor_to_proto(torch.zeros(1, 48)))))
             assert err.code() == CODE.INVALID_ARGUMENT and "outside the drafter vocabulary" in err.details()
             err = await rpc_error(stub.Draft(DraftRequest(session_id="zzz")))
             assert err.code() == CODE.NOT_FOUND
@@ -143,7 +143,7 @@ async def test_bad_features_and_sessions(tiny_family, local_verifier, make_local
 
             # none of it disturbed "a": commit + rollback + draft still match the reference
             extra = torch.randn(2, 48, generator=torch.Generator().manual_seed(3))
-            await stub.Commit(DrafterCommitRequest(session_id="a", token_ids=[7, 9], features=wire.tensor_to_proto(extra)))
+            await stub.Commit(DrafterCommitRequest(session_id="a", token_ids=[7, 9], features=tensor_wire.tensor_to_proto(extra)))
             reference.commit("a", [7, 9], extra)
             await stub.Rollback(DrafterRollbackRequest(session_id="a", length=len(ids) + 1))
             reference.rollback("a", len(ids) + 1)
@@ -206,7 +206,7 @@ async def test_sampled_session_ships_its_proposals(tiny_family, kind, local_veri
                 assert_same_tree(got.tree, want)
                 assert_same_proposals(got.tree, want)
                 assert bool(got.tree.proposals) == (kind != "ngram")
-                result = local_verifier.verify("s", wire.tree_from_proto(got.tree, reference.vocab_size))
+                result = local_verifier.verify("s", tensor_wire.tree_from_proto(got.tree, reference.vocab_size))
                 commit, commit_f = result.tokens, (result.features if eagle else None)
             top = await stub.Draft(DraftRequest(session_id="s", commit_tokens=commit, commit_features=feats(commit_f),
                                                 tree=wire.tree_params_to_proto(TreeParams(proposals="top"))))

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from specdec import wire
+from specdec import tensor_wire, wire
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec
@@ -29,7 +29,7 @@ def greedy_over_grpc(addr: str, prompts, prefix="s") -> list[list[int]]:
             session_id=sid, prompt_ids=p, sampling=wire.sampling_to_proto(SamplingParams()), max_new_tokens=NEW))
         toks = [first.token]
         while len(toks) < NEW:
-            tree = wire.tree_to_proto(tree_from_lists([toks[-1]], [-1]))
+            tree = tensor_wire.tree_to_proto(tree_from_lists([toks[-1]], [-1]))
             res = await stub.Verify(verifier_pb2.VerifyRequest(session_id=sid, tree=tree))
             toks.extend(res.tokens)
         await stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=sid))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.helpers import channel_to, rpc_error, start_verifier
-from specdec import wire
+from specdec import tensor_wire, wire
 from specdec.metrics import REGISTRY
 from specdec.params import SamplingParams
 from specdec.params import TreeParams
@@ -47,7 +47,7 @@ def prefill_request(sid, prompt=PROMPT, params=SamplingParams(), **kw):
 
 
 def verify_request(sid, tree, **kw):
-    return VerifyRequest(session_id=sid, tree=wire.tree_to_proto(tree), **kw)
+    return VerifyRequest(session_id=sid, tree=tensor_wire.tree_to_proto(tree), **kw)
 
 
 async def test_greedy_verify_matches_engine_and_plain_decoding(verifier, verifier_channel, local_verifier):
@@ -60,7 +60,7 @@ async def test_greedy_verify_matches_engine_and_plain_decoding(verifier, verifie
     remote = await stub.Prefill(prefill_request("g", return_features=True))
     assert remote.token == local.token == cont[0]
     assert remote.compute_s > 0
-    assert torch.equal(wire.tensor_from_proto(remote.features), local.features)
+    assert torch.equal(tensor_wire.tensor_from_proto(remote.features), local.features)
 
     done = 1
     while done + 3 <= len(cont):
@@ -69,7 +69,7 @@ async def test_greedy_verify_matches_engine_and_plain_decoding(verifier, verifie
         got = await stub.Verify(verify_request("g", tree, return_features=True))
         assert list(got.accepted_nodes) == want.accepted == [2, 3]
         assert list(got.tokens) == want.tokens == cont[done:done + 3]
-        assert torch.equal(wire.tensor_from_proto(got.features), want.features)
+        assert torch.equal(tensor_wire.tensor_from_proto(got.features), want.features)
         done += 3
     assert servicer.engine.committed_tokens("g") == local_verifier.committed_tokens("g") == PROMPT + cont[:done]
 
@@ -99,7 +99,7 @@ async def test_float16_features(tiny_family, local_verifier):
             got = await VerifierServiceStub(ch).Prefill(prefill_request("h", return_features=True))
         want = local_verifier.prefill("h", PROMPT, SamplingParams())
         assert got.features.dtype == "float16" and len(got.features.data) == 2 * want.features.numel()
-        assert torch.equal(wire.tensor_from_proto(got.features), want.features.half())
+        assert torch.equal(tensor_wire.tensor_from_proto(got.features), want.features.half())
     finally:
         await server.stop()
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specdec import wire
+from specdec import tensor_wire, wire
 from specdec.errors import InvalidArgument
 from specdec.params import SamplingParams
 from specdec.params import METHODS, TreeParams
@@ -17,22 +17,22 @@ from specdec.v1 import common_pb2
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_tensor_round_trip(dtype):
     t = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
-    msg = wire.tensor_to_proto(t, dtype)
+    msg = tensor_wire.tensor_to_proto(t, dtype)
     assert msg.dtype == dtype and list(msg.shape) == [5, 7]
     assert len(msg.data) == 35 * wire.TENSOR_DTYPES[dtype]
-    back = wire.tensor_from_proto(common_pb2.Tensor.FromString(msg.SerializeToString()))
+    back = tensor_wire.tensor_from_proto(common_pb2.Tensor.FromString(msg.SerializeToString()))
     assert back.dtype == getattr(torch, dtype) and back.shape == (5, 7)
     assert torch.equal(back, t.to(getattr(torch, dtype)))   # exact after the one cast
 
 
 def test_tensor_float32_bytes_are_little_endian():
-    msg = wire.tensor_to_proto(torch.tensor([1.0]))
+    msg = tensor_wire.tensor_to_proto(torch.tensor([1.0]))
     assert msg.data == b"\x00\x00\x80\x3f"
 
 
 def test_empty_tensor_message_is_none_and_zero_rows_survive():
-    assert wire.tensor_from_proto(common_pb2.Tensor()) is None
-    back = wire.tensor_from_proto(wire.tensor_to_proto(torch.zeros(0, 4)))
+    assert tensor_wire.tensor_from_proto(common_pb2.Tensor()) is None
+    back = tensor_wire.tensor_from_proto(tensor_wire.tensor_to_proto(torch.zeros(0, 4)))
     assert back is not None and back.shape == (0, 4)
 
 
@@ -44,12 +44,12 @@ def test_empty_tensor_message_is_none_and_zero_rows_survive():
 ])
 def test_tensor_validation_names_the_field(msg, words):
     with pytest.raises(InvalidArgument, match=words.replace("[", r"\[")):
-        wire.tensor_from_proto(msg, "commit_features")
+        tensor_wire.tensor_from_proto(msg, "commit_features")
 
 
 def test_tensor_to_proto_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="dtype"):
-        wire.tensor_to_proto(torch.zeros(2), "int64")
+        tensor_wire.tensor_to_proto(torch.zeros(2), "int64")
 
 
 # -- trees -------------------------------------------------------------------------------------------
@@ -57,9 +57,9 @@ def test_tree_round_trip_keeps_values():
     base = tree_from_lists([7, 3, 4, 9], [-1, 0, 0, 1])
     tree = DraftTree(tokens=base.tokens, parents=base.parents, depths=base.depths,
                      values=torch.tensor([0.0, -0.5, -1.25, -2.0]))
-    msg = common_pb2.DraftTree.FromString(wire.tree_to_proto(tree).SerializeToString())
+    msg = common_pb2.DraftTree.FromString(tensor_wire.tree_to_proto(tree).SerializeToString())
     assert list(msg.parents) == [-1, 0, 0, 1]
-    back = wire.tree_from_proto(msg, vocab_size=10)
+    back = tensor_wire.tree_from_proto(msg, vocab_size=10)
     for name in ("tokens", "parents", "depths", "values"):
         assert torch.equal(getattr(back, name), getattr(tree, name)), name
 
@@ -71,17 +71,17 @@ def test_tree_round_trip_keeps_proposals():
     props = {0: Proposal(torch.tensor([4, 3, 8]), torch.tensor([0.5, 0.25, 0.25])),
              1: Proposal(torch.tensor([9]), torch.tensor([1.0]))}
     tree = DraftTree(base.tokens, base.parents, base.depths, base.values, props)
-    back = wire.tree_from_proto(common_pb2.DraftTree.FromString(wire.tree_to_proto(tree).SerializeToString()),
+    back = tensor_wire.tree_from_proto(common_pb2.DraftTree.FromString(tensor_wire.tree_to_proto(tree).SerializeToString()),
                                 vocab_size=10)
     assert set(back.proposals) == {0, 1}
     for node, prop in props.items():
         assert torch.equal(back.proposals[node].tokens, prop.tokens)
         assert torch.equal(back.proposals[node].probs, prop.probs)
-    assert wire.tree_from_proto(wire.tree_to_proto(base)).proposals is None
+    assert tensor_wire.tree_from_proto(tensor_wire.tree_to_proto(base)).proposals is None
 
 
 def test_tree_without_values_gets_zeros():
-    back = wire.tree_from_proto(common_pb2.DraftTree(tokens=[1, 2], parents=[-1, 0]))
+    back = tensor_wire.tree_from_proto(common_pb2.DraftTree(tokens=[1, 2], parents=[-1, 0]))
     assert back.values.tolist() == [0.0, 0.0] and back.depths.tolist() == [0, 1]
 
 
@@ -98,7 +98,7 @@ def test_tree_without_values_gets_zeros():
 def test_malformed_trees_name_the_field(tokens, parents, values, message):
     msg = common_pb2.DraftTree(tokens=tokens, parents=parents, values=values)
     with pytest.raises(InvalidArgument, match=message):
-        wire.tree_from_proto(msg, vocab_size=50)
+        tensor_wire.tree_from_proto(msg, vocab_size=50)
 
 
 # -- sampling ----------------------------------------------------------------------------------------

@@ -1,0 +1,142 @@
+"""``specdec bench`` in-process and through the services: load the models once,
+build every method, measure them interleaved and return the JSON record.
+
+``Models`` holds what all methods share (one target model object serves
+vanilla, the speculative methods and the HF peers; drafters load on first
+use); ``run_bench`` is the whole run. The measurement itself is
+``specdec.bench.runner``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import replace
+
+from specdec.bench.calibration import TreeRecorder, calibration_bins
+from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
+from specdec.bench.runner import (CALIBRATED, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod, Method, Prompt,
+                                  device_name, measure, method_tree, summarize, with_references)
+from specdec.bench.services import grpc_methods
+from specdec.decoding import StopCriteria
+from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
+from specdec.params import TreeParams
+from verifier.engine import TargetModel, VerifierEngine
+
+
+class Models:
+    """Everything loaded once and shared by all methods: one target model object
+    serves vanilla, every speculative method and the HF peers."""
+
+    def __init__(self, cfg: BenchConfig):
+        self.cfg = cfg
+        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.tokenizer = load_tokenizer(cfg.target)
+        self.target = TargetModel(self.spec)
+        self.verifier = VerifierEngine(self.target)
+        eos = self.tokenizer.eos_token_id
+        self.eos_ids = frozenset() if eos is None else frozenset([int(eos)])
+        self._drafters: dict[str, object] = {}
+        self._assistant = None
+
+    def encode(self, texts: Sequence[str]) -> list[Prompt]:
+        prompts = []
+        limit = self.target.max_positions
+        for i, text in enumerate(texts):
+            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            if not ids:
+                raise ValueError(f"prompt {i + 1} is empty")
+            # + depth: a draft tree reaches that far past the last committed token
+            if len(ids) + self.cfg.max_new_tokens + self.cfg.tree.depth > limit:
+                raise ValueError(f"prompt {i + 1} ({len(ids)} tokens) + max-new-tokens "
+                                 f"({self.cfg.max_new_tokens}) + tree depth exceeds the target's "
+                                 f"context of {limit} tokens")
+            prompts.append(Prompt(text, ids))
+        return prompts
+
+    def assistant(self):
+        if self._assistant is None:
+            self._assistant = load_causal_lm(replace(self.spec, path=self._need(self.cfg.draft_lm, "draft LM")))
+        return self._assistant
+
+    def drafter(self, kind: str):
+        if kind not in self._drafters:
+            if kind == "eagle":
+                from drafter.eagle import EagleDrafter
+
+                self._drafters[kind] = EagleDrafter(self._need(self.cfg.eagle, "EAGLE head"), self.cfg.target,
+                                                    device=self.cfg.device)
+            elif kind == "ngram":
+                from drafter.ngram import NgramDrafter
+
+                self._drafters[kind] = NgramDrafter(self.target.vocab_size)
+            elif kind == "draft-lm":
+                from drafter.draft_lm import DraftLmDrafter
+
+                self._drafters[kind] = DraftLmDrafter(model=self.assistant())
+            else:
+                raise ValueError(f"unknown drafter kind {kind!r}")
+        return self._drafters[kind]
+
+    @staticmethod
+    def _need(path: str | None, what: str) -> str:
+        if path is None:
+            raise ValueError(f"no {what} directory given")
+        return path
+
+    def stop(self) -> StopCriteria:
+        return StopCriteria(max_new_tokens=self.cfg.max_new_tokens, eos_ids=self.eos_ids)
+
+    def local(self, name: str, tree: TreeParams | None = None, verifier=None) -> LocalMethod:
+        """An in-process method; ``tree`` overrides the knobs of the config."""
+        verifier = verifier if verifier is not None else self.verifier
+        if name == "vanilla":
+            return LocalMethod(verifier, None, None, self.cfg.params, self.stop())
+        kind = SPECULATIVE[name][0]
+        return LocalMethod(verifier, self.drafter(kind), method_tree(name, tree or self.cfg.tree),
+                           self.cfg.params, self.stop(), self.cfg.gate(kind))
+
+    def peer(self, name: str):
+        return HfPeer(name, self.target.model, self.cfg.max_new_tokens, self.cfg.temperature, self.eos_ids,
+                      assistant=self.assistant() if name == "hf-assisted" else None)
+
+
+def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], None] | None = None) -> dict:
+    """Load the models, run every method (and its gRPC twin with ``cfg.grpc``)
+    on the prompts, interleaved; return the JSON record of ``specdec bench``."""
+    names = with_references(cfg.methods)
+    models = Models(cfg)
+    prompts = models.encode(texts)
+    recorder = TreeRecorder(models.verifier)
+    methods: dict[str, Method] = {}
+    for name in names:
+        if name in PEER_METHODS:
+            methods[name] = models.peer(name)
+        else:
+            methods[name] = models.local(name, verifier=recorder if name == CALIBRATED else None)
+    with ExitStack() as stack:
+        if cfg.grpc:
+            methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))
+        totals = measure(methods, prompts, cfg.repeats, cfg.seed, on_warm=recorder.clear, progress=progress)
+    points = recorder.points()
+    return {
+        "device": device_name(cfg.device),
+        "target": cfg.target,
+        "temperature": float(cfg.temperature),
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.max_new_tokens,
+        "methods": summarize(totals, greedy=cfg.params.greedy),
+        "tree": {"total_tokens": cfg.tree.total_tokens, "depth": cfg.tree.depth, "expand_k": cfg.tree.expand_k,
+                 "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
+        "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
+        "repeats": cfg.repeats,
+        "generated_tokens": {name: tot.tokens for name, tot in totals.items()},
+        "peers": {"hf-assisted": "assistant_model = draft LM, HF default assistant-token schedule",
+                  "hf-prompt-lookup": f"prompt_lookup_num_tokens = {PROMPT_LOOKUP_TOKENS}"},
+        "notes": ["tau counts the bonus token (tokens committed per draft/verify cycle; vanilla = 1)",
+                  "accepted_per_position[j]: fraction of cycles accepting >= j+1 draft tokens",
+                  "methods interleaved per prompt, order rotated per prompt; one warm-up per method excluded",
+                  "stop at EOS or max_new_tokens; tokens/s = generated tokens / generate wall time incl. prefill"],
+        "calibration": ({"method": CALIBRATED, "evaluated_nodes": len(points), "bins": calibration_bins(points)}
+                        if CALIBRATED in names else None),
+    }

@@ -1,0 +1,116 @@
+"""What the ``specdec`` subcommands share: model and tree flags, prompt files,
+the output record, and how a command's expected failures end.
+
+torch-free at import: ``specdec --help``, the service subcommands that don't
+need torch and ``python -m specdec.cli.stack`` (the orchestrator) must not pay
+for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from specdec import knobs
+from specdec.errors import SpecdecError, UsageError
+from specdec.models import demo_path
+from specdec.params import PROPOSALS
+
+
+def env(name: str, default=None):
+    """The variable's value; ``default`` when it is unset or empty."""
+    value = os.environ.get(name)
+    return default if value is None or value == "" else value
+
+
+def run_parsed(args) -> int:
+    """Run a parsed subcommand: expected failures -> one line, status 2."""
+    try:
+        return int(args.run(args) or 0)
+    except (UsageError, SpecdecError, ValueError, FileNotFoundError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"specdec: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
+    """``path``, or the bundled demo model ``demo``; a directory without a
+    config.json is a one-line error saying which flag to pass."""
+    chosen = path or str(demo_path(demo))
+    if not Path(chosen, "config.json").is_file():
+        hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
+        raise UsageError(f"{what} directory {chosen} has no config.json{hint}")
+    return chosen
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (default: the bundled demo family)")
+    g.add_argument("--target", help="target model directory (HF causal LM)")
+    d = g.add_mutually_exclusive_group()
+    d.add_argument("--eagle", help="EAGLE-1/2 head directory (EAGLE checkpoint layout)")
+    d.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
+    d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
+    g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
+
+
+def resolved_min_tau(text: str) -> float | None:
+    """--min-tau as a number, or None for auto (by drafter kind); UsageError when malformed."""
+    try:
+        return knobs.parse_min_tau(text)
+    except ValueError as exc:
+        raise UsageError(f"--min-tau: {exc}") from None
+
+
+def add_tree_flags(p: argparse.ArgumentParser) -> None:
+    """Draft tree knobs and the speculation gate (generate and bench)."""
+    p.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS,
+                   help="draft tree size incl. the root")
+    p.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH, help="deepest draft level")
+    p.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K, help="top-k per expansion")
+    p.add_argument("--min-tau", default="auto", metavar="TAU",
+                   help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
+                        "(root-only cycles until drafting pays again; output unchanged; 0 = always draft; "
+                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter)")
+    p.add_argument("--value-temperature", type=float, metavar="T",
+                   help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
+                        "for greedy, 1 when sampling); never changes the output")
+    p.add_argument("--proposals", default=knobs.DEFAULT_PROPOSALS, choices=PROPOSALS,
+                   help="how draft tokens are proposed when sampling (T > 0): sampled = drawn from the draft "
+                        "distribution and accepted by recursive rejection sampling, top = the draft's most likely "
+                        "tokens; auto (default): sampled where the drafter has a distribution (not n-gram); "
+                        "never changes the output distribution")
+
+
+def read_prompts(args) -> list[str]:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise UsageError("give exactly one of PROMPT or --prompt-file")
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise UsageError(f"prompt file not found: {path}")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UsageError(f"{path}:{lineno}: expected an object with a string \"prompt\"")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise UsageError(f"prompt file {path} has no prompts")
+    return prompts
+
+
+def result_record(tokens: list[int], text: str, stats) -> dict:
+    return {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
+            "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
