@@ -270,9 +270,11 @@ class CachedTreeDrafter(Drafter):
 
     @abstractmethod
     def _step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,
-              positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One tree level: tokens [k], parent_hidden [k, H], positions [k], additive
-        mask [1, 1, k, cache + k]. Returns hidden [k, H], log-probs [k, V]."""
+              positions: torch.Tensor, allowed: torch.Tensor,
+              key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tree level: tokens [k], parent_hidden [k, H], positions [k]; allowed
+        [k, cache + k] bool (which slots each node sees), key_positions [cache + k]
+        (the position of the token in each slot). Returns hidden [k, H], log-probs [k, V]."""
 
     def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         return self._build(sess, cfg, record=False)[0]
@@ -349,24 +351,26 @@ class CachedTreeDrafter(Drafter):
         slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
         parent_of: dict[int, int] = {0: -1}
 
+        slot_pos = torch.arange(committed).tolist()   # position of the token in each cache slot
+
         def expand(frontier: Frontier) -> torch.Tensor:
             if frontier.depth == 0:
                 return root_logp[None]
             nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
             k, used = len(nodes), len(slot)
-            allowed = torch.zeros(k, used + k, dtype=torch.bool)
+            allowed = torch.zeros(k, committed + used + k, dtype=torch.bool)
+            allowed[:, :committed] = True
             for row, (node, parent) in enumerate(zip(nodes, parents)):
                 parent_of[node] = parent
                 a = parent
                 while a > 0:               # the root's input is committed, not a draft slot
-                    allowed[row, slot[a]] = True
+                    allowed[row, committed + slot[a]] = True
                     a = parent_of[a]
-                allowed[row, used + row] = True
-            mask = torch.zeros(k, committed + used + k)
-            mask[:, committed:].masked_fill_(~allowed, torch.finfo(torch.float32).min)
+                allowed[row, committed + used + row] = True
             positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
+            slot_pos.extend(positions.tolist())
             parent_h = torch.stack([hidden[p] for p in parents])
-            out_h, logp = self._step(sess, frontier.tokens, parent_h, positions, mask[None, None])
+            out_h, logp = self._step(sess, frontier.tokens, parent_h, positions, allowed, torch.tensor(slot_pos))
             for row, node in enumerate(nodes):
                 slot[node] = used + row
                 hidden[node] = out_h[row]

@@ -59,8 +59,8 @@ def step_costs(target_dir: Path, eagle_dir: Path, prefix: int = 200, frontier: i
 
         def head_step(k: int):
             tokens = ids[:k]
-            mask = torch.zeros(1, 1, k, past + k)
-            drafter._step(sess, tokens, feats[:k], torch.full((k,), past), mask)
+            allowed = torch.ones(k, past + k, dtype=torch.bool)
+            drafter._step(sess, tokens, feats[:k], torch.full((k,), past), allowed, torch.arange(past + k))
             kv.truncate(sess.cache, past)
 
         t = _timed(target_step)

@@ -10,7 +10,7 @@ from tiny import tiny_llama
 from transformers import DynamicCache
 
 from specdec import kv
-from specdec.kvcache import SlabLayer, new_cache
+from specdec.kv import SlabLayer, new_cache
 
 HEADS, DIM = 2, 4
 
@@ -47,8 +47,8 @@ def test_appends_truncations_and_path_commits_match_dynamic_cache():
         else:                                          # an accepted path through the new slots
             prefix = length - n
             path = [0] + [i for i in range(1, n) if i % 2 == 0]
-            kv.commit_path(ref, prefix, path)
-            kv.commit_path(slab, prefix, path)
+            kv.keep_path(ref, prefix, path)
+            kv.keep_path(slab, prefix, path)
         _same(ref, slab)
 
 
@@ -61,7 +61,7 @@ def test_room_is_reserved_once_and_the_prefix_never_moves():
     for step in range(6):                               # 6 trees of 4, each keeping 2 slots
         prefix = kv.seq_len(slab)
         slab.update(*_kv(4, start=100.0 * step), 0)
-        kv.commit_path(slab, prefix, [0, 3])
+        kv.keep_path(slab, prefix, [0, 3])
     assert kv.seq_len(slab) == 22
     assert layer.keys.data_ptr() == buffer and layer.capacity == cap
     assert kv.nbytes(slab) == 2 * 40 * HEADS * DIM * 4  # what is held, spare room included
@@ -119,7 +119,7 @@ def test_model_outputs_equal_with_either_cache():
             ids = torch.randint(1, 97, (1, 4), generator=torch.Generator().manual_seed(step))
             pos = torch.arange(length, length + 4)[None]
             out.append(model(ids, position_ids=pos, past_key_values=cache, use_cache=True).logits)
-            kv.commit_path(cache, length, [0, 2])
+            kv.keep_path(cache, length, [0, 2])
             length += 2
         outs.append(torch.cat([o.flatten() for o in out]))
         assert kv.seq_len(cache) == length
