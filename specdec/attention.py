@@ -24,6 +24,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec.models import ATTN_IMPLEMENTATIONS
+
 IMPLEMENTATION = "specdec_sdpa"
 
 
@@ -50,7 +52,7 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-CHOICES = ("auto", "sdpa", "eager")
+CHOICES = ATTN_IMPLEMENTATIONS
 
 
 def choose_implementation(model_class, requested: str = "auto") -> str:

@@ -14,6 +14,9 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 DTYPES = ("float32", "float16", "bfloat16")
+# auto: specdec's SDPA where the model goes through transformers' attention
+# interface, else the best the model supports (specdec.attention.choose_implementation)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,12 @@ class ModelSpec:
     path: str
     dtype: str = "float32"          # fp32 by default on CPU: greedy equality with plain decoding
     device: str = "cpu"
-    attn_implementation: str = "auto"   # auto | sdpa | eager (specdec.attention.choose_implementation)
+    attn_implementation: str = "auto"   # one of ATTN_IMPLEMENTATIONS
+
+    def __post_init__(self):
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+                             f"got {self.attn_implementation!r}")
 
 
 def demo_path(name: str) -> Path:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.decoding import StopCriteria
+from specdec.models import ATTN_IMPLEMENTATIONS
 
 # torch-free at import: `specdec --help` and the service subcommands that
 # don't need torch must not pay for (or require) it.
@@ -24,6 +25,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
+    g.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
+                   help="attention of the target with --local: auto (default), sdpa or eager")
 
 
 def resolved_min_tau(text: str) -> float | None:
@@ -133,7 +136,8 @@ def resolve_models(args):
     if not Path(target, "config.json").is_file():
         hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
         raise CliError(f"target model directory {target} has no config.json{hint}")
-    spec = ModelSpec(path=target, dtype=args.dtype, device=args.device)
+    spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
+                     attn_implementation=getattr(args, "attn_implementation", "auto"))
     if args.method == "vanilla":
         return spec, DrafterChoice("none")
     if args.ngram:
