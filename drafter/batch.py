@@ -78,10 +78,10 @@ class _EagleModel:
         return masks.additive(allowed, self.d.head.fc.weight.dtype)[:, None].to(self.device)
 
     def forward(self, tokens, feats, positions, mask, cache) -> torch.Tensor:
-        return self.d.head(self.d._embed(tokens), feats, positions, mask, cache)
+        return self.d.head(self.d.embed_tokens(tokens), feats, positions, mask, cache)
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.d._logprobs(hidden)
+        return self.d.logprobs(hidden)
 
 
 class _LmModel:
@@ -102,7 +102,7 @@ class _LmModel:
         return self.d.lm.hidden(cache, tokens, positions, mask)
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.d._logprobs(hidden)
+        return self.d.logprobs(hidden)
 
 
 def _model_for(drafter: Drafter):
@@ -114,7 +114,8 @@ def _model_for(drafter: Drafter):
     for base, runner in ((EagleDrafter, _EagleModel), (DraftLmDrafter, _LmModel)):
         cls = type(drafter)
         if isinstance(drafter, base) and all(getattr(cls, name) is getattr(base, name)
-                                             for name in ("_step", "_feed_pending", "_logprobs", "_run", "_inputs_for", "_embed")
+                                             for name in ("_step", "_feed_pending", "logprobs", "_run", "_inputs_for",
+                                                          "embed_tokens")
                                              if hasattr(base, name)):
             return runner(drafter)
     return None

@@ -24,12 +24,13 @@ class DraftLmDrafter(CachedTreeDrafter):
     def _new_cache(self):
         return self.lm.new_cache()
 
-    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.lm.logits(hidden), dim=-1)
 
     def _run(self, sess, tokens, positions, mask):
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]
-        return out, self._logprobs(out)
+        return out, self.logprobs(out)
 
     def _feed_pending(self, sess: DraftSession):
         start, end = sess.fed, len(sess.tokens)

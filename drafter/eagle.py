@@ -45,10 +45,12 @@ class EagleDrafter(CachedTreeDrafter):
     def _inputs_for(self, n_tokens: int) -> int:
         return n_tokens - 1
 
-    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.target_head.logits(hidden), dim=-1)
 
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows of ``tokens``: the head's token input."""
         return self.target_head.embed_tokens(tokens)
 
     def _feed_pending(self, sess: DraftSession):
@@ -57,13 +59,13 @@ class EagleDrafter(CachedTreeDrafter):
         tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
         feats = torch.stack(sess.features[start:end]).to(dev)
         positions = torch.arange(start, end, device=dev)
-        out = self.head(self._embed(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
+        out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
         sess.fed = end
-        return out[-1], self._logprobs(out[-1])
+        return out[-1], self.logprobs(out[-1])
 
     def _step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
         dev = self.device
         tokens, positions = tokens.to(dev), positions.to(dev)
         mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
-        out = self.head(self._embed(tokens)[None], parent_hidden[None], positions[None], mask, sess.cache)[0]
-        return out, self._logprobs(out)
+        out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None], positions[None], mask, sess.cache)[0]
+        return out, self.logprobs(out)

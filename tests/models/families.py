@@ -155,7 +155,7 @@ FAMILIES = (
     Family("mixtral", "mixture of experts, sliding window", _mixtral, NARROW),
     Family("qwen3-moe", "mixture of experts", _qwen3_moe),
     Family("phi3", "partial rotary, sliding window", _phi3, NARROW),
-    Family("gemma2", "attention and final-logit soft-capping, alternating sliding/full layers (eager)",
+    Family("gemma2", "attention and final-logit soft-capping, alternating sliding/full layers",
            _gemma2, NARROW),
     Family("gemma3", "hybrid sliding/full layers, final-logit soft-capping, scaled embeddings", _gemma3, NARROW),
     Family("gpt2", "learned absolute positions, tied embeddings", _gpt2),
@@ -194,3 +194,38 @@ def save_model(family: Family, root: Path, tokenizer_dir: Path, seed: int = 0) -
         build_model(family, len(tok), seed).save_pretrained(path)
         tok.save_pretrained(path)
     return path
+
+
+# -- docs/models.md is generated from the matrix ----------------------------------------------------
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+BEGIN, END = "<!-- families:begin (generated: python tests/models/families.py) -->", "<!-- families:end -->"
+
+
+def table() -> str:
+    """The markdown table of the matrix: served families, then refused ones."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.attention import IMPLEMENTATION, choose_implementation
+
+    rows = ["| family (test id) | transformers class | what it covers | attention (auto) |",
+            "|---|---|---|---|"]
+    for family in FAMILIES:
+        cls = AutoModelForCausalLM._model_mapping[type(family.config(64))]
+        impl = {IMPLEMENTATION: "specdec SDPA", "sdpa": "transformers SDPA"}.get(choose_implementation(cls, "auto"),
+                                                                                  "eager")
+        rows.append(f"| {family.name} | `{cls.__name__}` | {family.variant} | {impl} |")
+    refused = ", ".join(f"`{AutoModelForCausalLM._model_mapping[type(f.config(64))].__name__}` ({f.variant})"
+                        for f in REFUSED)
+    return "\n".join(rows) + f"\n\nRefused at load, with a one-line reason: {refused}.\n"
+
+
+def render(text: str) -> str:
+    """``text`` (docs/models.md) with the table between the markers regenerated."""
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{table()}{END}{tail}"
+
+
+if __name__ == "__main__":
+    DOCS.write_text(render(DOCS.read_text()))
+    print(f"wrote {DOCS}")
