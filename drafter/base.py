@@ -22,10 +22,9 @@ import torch
 
 from specdec import kv
 from specdec.errors import InvalidArgument
+from specdec.params import SamplingParams, TreeParams
 from specdec.proposals import ProposalSampler
-from specdec.params import SamplingParams
 from specdec.sessions import SessionTable
-from specdec.params import TreeParams
 from specdec.tree import DraftTree, Frontier, build_tree_ids, subtree
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.base import CachedTreeDrafter, DraftSession, Drafter
+from drafter.base import CachedTreeDrafter, Drafter, DraftSession
 from drafter.draft_lm import DraftLmDrafter
 from drafter.eagle import EagleDrafter
 from specdec import kv, masks

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from specdec import kv
-from specdec.masks import FULL, SLIDING, AttentionLayout, additive, causal_allowed
+from specdec.masks import FULL, SLIDING, AttentionLayout, causal_allowed
 
 
 class UnsupportedModel(ValueError):

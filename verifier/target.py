@@ -11,15 +11,14 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-
 import torch.distributed as dist
 
 from specdec import kv
 from specdec.causal_lm import CausalLm
 from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.masks import tree_allowed
 from specdec.models import ModelSpec, load_causal_lm
 from specdec.params import SamplingParams
-from specdec.masks import tree_allowed
 from specdec.tree import DraftTree
 
 

@@ -136,8 +136,7 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     from specdec.decoding import StopCriteria
     from specdec.local import DrafterChoice, build_local, generate
     from specdec.models import ModelSpec
-    from specdec.params import SamplingParams
-    from specdec.params import TreeParams
+    from specdec.params import SamplingParams, TreeParams
 
     stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / "eagle")))
     recorder = TreeRecorder(stack.verifier)

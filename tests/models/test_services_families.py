@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from families import BY_NAME
-
 from running_stack import Stack
+
 from specdec.client import SpecdecClient
 
 PROMPTS = ["def add(a, b):", "for i in range(3):\n", "class Point:", "import os\n"]
