@@ -137,6 +137,11 @@ def _bloom(v):
     return BloomConfig(vocab_size=v, hidden_size=H, n_layer=LAYERS, n_head=HEADS, bos_token_id=0, eos_token_id=0)
 
 
+def _mpt(v):
+    from transformers import MptConfig
+    return MptConfig(vocab_size=v, d_model=H, n_heads=HEADS, n_layers=LAYERS, max_seq_len=256)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -171,6 +176,7 @@ FAMILIES = (
 REFUSED = (
     Family("falcon-alibi", "ALiBi", _falcon_alibi),
     Family("bloom", "ALiBi", _bloom),
+    Family("mpt", "ALiBi", _mpt),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES + REFUSED}
