@@ -27,6 +27,7 @@ from torch import nn
 from specdec import attention, kv, masks
 from specdec.causal_lm import final_logit_transform
 from specdec.errors import InvalidArgument
+from specdec.models import causal_lm_class
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Some released heads also carry a copy of the target's embedding: allowed, unused.
@@ -192,8 +193,6 @@ def load_target_head(target_dir: str | Path, dtype=torch.float32) -> TargetHead:
     head reuses the embedding."""
     from safetensors import safe_open
     from transformers import AutoConfig
-
-    from specdec.models import causal_lm_class
 
     target_dir = Path(target_dir)
     config = AutoConfig.from_pretrained(target_dir, local_files_only=True)

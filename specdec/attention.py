@@ -12,7 +12,7 @@ else goes to transformers' own function.
 
 ``IMPLEMENTATION`` is registered with transformers' attention and mask
 interfaces on import. ``choose_implementation`` picks, per model class, what a
-user's choice (``CHOICES``) loads: this fast path where the model goes through
+user's choice loads: this fast path where the model goes through
 transformers' attention interface, else the best the model supports (its own
 SDPA, or eager where it must: Gemma-2's attention soft-capping, for one).
 """
@@ -23,8 +23,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from specdec.models import ATTN_IMPLEMENTATIONS
 
 IMPLEMENTATION = "specdec_sdpa"
 
@@ -52,17 +50,14 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-CHOICES = ATTN_IMPLEMENTATIONS
-
-
 def choose_implementation(model_class, requested: str = "auto") -> str:
     """The ``attn_implementation`` to load ``model_class`` (a ``PreTrainedModel``
-    subclass) with for the user's ``requested`` choice; ValueError naming the
-    model and the reason when that choice cannot serve it."""
-    if requested not in CHOICES:
-        raise ValueError(f"attention implementation must be one of {', '.join(CHOICES)}, got {requested!r}")
+    subclass) with for the user's ``requested`` choice (``specdec.models.ATTN_IMPLEMENTATIONS``);
+    ValueError naming the model and the reason when that choice cannot serve it."""
     if requested == "eager":
         return "eager"
+    if requested not in ("auto", "sdpa"):
+        raise ValueError(f"unknown attention implementation {requested!r}")
     if not getattr(model_class, "_supports_sdpa", False):
         if requested == "sdpa":
             raise ValueError(f"{model_class.__name__} has no SDPA attention in transformers "
