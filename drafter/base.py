@@ -22,10 +22,9 @@ import torch
 
 from specdec import kv
 from specdec.errors import InvalidArgument
+from specdec.params import SamplingParams, TreeParams
 from specdec.proposals import ProposalSampler
-from specdec.params import SamplingParams
 from specdec.sessions import SessionTable
-from specdec.params import TreeParams
 from specdec.tree import DraftTree, Frontier, build_tree_ids, subtree
 
 
@@ -182,7 +181,7 @@ class Drafter(ABC):
             if ahead:
                 tree, sess.record = self._draft_recorded(sess, self.session_config(sess, cfg))
                 return tree
-            return self._draft(sess, self.session_config(sess, cfg))
+            return self.draft_session(sess, self.session_config(sess, cfg))
 
     def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeParams,
                     count: int, tokens_left: int = 0) -> list[tuple[list[int], DraftTree]]:
@@ -228,11 +227,11 @@ class Drafter(ABC):
 
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod
-    def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree: ...
+    def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree: ...
 
     def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
-        """``_draft`` and its record for drafting ahead (None: this drafter cannot)."""
-        return self._draft(sess, cfg), None
+        """``draft_session`` and its record for drafting ahead (None: this drafter cannot)."""
+        return self.draft_session(sess, cfg), None
 
     def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
                      tokens_left: int) -> list[tuple[list[int], DraftTree]]:
@@ -262,19 +261,21 @@ class CachedTreeDrafter(Drafter):
     samples_proposals = True
 
     @abstractmethod
-    def _new_cache(self): ...
+    def new_cache(self): ...
 
     @abstractmethod
-    def _feed_pending(self, sess: DraftSession) -> tuple[torch.Tensor, torch.Tensor]:
+    def feed_pending(self, sess: DraftSession) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed inputs [fed, total) into the cache; return (last hidden [H], log-probs [V])."""
 
     @abstractmethod
-    def _step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,
-              positions: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One tree level: tokens [k], parent_hidden [k, H], positions [k], additive
-        mask [1, 1, k, cache + k]. Returns hidden [k, H], log-probs [k, V]."""
+    def step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,
+              positions: torch.Tensor, allowed: torch.Tensor,
+              key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tree level: tokens [k], parent_hidden [k, H], positions [k]; allowed
+        [k, cache + k] bool (which slots each node sees), key_positions [cache + k]
+        (the position of the token in each slot). Returns hidden [k, H], log-probs [k, V]."""
 
-    def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
+    def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         return self._build(sess, cfg, record=False)[0]
 
     def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
@@ -289,9 +290,9 @@ class CachedTreeDrafter(Drafter):
         would have accepted it); under each candidate b, the subtree is the tree
         for the outcome (path, b)."""
         if sess.cache is None:
-            sess.cache = self._new_cache()
+            sess.cache = self.new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
-            sess.root_out = self._feed_pending(sess)     # the real commit stays fed
+            sess.root_out = self.feed_pending(sess)     # the real commit stays fed
         root_hidden = sess.root_out[0]
         kids = current.tree.children()
         out = []
@@ -335,9 +336,9 @@ class CachedTreeDrafter(Drafter):
         """The tree (and its record); ``exclude``: tokens kept off the first level
         (the others' log-probs renormalised)."""
         if sess.cache is None:
-            sess.cache = self._new_cache()
+            sess.cache = self.new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
-            sess.root_out = self._feed_pending(sess)
+            sess.root_out = self.feed_pending(sess)
         root_hidden, root_logp = sess.root_out    # a second draft with nothing new reuses it
         if exclude:
             root_logp = root_logp.clone()
@@ -349,24 +350,26 @@ class CachedTreeDrafter(Drafter):
         slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
         parent_of: dict[int, int] = {0: -1}
 
+        slot_pos = torch.arange(committed).tolist()   # position of the token in each cache slot
+
         def expand(frontier: Frontier) -> torch.Tensor:
             if frontier.depth == 0:
                 return root_logp[None]
             nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
             k, used = len(nodes), len(slot)
-            allowed = torch.zeros(k, used + k, dtype=torch.bool)
+            allowed = torch.zeros(k, committed + used + k, dtype=torch.bool)
+            allowed[:, :committed] = True
             for row, (node, parent) in enumerate(zip(nodes, parents)):
                 parent_of[node] = parent
                 a = parent
                 while a > 0:               # the root's input is committed, not a draft slot
-                    allowed[row, slot[a]] = True
+                    allowed[row, committed + slot[a]] = True
                     a = parent_of[a]
-                allowed[row, used + row] = True
-            mask = torch.zeros(k, committed + used + k)
-            mask[:, committed:].masked_fill_(~allowed, torch.finfo(torch.float32).min)
+                allowed[row, committed + used + row] = True
             positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
+            slot_pos.extend(positions.tolist())
             parent_h = torch.stack([hidden[p] for p in parents])
-            out_h, logp = self._step(sess, frontier.tokens, parent_h, positions, mask[None, None])
+            out_h, logp = self.step(sess, frontier.tokens, parent_h, positions, allowed, torch.tensor(slot_pos))
             for row, node in enumerate(nodes):
                 slot[node] = used + row
                 hidden[node] = out_h[row]

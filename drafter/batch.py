@@ -23,7 +23,7 @@ forward over all of them, as ``verifier.batch`` does for verification:
 
 Draft-only slots live in the batch cache alone, which is dropped afterwards:
 a session's own cache only ever gains committed inputs, as with
-``CachedTreeDrafter._draft``. Each session's tree is the one it gets drafted
+``CachedTreeDrafter.draft_session``. Each session's tree is the one it gets drafted
 alone (same tokens and parents; values equal up to float rounding, since a
 padded forward may sum in another order).
 
@@ -43,8 +43,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.base import CachedTreeDrafter, DraftSession, Drafter
-from specdec import kv
+from drafter.base import CachedTreeDrafter, Drafter, DraftSession
+from drafter.draft_lm import DraftLmDrafter
+from drafter.eagle import EagleDrafter
+from specdec import kv, masks
 from specdec.batching import BatchScheduler
 from specdec.errors import FailedPrecondition
 from specdec.params import TreeParams
@@ -54,7 +56,6 @@ from specdec.tree import DraftTree, Frontier, build_tree, tree_from_lists
 #  tree config or None = VANILLA: no drafting, the tree is the root alone)
 DraftItem = tuple[str, list[int], "torch.Tensor | None", "TreeParams | None"]
 
-_NEG = torch.finfo(torch.float32).min
 _FEED_ROOM = 64           # batch-cache slots kept for the inputs fed before the tree levels
 
 
@@ -72,11 +73,15 @@ class _EagleModel:
         feats = torch.stack(sess.features[start:end]) if end > start else None
         return sess.tokens[start + 1:end + 1], feats, start
 
+    def masks(self, allowed, q_pos, k_pos) -> torch.Tensor:
+        """The head is one full-attention layer: the additive mask [B, 1, q, k]."""
+        return masks.additive(allowed, self.d.head.fc.weight.dtype)[:, None].to(self.device)
+
     def forward(self, tokens, feats, positions, mask, cache) -> torch.Tensor:
-        return self.d.head(self.d.embed[tokens], feats, positions, mask, cache)
+        return self.d.head(self.d.embed_tokens(tokens), feats, positions, mask, cache)
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.d._logprobs(hidden)
+        return self.d.logprobs(hidden)
 
 
 class _LmModel:
@@ -85,32 +90,32 @@ class _LmModel:
     uses_features = False
 
     def __init__(self, drafter):
-        self.d, self.device = drafter, drafter.lm_head.weight.device
+        self.d, self.device = drafter, drafter.lm.device
 
     def pending(self, sess: DraftSession) -> tuple[list[int], torch.Tensor | None, int]:
         return sess.tokens[sess.fed:], None, sess.fed
 
+    def masks(self, allowed, q_pos, k_pos):
+        return self.d.lm.masks(allowed, q_pos, k_pos)          # windows and per-layer masks included
+
     def forward(self, tokens, feats, positions, mask, cache) -> torch.Tensor:
-        return self.d.body(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                           past_key_values=cache, use_cache=True).last_hidden_state
+        return self.d.lm.hidden(cache, tokens, positions, mask)
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.d.lm_head(hidden).float(), dim=-1)
+        return self.d.logprobs(hidden)
 
 
 def _model_for(drafter: Drafter):
     """The batched runner for ``drafter``, or None when it must draft one by one.
     A subclass that changes how a step or a feed runs is not batched: the
     batched forward could not reproduce it."""
-    if not isinstance(drafter, CachedTreeDrafter) or type(drafter)._draft is not CachedTreeDrafter._draft:
+    if not isinstance(drafter, CachedTreeDrafter) or type(drafter).draft_session is not CachedTreeDrafter.draft_session:
         return None
-    from drafter.draft_lm import DraftLmDrafter
-    from drafter.eagle import EagleDrafter
-
     for base, runner in ((EagleDrafter, _EagleModel), (DraftLmDrafter, _LmModel)):
         cls = type(drafter)
         if isinstance(drafter, base) and all(getattr(cls, name) is getattr(base, name)
-                                             for name in ("_step", "_feed_pending", "_logprobs", "_run", "_inputs_for")
+                                             for name in ("step", "feed_pending", "logprobs", "_run", "_inputs_for",
+                                                          "embed_tokens")
                                              if hasattr(base, name)):
             return runner(drafter)
     return None
@@ -203,12 +208,12 @@ def _draft_rows(drafter: CachedTreeDrafter, model, rows: list[_Row]) -> None:
         try:
             sess = row.sess
             if sess.cache is None:
-                sess.cache = drafter._new_cache()
+                sess.cache = drafter.new_cache()
             tokens, feats, start = model.pending(sess)
             if not tokens and sess.root_out is None:
                 # nothing to feed yet no root output (e.g. an EAGLE session of one
                 # token): the solo path decides what that means
-                row.tree = drafter._draft(sess, row.cfg)
+                row.tree = drafter.draft_session(sess, row.cfg)
                 row.done = True
                 continue
             row.prefix = kv.seq_len(sess.cache)
@@ -239,23 +244,12 @@ class _Batch:
     def __init__(self, drafter: CachedTreeDrafter, model, rows: list[_Row]):
         self.model, self.rows = model, list(rows)
         self.P = max(r.prefix for r in rows)
-        self.cache = drafter._new_cache()
-        if self.P == 0:
-            return                       # every cache is empty: the first forward fills it
-        ref = next(r.sess.cache for r in rows if r.prefix > 0)
+        self.cache = drafter.new_cache()
+        # the position of the token in each batch slot [B, L]: a prefix's slot i holds position i
+        self.key_positions = torch.arange(self.P).expand(len(rows), self.P)
         # room past the prefixes for the inputs fed now and the tree levels: they are written in place
         room = _FEED_ROOM + max(r.cfg.depth * r.cfg.expand_k for r in rows)
-        for layer_idx, ref_layer in enumerate(ref.layers):
-            k0 = ref_layer.keys                                      # [1, heads, prefix, d]
-            ks = k0.new_empty(len(rows), k0.shape[1], self.P + room, k0.shape[3])   # one copy, padded
-            vs = torch.empty_like(ks)
-            for b, r in enumerate(rows):
-                if r.prefix:
-                    ks[b, :, :r.prefix] = r.sess.cache.layers[layer_idx].keys[0]
-                    vs[b, :, :r.prefix] = r.sess.cache.layers[layer_idx].values[0]
-                ks[b, :, r.prefix:self.P] = 0     # masked padding, but never NaN
-                vs[b, :, r.prefix:self.P] = 0
-            kv.adopt(self.cache, layer_idx, ks, vs, self.P)
+        kv.gather_rows(self.cache, [r.sess.cache for r in rows], [r.prefix for r in rows], self.P, room)
 
     def _committed(self, row: _Row, length: int) -> torch.Tensor:
         """bool [length]: the batch-cache slots holding ``row``'s committed inputs."""
@@ -263,11 +257,12 @@ class _Batch:
         return (slots < row.prefix) | ((slots >= self.P) & (slots < self.P + row.fed))
 
     def _forward(self, tokens, feats, positions, allowed):
-        mask = torch.zeros(allowed.shape, dtype=torch.float32)
-        mask.masked_fill_(~allowed, _NEG)
+        """One forward of tokens [B, n] at positions [B, n] appended to the batch cache."""
+        self.key_positions = torch.cat([self.key_positions, positions], dim=1)
+        mask = self.model.masks(allowed, positions, self.key_positions)
         dev = self.model.device
         return self.model.forward(tokens.to(dev), None if feats is None else feats.to(dev), positions.to(dev),
-                                  mask[:, None].to(dev), self.cache)
+                                  mask, self.cache)
 
     def feed(self, feeds: list[tuple[_Row, list[int], torch.Tensor | None, int]]) -> None:
         """Feed every row's pending committed inputs in one forward, give each
@@ -301,8 +296,7 @@ class _Batch:
         last = hidden[[b for b, _, _ in fed], [m - 1 for _, _, m in fed]]   # [b', H]
         logp = self.model.logprobs(last)
         for j, (b, row, m) in enumerate(fed):
-            for layer_idx, layer in enumerate(self.cache.layers):
-                kv.append(row.sess.cache, layer_idx, layer.keys[b:b + 1, :, P:P + m], layer.values[b:b + 1, :, P:P + m])
+            kv.append_slots(row.sess.cache, self.cache, b, torch.arange(P, P + m, device=self.model.device))
             row.sess.fed += m
             # copies: a view would keep the whole batch output alive with the session
             row.sess.root_out = (last[j].clone(), logp[j].clone())
@@ -317,6 +311,7 @@ class _Batch:
             where = {id(r): b for b, r in enumerate(self.rows)}
             keep = torch.tensor([where[id(r)] for r in rows], device=self.cache.layers[0].keys.device)
             kv.select_rows(self.cache, keep)
+            self.key_positions = self.key_positions[keep.cpu()]
             self.rows = list(rows)
         B, L = len(rows), kv.seq_len(self.cache)
         sizes = [len(level.tokens) for level in levels]
@@ -401,7 +396,7 @@ class _Levels:
                 self.cond.notify_all()
 
     def _expand(self, row: _Row, frontier: Frontier) -> torch.Tensor:
-        """As CachedTreeDrafter._draft's expand, with the model step done by the coordinator."""
+        """As CachedTreeDrafter.draft_session's expand, with the model step done by the coordinator."""
         if frontier.depth == 0:
             return row.sess.root_out[1][None]
         nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()

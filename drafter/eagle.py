@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
-from drafter.eagle_head import load_head, load_target_embeddings
+from drafter.eagle_head import TargetHead, load_head, load_target_head
+from specdec import kv, masks
 from specdec.models import torch_device
 
 
@@ -22,44 +23,49 @@ class EagleDrafter(CachedTreeDrafter):
     name = "eagle"
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
-                 max_sessions: int = 64, ttl_s: float = 600.0, head=None, embed=None, lm_head=None,
+                 max_sessions: int = 64, ttl_s: float = 600.0, head=None, target_head: TargetHead | None = None,
                  device: str = "cpu"):
         if head is None:
             head = load_head(head_dir, dtype)
-        if embed is None or lm_head is None:
-            embed, lm_head = load_target_embeddings(target_dir, dtype)
+        if target_head is None:
+            target_head = load_target_head(target_dir, dtype)
+        embed = target_head.embed
         if embed.shape[1] != head.config.hidden_size:
             raise ValueError(f"EAGLE head hidden size {head.config.hidden_size} does not match the "
                              f"target's {embed.shape[1]}")
         super().__init__(vocab_size=embed.shape[0], max_sessions=max_sessions, ttl_s=ttl_s,
                          greedy_value_temperature=read_value_temperature(head_dir))
         self.device = torch_device(device)
-        self.head, self.embed, self.lm_head = head.to(self.device), embed.to(self.device), lm_head.to(self.device)
+        self.head, self.target_head = head.to(self.device), target_head.to(self.device)
         self.hidden_size = embed.shape[1]
 
-    def _new_cache(self):
-        from specdec.kvcache import new_cache
-
-        return new_cache(self.head.config)
+    def new_cache(self):
+        return kv.new_cache(self.head.config)
 
     def _inputs_for(self, n_tokens: int) -> int:
         return n_tokens - 1
 
-    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(torch.nn.functional.linear(hidden, self.lm_head).float(), dim=-1)
+    def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
+        return torch.log_softmax(self.target_head.logits(hidden), dim=-1)
 
-    def _feed_pending(self, sess: DraftSession):
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows of ``tokens``: the head's token input."""
+        return self.target_head.embed_tokens(tokens)
+
+    def feed_pending(self, sess: DraftSession):
         start, end = sess.fed, len(sess.tokens) - 1          # pairs (f_t, x_{t+1})
         dev = self.device
         tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
         feats = torch.stack(sess.features[start:end]).to(dev)
         positions = torch.arange(start, end, device=dev)
-        out = self.head(self.embed[tokens][None], feats[None], positions[None], None, sess.cache)[0]
+        out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
         sess.fed = end
-        return out[-1], self._logprobs(out[-1])
+        return out[-1], self.logprobs(out[-1])
 
-    def _step(self, sess, tokens, parent_hidden, positions, mask):
+    def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
         dev = self.device
-        tokens, positions, mask = tokens.to(dev), positions.to(dev), mask.to(dev)
-        out = self.head(self.embed[tokens][None], parent_hidden[None], positions[None], mask, sess.cache)[0]
-        return out, self._logprobs(out)
+        tokens, positions = tokens.to(dev), positions.to(dev)
+        mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
+        out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None], positions[None], mask, sess.cache)[0]
+        return out, self.logprobs(out)

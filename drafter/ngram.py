@@ -69,7 +69,7 @@ class NgramDrafter(Drafter):
             logp[ids] = torch.tensor([math.log(c / total) for c in counts.values()])
         return logp
 
-    def _draft(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
+    def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         if sess.state is None:
             sess.state = NgramIndex(self.max_n)
         index: NgramIndex = sess.state

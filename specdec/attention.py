@@ -11,8 +11,10 @@ fall back to the math kernel, so here it is used on CPU only and everything
 else goes to transformers' own function.
 
 ``IMPLEMENTATION`` is registered with transformers' attention and mask
-interfaces on import; ``attn_implementation("sdpa")`` maps the user-facing
-name to it.
+interfaces on import. ``choose_implementation`` picks, per model class, what a
+user's choice loads: this fast path where the model goes through
+transformers' attention interface, else the best the model supports (its own
+SDPA, or eager where it must: Gemma-2's attention soft-capping, for one).
 """
 
 from __future__ import annotations
@@ -48,9 +50,21 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return out.transpose(1, 2).contiguous(), None
 
 
-def attn_implementation(name: str) -> str:
-    """The implementation to load a model with for the user-facing ``name``."""
-    return IMPLEMENTATION if name == "sdpa" else name
+def choose_implementation(model_class, requested: str = "auto") -> str:
+    """The ``attn_implementation`` to load ``model_class`` (a ``PreTrainedModel``
+    subclass) with for the user's ``requested`` choice (``specdec.models.ATTN_IMPLEMENTATIONS``);
+    ValueError naming the model and the reason when that choice cannot serve it."""
+    if requested == "eager":
+        return "eager"
+    if requested not in ("auto", "sdpa"):
+        raise ValueError(f"unknown attention implementation {requested!r}")
+    if not getattr(model_class, "_supports_sdpa", False):
+        if requested == "sdpa":
+            raise ValueError(f"{model_class.__name__} has no SDPA attention in transformers "
+                             f"(use --attn-implementation eager or auto)")
+        return "eager"
+    # models that dispatch through AttentionInterface can take the registered function
+    return IMPLEMENTATION if getattr(model_class, "_supports_attention_backend", False) else "sdpa"
 
 
 AttentionInterface.register(IMPLEMENTATION, sdpa_forward)

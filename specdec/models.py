@@ -14,6 +14,9 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 DTYPES = ("float32", "float16", "bfloat16")
+# auto: specdec's SDPA where the model goes through transformers' attention
+# interface, else the best the model supports (specdec.attention.choose_implementation)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,12 @@ class ModelSpec:
     path: str
     dtype: str = "float32"          # fp32 by default on CPU: greedy equality with plain decoding
     device: str = "cpu"
-    attn_implementation: str = "sdpa"   # sdpa (specdec.attention on CPU) or eager
+    attn_implementation: str = "auto"   # one of ATTN_IMPLEMENTATIONS
+
+    def __post_init__(self):
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+                             f"got {self.attn_implementation!r}")
 
 
 def demo_path(name: str) -> Path:
@@ -71,20 +79,33 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
-def load_causal_lm(spec: ModelSpec):
-    """``AutoModelForCausalLM.from_pretrained`` from a local directory, eval mode."""
-    from transformers import AutoModelForCausalLM
+def causal_lm_class(path: str | os.PathLike):
+    """The transformers ``*ForCausalLM`` class for the model in ``path``; ValueError
+    (one line, naming the model type) when transformers has none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdec.attention import attn_implementation
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"model type {config.model_type!r} cannot be served: transformers has no causal LM "
+                         f"class for it") from None
+
+
+def load_causal_lm(spec: ModelSpec, **kwargs):
+    """The ``*ForCausalLM`` in a local directory, eval mode, with the attention
+    implementation chosen for its class (``specdec.attention``); ``kwargs`` go
+    to ``from_pretrained`` (a tensor-parallel plan)."""
+    from specdec.attention import choose_implementation
 
     quiet_transformers()
     path = require_model_dir(spec.path)
     device = torch_device(spec.device)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(spec.dtype), attn_implementation=attn_implementation(spec.attn_implementation),
-        local_files_only=True,
-    )
-    return model.to(device).eval()
+    cls = causal_lm_class(path)
+    model = cls.from_pretrained(path, dtype=torch_dtype(spec.dtype),
+                                attn_implementation=choose_implementation(cls, spec.attn_implementation),
+                                local_files_only=True, **kwargs)
+    return model.eval() if kwargs else model.to(device).eval()
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -6,7 +6,7 @@ b's slots past its own prefix are zeros and masked), each tree is padded to N
 nodes and the forward writes the trees' slots in place after P. The mask row
 of node i of session b allows its session's prefix plus its tree ancestors.
 After the forward, each session appends only its accepted slots (in place,
-``specdec.kvcache``) and commits exactly as an unbatched verify would.
+``specdec.kv``) and commits exactly as an unbatched verify would.
 Padding rows see only themselves so no softmax row is empty.
 
 The prefix copy costs O(total KV) per step; on CPU, where a forward of a
@@ -23,9 +23,9 @@ import torch
 import specdec.batching
 from specdec import kv
 from specdec.acceptance import accept
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import FailedPrecondition
 from specdec.tree import DraftTree
-from verifier.engine import TargetSession, VerifierEngine, VerifyResult
+from verifier.target import TargetSession, VerifyResult, check_tree
 
 
 @dataclass
@@ -35,23 +35,17 @@ class _Row:
     sess: TargetSession
 
 
-def _check(engine: VerifierEngine, sid: str, tree: DraftTree) -> TargetSession:
+def _check(engine, sid: str, tree: DraftTree) -> TargetSession:
     sess = engine.sessions.get(sid)
-    root = int(tree.tokens[0])
-    if root != sess.tokens[-1]:
-        raise FailedPrecondition(
-            f"tree root token {root} is not the session's last committed token {sess.tokens[-1]}")
-    engine._check_tokens(tree.tokens.tolist(), "tree token")
-    deepest = sess.prefix_len + int(tree.depths.max())
-    if deepest >= engine.target.max_positions:
-        raise InvalidArgument(f"tree reaches position {deepest}, beyond the model's context of "
-                              f"{engine.target.max_positions} tokens")
+    check_tree(engine.target, sess, tree)
     return sess
 
 
-def verify_batch(engine: VerifierEngine, items: list[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
-    """Verify and commit each (session, tree); one result or error per item, in order.
-    A session may appear at most once per batch."""
+def verify_batch(engine, items: list[tuple[str, DraftTree]]) -> list[VerifyResult | Exception]:
+    """Verify and commit each (session, tree) of ``engine`` (a
+    ``verifier.engine.VerifierEngine``: its ``target``, ``sessions`` and
+    ``verify``); one result or error per item, in order. A session may appear
+    at most once per batch."""
     results: list[VerifyResult | Exception] = [None] * len(items)  # type: ignore[list-item]
     rows: list[tuple[int, _Row]] = []
     seen: set[str] = set()
@@ -83,7 +77,7 @@ def verify_batch(engine: VerifierEngine, items: list[tuple[str, DraftTree]]) -> 
     return results
 
 
-def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[VerifyResult]:
+def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
     target = engine.target
     B = len(rows)
     prefixes = [r.sess.prefix_len for r in rows]
@@ -101,36 +95,20 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
         allowed[b, :n, P:P + n] = r.tree.ancestor_mask()
         idx = torch.arange(n, N)
         allowed[b, idx, P + idx] = True        # padding rows: themselves only
-    mask = torch.zeros(B, 1, N, P + N)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+    key_positions = torch.cat([torch.arange(P).expand(B, P), positions], dim=1)    # [B, P + N]
+    mask = target.masks(allowed, positions, key_positions)
 
+    # one copy of every prefix, padded, with room for the trees: the forward writes them in place
     batch_cache = target.new_cache()
-    for layer in range(len(rows[0].sess.cache.layers)):
-        k0 = rows[0].sess.cache.layers[layer].keys                   # [1, heads, p_0, d]
-        # one copy of every prefix, padded, with room for the trees: the forward writes them in place
-        ks = k0.new_empty(B, k0.shape[1], P + N, k0.shape[3])
-        vs = torch.empty_like(ks)
-        for b, (r, p) in enumerate(zip(rows, prefixes)):
-            ks[b, :, :p] = r.sess.cache.layers[layer].keys[0]
-            vs[b, :, :p] = r.sess.cache.layers[layer].values[0]
-            ks[b, :, p:P] = 0                                        # masked, but never NaN
-            vs[b, :, p:P] = 0
-        kv.adopt(batch_cache, layer, ks, vs, P)
-
-    with torch.inference_mode():
-        out = target.body(input_ids=tokens.to(device), position_ids=positions.to(device),
-                          attention_mask=mask.to(device), past_key_values=batch_cache, use_cache=True)
-        hidden = out.last_hidden_state.float()                       # [B, N, H]
-        logits = target.lm_head(out.last_hidden_state).float()       # [B, N, V]
+    kv.gather_rows(batch_cache, [r.sess.cache for r in rows], prefixes, P, N)
+    hidden, logits = target.forward_batch(batch_cache, tokens, positions, mask)   # [B, N, H], [B, N, V]
 
     results = []
     for b, r in enumerate(rows):
         n = sizes[b]
         result = accept(r.tree, logits[b, :n], r.sess.params, r.sess.generator)
         path = [0] + result.accepted
-        slots = P + torch.tensor(path, device=device)                # the accepted nodes' new slots
-        for i, layer in enumerate(batch_cache.layers):
-            kv.append(r.sess.cache, i, layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots])
+        kv.append_slots(r.sess.cache, batch_cache, b, P + torch.tensor(path, device=device))   # the accepted slots
         committed = [int(r.tree.tokens[i]) for i in result.accepted] + [result.bonus]
         r.sess.tokens.extend(committed)
         results.append(VerifyResult(result.accepted, committed, hidden[b, path]))

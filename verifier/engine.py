@@ -16,85 +16,20 @@ of model code.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 
 import torch
 
 from specdec import kv
 from specdec.acceptance import accept
-from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from specdec.models import ModelSpec, load_causal_lm
+from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.params import SamplingParams
 from specdec.sampling import make_generator, sample, target_probs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
+from verifier.batch import verify_batch
+from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 
-
-@dataclass
-class TargetSession:
-    cache: object                 # transformers DynamicCache: KV of `tokens[:-1]`
-    tokens: list[int]             # committed tokens; the last one (root) is pending
-    params: SamplingParams
-    generator: torch.Generator
-    reserved_bytes: int = 0       # worst-case KV this session may grow to (admission control)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def prefix_len(self) -> int:
-        return len(self.tokens) - 1
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    token: int                    # first generated token (the first root)
-    features: torch.Tensor        # [P, H] final hidden state at each prompt position
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    accepted: list[int]           # accepted node indices, root excluded
-    tokens: list[int]             # committed this cycle: accepted tokens + bonus
-    features: torch.Tensor        # [len(accepted) + 1, H] at root + accepted nodes
-
-
-class TargetModel:
-    """A causal LM split into body (features) and lm_head (logits)."""
-
-    def __init__(self, spec: ModelSpec, model=None):
-        self.spec = spec
-        self.model = model if model is not None else load_causal_lm(spec)
-        self.body = self.model.get_decoder()
-        self.lm_head = self.model.get_output_embeddings()
-        self.config = self.model.config
-        self.vocab_size = int(self.config.vocab_size)
-        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
-        self.device = next(self.model.parameters()).device
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V, every layer, every key/value head (all ranks together)."""
-        c = self.config
-        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        elem = torch.finfo(next(self.model.parameters()).dtype).bits // 8
-        return 2 * c.num_hidden_layers * heads * head_dim * elem
-
-    def new_cache(self, capacity: int = 0):
-        """A cache that grows in place (``specdec.kvcache``); ``capacity``: slots to allocate up front."""
-        from specdec.kvcache import new_cache
-
-        return new_cache(self.config, capacity)
-
-    @torch.inference_mode()
-    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions: [n]; mask: [1, 1, n, prefix + n] or None (causal).
-        Returns features [n, H] and fp32 logits [n, V]; appends n slots to cache."""
-        out = self.body(input_ids=tokens[None].to(self.device), position_ids=positions[None].to(self.device),
-                        attention_mask=None if mask is None else mask.to(self.device),
-                        past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state[0]
-        return hidden.float(), self.lm_head(hidden).float()
+__all__ = ["PrefillResult", "TargetModel", "TargetSession", "VerifierEngine", "VerifyResult"]
 
 
 class VerifierEngine:
@@ -123,7 +58,7 @@ class VerifierEngine:
         here from a lost verifier; its last token becomes the pending root
         again (nothing is sampled) and the features cover the others."""
         params.validate()
-        self._check_tokens(prompt, "prompt")
+        check_tokens(self.target, prompt, "prompt")
         if not prompt:
             raise InvalidArgument("prompt must not be empty")
         if len(prompt) + max_new_tokens > self.target.max_positions:
@@ -180,30 +115,19 @@ class VerifierEngine:
     def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
         sess = self.sessions.get(sid)
         with sess.lock:
-            root = int(tree.tokens[0])
-            if root != sess.tokens[-1]:
-                raise FailedPrecondition(
-                    f"tree root token {root} is not the session's last committed token {sess.tokens[-1]}")
-            self._check_tokens(tree.tokens.tolist(), "tree token")
+            check_tree(self.target, sess, tree)
             prefix = sess.prefix_len
-            n = tree.size
-            deepest = prefix + int(tree.depths.max())
-            if deepest >= self.target.max_positions:
-                raise InvalidArgument(f"tree reaches position {deepest}, beyond the model's context of "
-                                      f"{self.target.max_positions} tokens")
-            mask = None if n == 1 else kv.tree_attention_mask(tree.ancestor_mask(), prefix)
+            mask = None if tree.size == 1 else self.target.tree_masks(tree, prefix)
             hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask)
             result = accept(tree, logits, sess.params, sess.generator)
             path = [0] + result.accepted
-            kv.commit_path(sess.cache, prefix, path)
+            kv.keep_path(sess.cache, prefix, path)
             committed = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
             sess.tokens.extend(committed)
             return VerifyResult(result.accepted, committed, hidden[path])
 
     def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list:
         """Several sessions' trees in one forward (``verifier.batch``)."""
-        from verifier.batch import verify_batch
-
         return verify_batch(self, items)
 
     def committed_tokens(self, sid: str) -> list[int]:
@@ -211,8 +135,3 @@ class VerifierEngine:
 
     def kv_bytes(self) -> int:
         return sum(kv.nbytes(s.cache) for _, s in self.sessions.items())
-
-    def _check_tokens(self, tokens: list[int], what: str) -> None:
-        bad = next((t for t in tokens if not 0 <= t < self.target.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"{what} id {bad} is outside the vocabulary [0, {self.target.vocab_size})")

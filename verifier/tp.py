@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from specdec.errors import SpecdecError
-from specdec.models import ModelSpec, quiet_transformers, read_config, torch_dtype
+from specdec.models import ModelSpec, load_causal_lm, read_config
 from specdec.params import SamplingParams
 from verifier.engine import TargetModel, VerifierEngine
 
@@ -53,18 +53,10 @@ def init_process_group(rank: int, world: int, master_port: int, backend: str | N
 
 def load_sharded_target(spec: ModelSpec) -> TargetModel:
     """This rank's shard of the target (the process group must be initialised)."""
-    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from specdec.attention import attn_implementation
-
-    quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch_dtype(spec.dtype),
-                                                 distributed_config=DistributedConfig(tp_plan="auto",
-                                                                                      tp_size=dist.get_world_size()),
-                                                 attn_implementation=attn_implementation(spec.attn_implementation),
-                                                 local_files_only=True).eval()
-    return TargetModel(spec, model=model)
+    config = DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size())
+    return TargetModel(spec, model=load_causal_lm(spec, distributed_config=config))
 
 
 class ReplicatedVerifier:

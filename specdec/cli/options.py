@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.errors import SpecdecError, UsageError
-from specdec.models import demo_path
+from specdec.models import ATTN_IMPLEMENTATIONS, demo_path
 from specdec.params import PROPOSALS
 
 
@@ -57,6 +57,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
+    g.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
+                   help="attention of the target with --local: auto (default), sdpa or eager")
 
 
 def resolved_min_tau(text: str) -> float | None:

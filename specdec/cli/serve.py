@@ -23,6 +23,7 @@ import asyncio
 from specdec import knobs
 from specdec.cli.options import env, model_dir
 from specdec.errors import UsageError
+from specdec.models import ATTN_IMPLEMENTATIONS
 from specdec.params import METHODS, PROPOSALS, TreeParams
 from specdec.server import ServerConfig
 
@@ -102,7 +103,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--target", help="target model directory (default: the bundled demo target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--attn-implementation", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
+                   help="auto (default): specdec's SDPA where the model allows, else its best; or force sdpa / eager")
     p.add_argument("--feature-dtype", default="float32", choices=("float32", "float16"),
                    help="dtype of the features sent to EAGLE drafters")
     p.add_argument("--tp", type=int, default=1,

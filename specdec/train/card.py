@@ -53,14 +53,14 @@ def step_costs(target_dir: Path, eagle_dir: Path, prefix: int = 200, frontier: i
         drafter = EagleDrafter(eagle_dir, target_dir)
         drafter.prefill("card", ids.tolist() + [1], feats)
         sess = drafter.sessions.get("card")
-        sess.cache = drafter._new_cache()
-        drafter._feed_pending(sess)
+        sess.cache = drafter.new_cache()
+        drafter.feed_pending(sess)
         past = kv.seq_len(sess.cache)
 
         def head_step(k: int):
             tokens = ids[:k]
-            mask = torch.zeros(1, 1, k, past + k)
-            drafter._step(sess, tokens, feats[:k], torch.full((k,), past), mask)
+            allowed = torch.ones(k, past + k, dtype=torch.bool)
+            drafter.step(sess, tokens, feats[:k], torch.full((k,), past), allowed, torch.arange(past + k))
             kv.truncate(sess.cache, past)
 
         t = _timed(target_step)
@@ -136,8 +136,7 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     from specdec.decoding import StopCriteria
     from specdec.local import DrafterChoice, build_local, generate
     from specdec.models import ModelSpec
-    from specdec.params import SamplingParams
-    from specdec.params import TreeParams
+    from specdec.params import SamplingParams, TreeParams
 
     stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / "eagle")))
     recorder = TreeRecorder(stack.verifier)

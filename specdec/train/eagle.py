@@ -1,12 +1,15 @@
-"""Train an EAGLE-1/2 head for any local Llama-family target.
+"""Train an EAGLE-1/2 head for any local causal-LM target.
 
 Per window of corpus tokens the frozen target gives features F (final-norm
 hidden states) and next-token distributions. The head sees
 (embed(x_{t+1}), F_t + noise) and is trained to predict F_{t+1}
 (smooth-L1 regression) and the target's distribution at t+1 through the
-frozen lm_head (soft cross-entropy), as in EAGLE (arXiv:2401.15077, §4.2):
+frozen lm_head and the target's own final-logit processing (soft
+cross-entropy), as in EAGLE (arXiv:2401.15077, §4.2):
 loss = w_reg * L_reg + w_cls * L_cls, uniform feature noise for robustness to
-the head's own errors when it drafts several steps ahead.
+the head's own errors when it drafts several steps ahead. The target is read
+only through transformers' public API (decoder hidden states, input and output
+embeddings: ``drafter.eagle_head.TargetHead``), so any family trains a head.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafter.eagle_head import EagleHead, head_config, save_head
+from drafter.eagle_head import EagleHead, TargetHead, head_config, head_config_for, save_head
 from specdec.train.data import eval_windows, sample_batch, tokenize_stream
 from specdec.train.loop import TrainConfig, train
 
@@ -31,23 +34,28 @@ class EagleLoss:
 
 
 def head_from_target(target) -> EagleHead:
-    cfg = head_config(target.config.to_dict())
+    cfg = head_config(head_config_for(target.config))
     head = EagleHead(cfg, bias=True)
-    # Start the decoder layer from the target's last layer: same width, a far
-    # better start than random for a feature regressor.
-    last = target.get_decoder().layers[-1].state_dict()
-    head.layers[0].load_state_dict({k: v for k, v in last.items() if not k.startswith("input_layernorm")},
-                                   strict=False)
+    # Start the decoder layer from the target's last layer where it has the
+    # same tensors (a Llama-like layer): a far better start than random for a
+    # feature regressor. Other families start from the random init.
+    layers = getattr(target.get_decoder(), "layers", None)
+    if layers is not None:
+        own = head.layers[0].state_dict()
+        last = {k: v for k, v in layers[-1].state_dict().items()
+                if k in own and own[k].shape == v.shape and not k.startswith("input_layernorm")}
+        head.layers[0].load_state_dict(last, strict=False)
     return head.float()
 
 
 def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLoss, noise_gen=None):
     """batch: [B, L+1] token windows. Returns (loss, metrics)."""
     tokens = batch[:, :-1]
+    io = TargetHead.of_model(target)
     with torch.no_grad():
         feats = target.get_decoder()(input_ids=tokens).last_hidden_state.float()      # [B, L, H]
-        target_logp = torch.log_softmax(target.get_output_embeddings()(feats).float(), -1)
-        embed = target.get_input_embeddings()(tokens[:, 1:]).float()                  # x_{t+1}
+        target_logp = torch.log_softmax(io.logits(feats), -1)
+        embed = io.embed_tokens(tokens[:, 1:]).float()                                # x_{t+1}
     inp = feats[:, :-1]
     if loss_cfg.noise:
         noise = torch.rand(inp.shape, generator=noise_gen) - 0.5
@@ -56,7 +64,7 @@ def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLo
     out = head(embed, inp, positions)                                                  # [B, L-1, H]
     want = feats[:, 1:]
     reg = F.smooth_l1_loss(out, want)
-    logp = torch.log_softmax(target.get_output_embeddings()(out).float(), -1)
+    logp = torch.log_softmax(io.logits(out), -1)
     p = target_logp[:, 1:].exp()
     cls = -(p * logp).sum(-1).mean()
     top1 = (logp.argmax(-1) == target_logp[:, 1:].argmax(-1)).float().mean()
@@ -74,12 +82,12 @@ def heldout_head_logits(head: EagleHead, target, windows: torch.Tensor) -> tuple
     with the target's features, as at the first draft level) and the target's
     argmax at each position: ([N, V] fp32, [N] int64)."""
     tokens = windows[:, :-1]
+    io = TargetHead.of_model(target)
     feats = target.get_decoder()(input_ids=tokens).last_hidden_state.float()
-    lm_head = target.get_output_embeddings()
-    labels = lm_head(feats).argmax(-1)[:, 1:]
-    embed = target.get_input_embeddings()(tokens[:, 1:]).float()
+    labels = io.logits(feats).argmax(-1)[:, 1:]
+    embed = io.embed_tokens(tokens[:, 1:]).float()
     positions = torch.arange(feats.shape[1] - 1)[None].expand(feats.shape[0], -1)
-    logits = lm_head(head.float()(embed, feats[:, :-1], positions)).float()
+    logits = io.logits(head.float()(embed, feats[:, :-1], positions))
     return logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
 
 

@@ -8,8 +8,8 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.integrations import sdpa_attention
 
-from specdec import attention, kv
-from specdec.kvcache import new_cache
+from specdec import attention, masks
+from specdec.kv import new_cache
 from specdec.models import ModelSpec, load_causal_lm
 
 
@@ -39,7 +39,7 @@ def _prefill_then_tree(model) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.inference_mode():
         cache = new_cache(model.config, 64)
         first = model(prompt, past_key_values=cache, use_cache=True).logits
-        second = model(tree, past_key_values=cache, attention_mask=kv.tree_attention_mask(ancestor, 23),
+        second = model(tree, past_key_values=cache, attention_mask=masks.tree_attention_mask(ancestor, 23),
                        position_ids=(23 + depths)[None], use_cache=True).logits
     return first, second
 
@@ -64,6 +64,15 @@ def test_same_numbers_as_transformers_sdpa(gqa_model):
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
-def test_user_facing_names():
-    assert attention.attn_implementation("sdpa") == attention.IMPLEMENTATION
-    assert attention.attn_implementation("eager") == "eager"
+def test_user_facing_choices():
+    from transformers import Gemma2ForCausalLM
+
+    assert attention.choose_implementation(LlamaForCausalLM, "auto") == attention.IMPLEMENTATION
+    assert attention.choose_implementation(LlamaForCausalLM, "sdpa") == attention.IMPLEMENTATION
+    assert attention.choose_implementation(LlamaForCausalLM, "eager") == "eager"
+    # soft-capped attention has no SDPA path: auto falls back to eager, an explicit sdpa is refused
+    assert attention.choose_implementation(Gemma2ForCausalLM, "auto") == "eager"
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM has no SDPA"):
+        attention.choose_implementation(Gemma2ForCausalLM, "sdpa")
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        attention.choose_implementation(LlamaForCausalLM, "flash")

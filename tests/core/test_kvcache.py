@@ -10,7 +10,7 @@ from tiny import tiny_llama
 from transformers import DynamicCache
 
 from specdec import kv
-from specdec.kvcache import SlabLayer, new_cache
+from specdec.kv import SlabLayer, new_cache
 
 HEADS, DIM = 2, 4
 
@@ -47,8 +47,8 @@ def test_appends_truncations_and_path_commits_match_dynamic_cache():
         else:                                          # an accepted path through the new slots
             prefix = length - n
             path = [0] + [i for i in range(1, n) if i % 2 == 0]
-            kv.commit_path(ref, prefix, path)
-            kv.commit_path(slab, prefix, path)
+            kv.keep_path(ref, prefix, path)
+            kv.keep_path(slab, prefix, path)
         _same(ref, slab)
 
 
@@ -61,7 +61,7 @@ def test_room_is_reserved_once_and_the_prefix_never_moves():
     for step in range(6):                               # 6 trees of 4, each keeping 2 slots
         prefix = kv.seq_len(slab)
         slab.update(*_kv(4, start=100.0 * step), 0)
-        kv.commit_path(slab, prefix, [0, 3])
+        kv.keep_path(slab, prefix, [0, 3])
     assert kv.seq_len(slab) == 22
     assert layer.keys.data_ptr() == buffer and layer.capacity == cap
     assert kv.nbytes(slab) == 2 * 40 * HEADS * DIM * 4  # what is held, spare room included
@@ -119,10 +119,45 @@ def test_model_outputs_equal_with_either_cache():
             ids = torch.randint(1, 97, (1, 4), generator=torch.Generator().manual_seed(step))
             pos = torch.arange(length, length + 4)[None]
             out.append(model(ids, position_ids=pos, past_key_values=cache, use_cache=True).logits)
-            kv.commit_path(cache, length, [0, 2])
+            kv.keep_path(cache, length, [0, 2])
             length += 2
         outs.append(torch.cat([o.flatten() for o in out]))
         assert kv.seq_len(cache) == length
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
     for a, b in zip(ref.layers, slab.layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-6) and torch.allclose(a.values, b.values, atol=1e-6)
+
+
+def test_gather_rows_and_append_slots_round_trip():
+    """Sessions' caches copied into one padded batch cache, and a batch row's
+    new slots appended back, give each session exactly its own slots."""
+    sessions = []
+    for b, n in enumerate((3, 0, 5)):
+        cache = DynamicCache()
+        cache.layers = [SlabLayer()]
+        if n:
+            kv.append(cache, 0, *_kv(n, start=100.0 * b))
+        sessions.append(cache)
+    batch = DynamicCache()
+    batch.layers = [SlabLayer()]
+    kv.gather_rows(batch, sessions, [3, 0, 5], width=5, room=4)
+    layer = batch.layers[0]
+    assert kv.seq_len(batch) == 5 and layer.capacity == 9
+    assert torch.equal(layer.keys[0, :, :3], sessions[0].layers[0].keys[0])
+    assert torch.equal(layer.keys[2], sessions[2].layers[0].keys[0])
+    assert not layer.keys[0, :, 3:].any() and not layer.keys[1].any()      # padding is zeros, never NaN
+    new_k, new_v = _kv(2, start=-500.0, batch=3)
+    kv.append(batch, 0, new_k, new_v)                    # a forward writes the next slots in place
+    kv.append_slots(sessions[0], batch, 0, torch.tensor([5, 6]))
+    assert kv.seq_len(sessions[0]) == 5
+    assert torch.equal(sessions[0].layers[0].keys[0, :, 3:], new_k[0])
+    assert torch.equal(sessions[0].layers[0].values[0, :, 3:], new_v[0])
+
+
+def test_sliding_layers_hold_the_whole_sequence_and_recurrent_ones_are_refused():
+    from transformers import MistralConfig, Qwen3NextConfig
+
+    cache = new_cache(MistralConfig(num_hidden_layers=2, sliding_window=4))
+    assert [type(layer) for layer in cache.layers] == [SlabLayer, SlabLayer]
+    with pytest.raises(ValueError, match="linear_attention"):
+        new_cache(Qwen3NextConfig(num_hidden_layers=4))

@@ -20,25 +20,6 @@ PACKAGES = ("specdec", "drafter", "verifier", "orchestrator")
 GENERATED = ROOT / "specdec" / "v1"
 MAX_LINES = 500
 
-# Underscore names still used across modules, as (using module, name), in code
-# that is being rewritten on its own branch (drafter batching, the verifier's
-# batch front end, the drafter calibration card). To be
-# removed when that rewrite is merged: the set must end empty.
-PENDING_PRIVATE_USES = {
-    ("drafter/batch.py", "_draft"),
-    ("drafter/batch.py", "_new_cache"),
-    ("drafter/batch.py", "_logprobs"),
-    ("specdec/train/card.py", "_new_cache"),
-    ("specdec/train/card.py", "_feed_pending"),
-    ("specdec/train/card.py", "_step"),
-    ("verifier/batch.py", "_check_tokens"),
-}
-
-# Modules over MAX_LINES in code being rewritten elsewhere. To be removed when
-# that lands: the set must end empty.
-PENDING_LONG_MODULES = {"specdec/tree.py"}
-
-
 def our_modules() -> list[Path]:
     return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if GENERATED not in p.parents)
 
@@ -135,11 +116,8 @@ def all_private_uses() -> set[tuple[str, str, int]]:
 
 def test_no_module_uses_another_modules_underscore_names():
     uses = all_private_uses()
-    unexpected = sorted(u for u in uses if u[:2] not in PENDING_PRIVATE_USES)
-    assert not unexpected, "make these public and name them well:\n" + "\n".join(
-        f"{where}:{line}: {name}" for where, name, line in unexpected)
-    stale = PENDING_PRIVATE_USES - {u[:2] for u in uses}
-    assert not stale, f"no longer used, remove from PENDING_PRIVATE_USES: {sorted(stale)}"
+    assert not uses, "make these public and name them well:\n" + "\n".join(
+        f"{where}:{line}: {name}" for where, name, line in sorted(uses))
 
 
 def test_the_private_name_check_sees_what_it_must(tmp_path):
@@ -163,6 +141,5 @@ def test_the_private_name_check_sees_what_it_must(tmp_path):
 def test_no_module_is_over_500_lines():
     sizes = {rel(p): len(p.read_text().splitlines()) for p in our_modules()}
     long = {name: n for name, n in sizes.items() if n > MAX_LINES}
-    assert set(long) <= PENDING_LONG_MODULES, f"split these (at most {MAX_LINES} lines): " + ", ".join(
-        f"{name} ({n})" for name, n in sorted(long.items()) if name not in PENDING_LONG_MODULES)
-    assert not PENDING_LONG_MODULES - set(long), "no longer too long, remove from PENDING_LONG_MODULES"
+    assert not long, f"split these (at most {MAX_LINES} lines): " + ", ".join(
+        f"{name} ({n})" for name, n in sorted(long.items()))

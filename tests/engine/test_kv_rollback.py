@@ -2,7 +2,7 @@
 
 import torch
 
-from specdec import kv
+from specdec import kv, masks
 from specdec.models import ModelSpec
 from specdec.tree import tree_from_lists
 from verifier.engine import TargetModel
@@ -19,7 +19,7 @@ def test_commit_path_matches_fresh_prefill(tiny_family):
         prefix = torch.randint(0, v, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen)
         cache = target.new_cache()
         target.forward(cache, prefix, torch.arange(len(prefix)), None)
-        mask = kv.tree_attention_mask(tree.ancestor_mask(), len(prefix))
+        mask = masks.tree_attention_mask(tree.ancestor_mask(), len(prefix))
         target.forward(cache, tree.tokens, tree.position_ids(len(prefix)), mask)
         # a random accept pattern: root to a random node
         node = int(torch.randint(0, n, (1,), generator=gen))
@@ -28,7 +28,7 @@ def test_commit_path_matches_fresh_prefill(tiny_family):
             path.append(node)
             node = int(tree.parents[node])
         path.reverse()
-        kv.commit_path(cache, len(prefix), path)
+        kv.keep_path(cache, len(prefix), path)
 
         fresh = target.new_cache()
         seq = torch.cat([prefix, tree.tokens[path]])

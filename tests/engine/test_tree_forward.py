@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec import kv
+from specdec import masks
 from specdec.models import ModelSpec
 from specdec.tree import tree_from_lists
 from verifier.engine import TargetModel
@@ -25,7 +25,7 @@ def test_tree_logits_equal_per_path_logits(tiny_family, attn):
         tree = random_tree(12, v, gen)
         cache = target.new_cache()
         target.forward(cache, prefix, torch.arange(len(prefix)), None)
-        mask = kv.tree_attention_mask(tree.ancestor_mask(), len(prefix))
+        mask = masks.tree_attention_mask(tree.ancestor_mask(), len(prefix))
         feats, logits = target.forward(cache, tree.tokens, tree.position_ids(len(prefix)), mask)
         for path in tree.paths():
             seq = torch.cat([prefix, tree.tokens[path]])
@@ -46,7 +46,7 @@ def test_boolean_mask_would_differ_under_eager(tiny_family):
     for boolean in (False, True):
         cache = target.new_cache()
         target.forward(cache, prefix, torch.arange(6), None)
-        mask = kv.tree_attention_mask(tree.ancestor_mask(), 6)
+        mask = masks.tree_attention_mask(tree.ancestor_mask(), 6)
         if boolean:
             mask = mask == 0
         outs.append(target.forward(cache, tree.tokens, tree.position_ids(6), mask)[1])

@@ -1,0 +1,120 @@
+"""The target model and the per-session state the verifier keeps for it.
+
+``TargetModel`` splits a causal LM into its body (final hidden states, the
+features drafters read) and its head (logits); ``check_tree`` holds the checks
+a tree passes before any forward, shared by single and batched verification.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from specdec import kv
+from specdec.causal_lm import CausalLm
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.masks import tree_allowed
+from specdec.models import ModelSpec, load_causal_lm
+from specdec.params import SamplingParams
+from specdec.tree import DraftTree
+
+
+@dataclass
+class TargetSession:
+    cache: object                 # transformers DynamicCache: KV of `tokens[:-1]`
+    tokens: list[int]             # committed tokens; the last one (root) is pending
+    params: SamplingParams
+    generator: torch.Generator
+    reserved_bytes: int = 0       # worst-case KV this session may grow to (admission control)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    token: int                    # first generated token (the first root)
+    features: torch.Tensor        # [P, H] final hidden state at each prompt position
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: list[int]           # accepted node indices, root excluded
+    tokens: list[int]             # committed this cycle: accepted tokens + bonus
+    features: torch.Tensor        # [len(accepted) + 1, H] at root + accepted nodes
+
+
+class TargetModel:
+    """A causal LM split into body (features) and head (logits, with the model's
+    own final-logit processing): ``specdec.causal_lm``."""
+
+    def __init__(self, spec: ModelSpec, model=None):
+        self.spec = spec
+        self.lm = CausalLm(model if model is not None else load_causal_lm(spec))
+        self.model, self.config = self.lm.model, self.lm.config
+        self.vocab_size = int(self.config.get_text_config(decoder=True).vocab_size)
+        self.max_positions = int(getattr(self.config.get_text_config(decoder=True), "max_position_embeddings",
+                                         None) or 1 << 30)
+        self.device = self.lm.device
+        self.kv_bytes_per_token = self._measure_kv_bytes()
+
+    def _measure_kv_bytes(self) -> int:
+        """K and V bytes per token, every layer, every key/value head, all ranks
+        together: measured on a one-token cache, whatever the model's head layout."""
+        cache = self.new_cache(1)
+        with torch.inference_mode():
+            self.lm.hidden(cache, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None)
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return kv.nbytes(cache) * ranks
+
+    def new_cache(self, capacity: int = 0):
+        """A cache that grows in place (``specdec.kv``); ``capacity``: slots to allocate up front."""
+        return self.lm.new_cache(capacity)
+
+    def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
+        return self.lm.masks(allowed, q_pos, k_pos)
+
+    def tree_masks(self, tree: DraftTree, prefix_len: int):
+        """The attention mask for one tree over a prefix of ``prefix_len`` slots."""
+        positions = tree.position_ids(prefix_len)
+        k_pos = torch.cat([torch.arange(prefix_len), positions])
+        return self.masks(tree_allowed(tree.ancestor_mask(), prefix_len)[None], positions[None], k_pos[None])
+
+    @torch.inference_mode()
+    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [n]; mask from ``tree_masks`` or None (causal).
+        Returns features [n, H] and fp32 logits [n, V]; appends n slots to cache."""
+        hidden, logits = self.forward_batch(cache, tokens[None], positions[None], mask)
+        return hidden[0], logits[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
+                      mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [B, n] -> features [B, n, H], fp32 logits [B, n, V]."""
+        hidden = self.lm.hidden(cache, tokens, positions, mask)
+        return hidden.float(), self.lm.logits(hidden)
+
+
+def check_tokens(target: TargetModel, tokens: list[int], what: str) -> None:
+    bad = next((t for t in tokens if not 0 <= t < target.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{what} id {bad} is outside the vocabulary [0, {target.vocab_size})")
+
+
+def check_tree(target: TargetModel, sess: TargetSession, tree: DraftTree) -> None:
+    """A tree rooted at the session's pending token, inside the vocabulary and the context."""
+    root = int(tree.tokens[0])
+    if root != sess.tokens[-1]:
+        raise FailedPrecondition(
+            f"tree root token {root} is not the session's last committed token {sess.tokens[-1]}")
+    check_tokens(target, tree.tokens.tolist(), "tree token")
+    deepest = sess.prefix_len + int(tree.depths.max())
+    if deepest >= target.max_positions:
+        raise InvalidArgument(f"tree reaches position {deepest}, beyond the model's context of "
+                              f"{target.max_positions} tokens")
