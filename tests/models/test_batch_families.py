@@ -12,7 +12,8 @@ from families import BY_NAME
 
 from drafter.batch import draft_batch
 from specdec.decoding import StopCriteria
-from specdec.local import DrafterChoice, build_local, cycle_config, generate
+from specdec.local import DrafterChoice, build_local, generate
+from specdec.speculative import cycle_tree
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams, TreeParams
 from verifier.batch import verify_batch
@@ -46,7 +47,7 @@ def test_batched_sessions_get_the_tokens_they_get_alone(name, family_dir):
     while active:
         rng.shuffle(active)
         batch = active[:rng.randint(2, len(active))] if len(active) > 1 else active
-        items = [(sid, pending[sid], None, cycle_config(CFGS[sids.index(sid)], NEW - len(out[sid])))
+        items = [(sid, pending[sid], None, cycle_tree(CFGS[sids.index(sid)], NEW - len(out[sid])))
                  for sid in batch]
         trees = draft_batch(d, items)
         results = verify_batch(v, [(sid, tree) for sid, tree in zip(batch, trees)])
