@@ -4,7 +4,7 @@ per attention variant specdec serves, built from transformers' config classes
 
 ``FAMILIES`` is the test matrix: each entry names the family, the variant it
 stands for and how to build its config. ``docs/models.md`` is generated from
-it (``tests/models/test_docs.py`` keeps the two in sync).
+it (``tests/models/test_models_table.py`` keeps the two in sync).
 """
 
 from __future__ import annotations
