@@ -26,6 +26,8 @@ stop                        at most ``MAX_STOP_STRINGS`` strings of 1 to
                             ``MAX_STOP_CHARS`` characters
 request_id                  at most ``MAX_ID_CHARS`` printable ASCII characters
 session_id (internal)       1 to ``MAX_ID_CHARS`` characters
+owner (internal)            at most ``MAX_ID_CHARS`` characters ("" = no lease)
+session_ids (Renew)         at most ``MAX_LEASED_SESSIONS`` session ids
 counts (internal)           integers >= 0 (rollback lengths, DraftAhead count...)
 ==========================  ====================================================
 """
@@ -57,6 +59,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_ID_CHARS = 128             # request and session ids (they travel in metadata and logs)
 MAX_SEED = 2**64 - 1           # the wire's uint64; torch generators take the whole range
+MAX_LEASED_SESSIONS = 4096     # session ids one Renew may list (past any backend's session cap)
 
 
 # -- field checks ------------------------------------------------------------------------------
@@ -87,6 +90,10 @@ def check_text(value, field: str, max_chars: int, *, empty_ok: bool = False, asc
 
 def check_session_id(value, field: str = "session_id") -> str:
     return check_text(value, field, MAX_ID_CHARS)
+
+
+def check_owner(value, field: str = "owner") -> str:
+    return check_text(value, field, MAX_ID_CHARS, empty_ok=True)
 
 
 def check_request_id(value, field: str = "request_id") -> str:
