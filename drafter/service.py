@@ -30,7 +30,7 @@ import torch
 from specdec import kv, metrics, wire
 from specdec.errors import InvalidArgument
 from specdec.engine_servicer import EngineServicer
-from specdec.params import TreeParams, check_count, check_owner, check_session_id
+from specdec.params import TreeParams, check_count, check_owner, check_session_id, check_token_ids
 from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -118,7 +118,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     def _commit_of(self, request) -> tuple[list[int], torch.Tensor | None]:
         """A Draft / DraftAhead request's commit: (tokens, their features or None)."""
-        tokens = list(request.commit_tokens)
+        tokens = check_token_ids(request.commit_tokens, self.drafter.vocab_size, "commit_tokens")
         if not tokens:
             if request.commit_features.data or request.commit_features.shape:
                 raise InvalidArgument("commit_features given without commit_tokens")
@@ -150,8 +150,10 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def Prefill(self, request, context):
         self.check(opens_session=True)
         sid = check_session_id(request.session_id)
-        tokens = list(request.token_ids)
-        feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
+        # an EAGLE drafter's first input pairs a prompt token's feature with the token after it
+        tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids",
+                                 min_count=2 if self.drafter.needs_features else 1)
+        feats = self._feature_tensor(request.features, "features", len(tokens) - 1)
         sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
         owner = check_owner(request.owner)
         _, seconds = await self.open_session(context, sid, owner, self.drafter.prefill, sid, tokens, feats,
@@ -190,7 +192,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def Commit(self, request, context):
         self.check()
         sid = check_session_id(request.session_id)
-        tokens = list(request.token_ids)
+        tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids")
         feats = self._feature_tensor(request.features, "features", len(tokens))
         await self.run(self.drafter.commit, sid, tokens, feats)
         return drafter_pb2.DrafterCommitResponse()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterator, TypeVar
 
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
+from specdec.params import shown
 
 S = TypeVar("S")
 
@@ -60,7 +61,7 @@ class SessionTable(Generic[S]):
         with self._lock:
             self.evict_idle()
             if sid in self._entries and not replace:
-                raise InvalidArgument(f"session {sid!r} already exists")
+                raise InvalidArgument(f"session_id {shown(sid)} already exists")
             if sid not in self._entries and len(self._entries) >= self.max_sessions:
                 raise ResourceExhausted(f"session limit reached ({self.max_sessions} sessions)")
             self._entries[sid] = _Entry(value, self._clock())
@@ -72,7 +73,7 @@ class SessionTable(Generic[S]):
             if entry is None:
                 why = ("was evicted (idle, or its owner stopped renewing its lease)" if sid in self._evicted
                        else "does not exist")
-                raise NotFound(f"session {sid!r} {why}")
+                raise NotFound(f"session {shown(sid)} {why}")
             entry.last_used = self._clock()
             return entry.value
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidArgument
@@ -149,8 +150,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Validated SamplingParams; top_p 0 (unset) reads as 1, an unset seed as None."""
+    return unchecked_sampling(msg).validate(field)
+
+
+def unchecked_sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams as the message says, for a caller that validates them in its own order."""
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
-                          seed=msg.seed if msg.HasField("seed") else None).validate(field)
+                          seed=msg.seed if msg.HasField("seed") else None)
 
 
 def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
@@ -206,7 +212,10 @@ def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.Gene
 
 
 def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
-    """The validated public request: InvalidArgument names the first bad field."""
-    return GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
-                             sampling=sampling_from_proto(msg.sampling), tree=tree_request_from_proto(msg.tree),
-                             stop=tuple(msg.stop), request_id=msg.request_id)
+    """The validated public request: InvalidArgument names the first bad field in
+    the order of ``specdec.params``' table (the request's own fields, its
+    sampling checked by ``GenerationRequest``, then its tree knobs)."""
+    request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
+                                sampling=unchecked_sampling(msg.sampling),
+                                stop=tuple(msg.stop), request_id=msg.request_id)
+    return replace(request, tree=tree_request_from_proto(msg.tree))

@@ -20,7 +20,7 @@ from typing import Callable
 
 from specdec import metrics, wire
 from specdec.engine_servicer import EngineServicer
-from specdec.params import SamplingParams, check_count, check_owner, check_session_id
+from specdec.params import SamplingParams, check_count, check_owner, check_session_id, check_token_ids
 from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
@@ -105,8 +105,11 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         params = wire.sampling_from_proto(request.sampling)
         max_new = check_count(request.max_new_tokens, "max_new_tokens", note="0 = no reservation")
         owner = check_owner(request.owner)
-        result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid,
-                                                  list(request.prompt_ids), params, max_new, request.resume)
+        # a resumed session's last token is the pending root: there is a prompt before it
+        prompt = check_token_ids(request.prompt_ids, self.engine.target.vocab_size, "prompt_ids",
+                                 min_count=2 if request.resume else 1)
+        result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
+                                                  max_new, request.resume)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds)
         if request.return_features:

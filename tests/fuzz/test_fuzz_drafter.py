@@ -20,12 +20,10 @@ from specdec.v1.drafter_pb2 import (DraftAheadRequest, DrafterCommitRequest, Dra
 
 PROMPT = [5, 17, 42, 8, 99, 3]
 commits = st.lists(token_ids, max_size=6)
-# INVALID_ARGUMENT that does not name the field (issue 18, part 2); found here:
+# INVALID_ARGUMENT names the field (issue 18, part 2); it once did not for
 # "token id -1 is outside the drafter vocabulary [0, 300)" (token_ids / commit_tokens),
 # "drafter prefill needs at least one token", "eagle drafter prefill needs at least 2 tokens ..." (token_ids).
-field_named = pytest.mark.parametrize("field_named", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="issue 18: the drafter's token checks "
-                                                      "say 'token id' / 'prefill', not token_ids / commit_tokens"))])
+field_named = pytest.mark.parametrize("field_named", [True])
 
 
 def features(targets, choice, rows: int) -> common_pb2.Tensor | None:

@@ -21,13 +21,10 @@ from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequ
                                      VerifierRollbackRequest, VerifyRequest)
 
 PROMPT = [5, 17, 42, 8, 99]
-# Prefill's INVALID_ARGUMENT does not always name the field (issue 18, part 2); found here:
+# Prefill's INVALID_ARGUMENT names the field (issue 18, part 2); it once did not for
 # "prompt id -1 is outside the vocabulary [0, 300)" and "prompt must not be empty" (prompt_ids),
 # "session 'fuzz-...' already exists" (session_id).
-field_named = pytest.mark.parametrize("field_named", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="issue 18: VerifierService.Prefill's "
-                                                      "INVALID_ARGUMENT says 'prompt' / 'session', not prompt_ids / "
-                                                      "session_id"))])
+field_named = pytest.mark.parametrize("field_named", [True])
 prompts = st.one_of(st.lists(token_ids, max_size=12), st.lists(token_ids, min_size=CONTEXT - 4, max_size=CONTEXT + 8))
 
 
