@@ -95,6 +95,13 @@ def check_count(value, field: str, low: int = 0, note: str = "") -> int:
     return value
 
 
+def check_max_new_tokens(value: int, limit: int) -> int:
+    """A request's max_new_tokens (already >= 0) within a server's limit."""
+    if value > limit:
+        raise InvalidArgument(f"max_new_tokens must be <= {limit}, got {value}")
+    return value
+
+
 def check_text(value, field: str, max_chars: int, *, empty_ok: bool = False, ascii_only: bool = False) -> str:
     """A string of at most ``max_chars`` characters (non-empty unless ``empty_ok``)."""
     if not isinstance(value, str):

@@ -25,7 +25,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidArgument
-from specdec.params import PROPOSALS, REQUEST_METHODS, GenerationRequest, SamplingParams, TreeParams, TreeRequest
+from specdec.params import (PROPOSALS, REQUEST_METHODS, GenerationRequest, SamplingParams, TreeParams, TreeRequest,
+                            check_max_new_tokens)
 from specdec.v1 import common_pb2, orchestrator_pb2
 
 if TYPE_CHECKING:
@@ -211,11 +212,15 @@ def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.Gene
                                             tree=tree_request_to_proto(req.tree), request_id=req.request_id)
 
 
-def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
+def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest,
+                                  max_new_tokens_limit: int | None = None) -> GenerationRequest:
     """The validated public request: InvalidArgument names the first bad field in
-    the order of ``specdec.params``' table (the request's own fields, its
-    sampling checked by ``GenerationRequest``, then its tree knobs)."""
-    request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
-                                sampling=unchecked_sampling(msg.sampling),
-                                stop=tuple(msg.stop), request_id=msg.request_id)
+    the order of ``specdec.params``' table (prompt, max_new_tokens, within the
+    server's ``max_new_tokens_limit`` when given, sampling, stop, request_id,
+    then the tree knobs)."""
+    request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens)
+    if max_new_tokens_limit is not None:
+        check_max_new_tokens(request.max_new_tokens, max_new_tokens_limit)
+    request = replace(request, sampling=unchecked_sampling(msg.sampling), stop=tuple(msg.stop),
+                      request_id=msg.request_id)
     return replace(request, tree=tree_request_from_proto(msg.tree))

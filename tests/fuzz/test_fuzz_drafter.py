@@ -13,10 +13,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fuzz_strategies import (answer_of, assert_documented, examples, feature_choices, int32s, sampling_params,
-                             session_choices, token_ids, tree_params)
+                             session_choices, texts, token_ids, tree_params)
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import (DraftAheadRequest, DrafterCommitRequest, DrafterGetInfoRequest,
-                                    DrafterPrefillRequest, DrafterReleaseRequest, DrafterRollbackRequest, DraftRequest)
+                                    DrafterPrefillRequest, DrafterReleaseRequest, DrafterRenewRequest,
+                                    DrafterRollbackRequest, DraftRequest)
 
 PROMPT = [5, 17, 42, 8, 99, 3]
 commits = st.lists(token_ids, max_size=6)
@@ -147,5 +148,18 @@ def test_release_and_get_info(targets, witness):
         release(targets, live)
         assert_documented(answer, request)
         assert_documented(answer_of(targets.drafter.GetInfo, DrafterGetInfoRequest()), DrafterGetInfoRequest())
+
+    run_fuzz(targets, witness, fuzz)
+
+
+def test_renew(targets, witness):
+    @examples(30)
+    @given(owner=st.one_of(texts, st.just("o" * 100_000)), choices=st.lists(session_choices, max_size=4))
+    def fuzz(owner, choices):
+        live = open_session(targets)
+        request = DrafterRenewRequest(owner=owner, session_ids=[resolve(c, live) for c in choices])
+        answer = answer_of(targets.drafter.Renew, request)
+        release(targets, live)
+        assert_documented(answer, request)
 
     run_fuzz(targets, witness, fuzz)
