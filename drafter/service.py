@@ -118,7 +118,8 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     def _commit_of(self, request) -> tuple[list[int], torch.Tensor | None]:
         """A Draft / DraftAhead request's commit: (tokens, their features or None)."""
-        tokens = check_token_ids(request.commit_tokens, self.drafter.vocab_size, "commit_tokens")
+        tokens = check_token_ids(request.commit_tokens, self.drafter.vocab_size, "commit_tokens",
+                                 vocabulary="drafter vocabulary")
         if not tokens:
             if request.commit_features.data or request.commit_features.shape:
                 raise InvalidArgument("commit_features given without commit_tokens")
@@ -152,7 +153,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         sid = check_session_id(request.session_id)
         # an EAGLE drafter's first input pairs a prompt token's feature with the token after it
         tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids",
-                                 min_count=2 if self.drafter.needs_features else 1)
+                                 min_count=2 if self.drafter.needs_features else 1, vocabulary="drafter vocabulary")
         feats = self._feature_tensor(request.features, "features", len(tokens) - 1)
         sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
         owner = check_owner(request.owner)
@@ -192,7 +193,8 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def Commit(self, request, context):
         self.check()
         sid = check_session_id(request.session_id)
-        tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids")
+        tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids",
+                                 vocabulary="drafter vocabulary")
         feats = self._feature_tensor(request.features, "features", len(tokens))
         await self.run(self.drafter.commit, sid, tokens, feats)
         return drafter_pb2.DrafterCommitResponse()

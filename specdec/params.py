@@ -135,8 +135,10 @@ def is_request_id(value) -> bool:
         return False
 
 
-def check_token_ids(tokens, vocab_size: int, field: str, min_count: int = 0) -> list[int]:
-    """Token ids in [0, ``vocab_size``), at least ``min_count`` of them."""
+def check_token_ids(tokens, vocab_size: int, field: str, min_count: int = 0,
+                    vocabulary: str = "vocabulary") -> list[int]:
+    """Token ids in [0, ``vocab_size``), at least ``min_count`` of them;
+    ``vocabulary`` names the vocabulary in the message."""
     tokens = list(tokens)
     if not tokens and min_count:
         raise InvalidArgument(f"{field} must not be empty")
@@ -144,7 +146,7 @@ def check_token_ids(tokens, vocab_size: int, field: str, min_count: int = 0) -> 
         raise InvalidArgument(f"{field} must hold at least {min_count} token ids, got {len(tokens)}")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidArgument(f"{field}: token id {bad} is outside the {vocabulary} [0, {vocab_size})")
     return tokens
 
 
@@ -198,7 +200,7 @@ class SamplingParams:
 def check_value_temperature(t, field: str, zero_ok: bool = False) -> None:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
             MIN_TEMPERATURE <= t < math.inf or (t == 0 and zero_ok)):
-        bound = f">= {MIN_TEMPERATURE:g}" + (" or 0 (the drafter's choice)" if zero_ok else "")
+        bound = f">= 0 (0 = the drafter's choice, else >= {MIN_TEMPERATURE:g})" if zero_ok else f">= {MIN_TEMPERATURE:g}"
         raise InvalidArgument(f"{field} must be {bound} and finite, got {t!r}")
 
 

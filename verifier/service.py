@@ -20,6 +20,7 @@ from typing import Callable
 
 from specdec import metrics, wire
 from specdec.engine_servicer import EngineServicer
+from specdec.errors import InvalidArgument
 from specdec.params import SamplingParams, check_count, check_owner, check_session_id, check_token_ids
 from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
@@ -105,9 +106,10 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         params = wire.sampling_from_proto(request.sampling)
         max_new = check_count(request.max_new_tokens, "max_new_tokens", note="0 = no reservation")
         owner = check_owner(request.owner)
-        # a resumed session's last token is the pending root: there is a prompt before it
-        prompt = check_token_ids(request.prompt_ids, self.engine.target.vocab_size, "prompt_ids",
-                                 min_count=2 if request.resume else 1)
+        prompt = check_token_ids(request.prompt_ids, self.engine.target.vocab_size, "prompt_ids", min_count=1)
+        if request.resume and len(prompt) < 2:    # the last token is the pending root: a prompt comes before it
+            raise InvalidArgument(f"prompt_ids: resuming a session needs at least two committed tokens, "
+                                  f"got {len(prompt)}")
         result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
                                                   max_new, request.resume)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
