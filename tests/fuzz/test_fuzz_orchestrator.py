@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import re
 
-import pytest
 from hypothesis import example, given
 
 from fuzz_strategies import answer_of, assert_documented, examples, generate_requests, public_violation
