@@ -31,7 +31,7 @@ from typing import Callable
 
 from specdec import metrics
 from specdec.errors import InvalidArgument, Unavailable
-from specdec.params import MAX_LEASED_SESSIONS, check_owner, check_session_id
+from specdec.params import MAX_LEASED_SESSIONS, check_owner, check_session_id, shown
 from specdec.server import Lifecycle
 from specdec.sessions import DEFAULT_LEASE_S
 
@@ -104,7 +104,7 @@ class EngineServicer:
             raise
         if rpc_ended(context):
             await self.run(self.release_session, sid, shield=True)
-            raise TimeoutError(f"the request ended while session {sid[:64]!r} was opening; it was released")
+            raise TimeoutError(f"the request ended while session {shown(sid)} was opening; it was released")
         return result
 
     def _open(self, sid: str, owner: str, fn: Callable, args: tuple):

@@ -182,8 +182,8 @@ class SamplingParams:
         # Written as negated range checks so that NaN fails them too.
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
-            raise InvalidArgument(f"{prefixed(field, 'temperature')} must be 0 (greedy) or finite and "
-                                  f">= {MIN_TEMPERATURE:g}, got {t!r}")
+            raise InvalidArgument(f"{prefixed(field, 'temperature')} must be >= 0 and finite (0 = greedy, else "
+                                  f">= {MIN_TEMPERATURE:g}), got {t!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument(f"{prefixed(field, 'top_p')} must be in (0, 1], got {self.top_p!r}")
         check_count(self.top_k, prefixed(field, "top_k"), note="0 = off")

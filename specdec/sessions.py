@@ -9,7 +9,9 @@ owner's ``renew`` (the Renew RPC, about once a second): a session whose lease
 lapsed belongs to an orchestrator that is gone and is evicted like an idle
 one, seconds after the owner died instead of after the idle TTL. A session
 without an owner (tools and tests calling the backends directly) has no
-lease and lives until it is released or idle for ``ttl_s``.
+lease and lives until it is released or idle for ``ttl_s``; an owned one is
+kept as long as its owner renews it (the owner releases it when its request
+ends), whatever the idle TTL.
 """
 
 from __future__ import annotations
