@@ -30,7 +30,8 @@ import torch
 from specdec import kv, metrics, tensor_wire, wire
 from specdec.errors import InvalidArgument
 from specdec.engine_servicer import EngineServicer
-from specdec.params import TreeParams, check_count, check_session_id
+from specdec.params import TreeParams, check_count, check_owner, check_session_id, check_token_ids
+from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
@@ -47,6 +48,7 @@ class DrafterServiceConfig:
     batch_window_ms: float = 0.0       # >0: draft concurrent sessions' trees in shared forwards
     max_batch: int = 16
     solo_threads: int = 0              # >0: torch threads while at most one session is open
+    lease_s: float = DEFAULT_LEASE_S   # an orchestrator's session outlives its last lease renewal this long
 
     def __post_init__(self):
         if not self.batch_window_ms >= 0 or isinstance(self.max_batch, bool) or not self.max_batch >= 1:
@@ -60,7 +62,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     role = "drafter"
 
     def __init__(self, config: DrafterServiceConfig = DrafterServiceConfig()):
-        super().__init__(config.solo_threads)
+        super().__init__(config.solo_threads, config.lease_s)
         self.config = config
         self.drafter = None                # drafter.base.Drafter, once loaded
         self.scheduler = None              # drafter.batch.DraftScheduler when batching is on
@@ -116,7 +118,8 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
 
     def _commit_of(self, request) -> tuple[list[int], torch.Tensor | None]:
         """A Draft / DraftAhead request's commit: (tokens, their features or None)."""
-        tokens = list(request.commit_tokens)
+        tokens = check_token_ids(request.commit_tokens, self.drafter.vocab_size, "commit_tokens",
+                                 vocabulary="drafter vocabulary")
         if not tokens:
             if request.commit_features.data or request.commit_features.shape:
                 raise InvalidArgument("commit_features given without commit_tokens")
@@ -148,11 +151,14 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def Prefill(self, request, context):
         self.check(opens_session=True)
         sid = check_session_id(request.session_id)
-        tokens = list(request.token_ids)
-        feats = self._feature_tensor(request.features, "features", max(len(tokens) - 1, 0))
+        # an EAGLE drafter's first input pairs a prompt token's feature with the token after it
+        tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids",
+                                 min_count=2 if self.drafter.needs_features else 1, vocabulary="drafter vocabulary")
+        feats = self._feature_tensor(request.features, "features", len(tokens) - 1)
         sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
-        _, seconds = await self.run(self._evict_then, self.drafter.prefill, sid, tokens, feats, request.greedy,
-                                    sampling, opening=True)
+        owner = check_owner(request.owner)
+        _, seconds = await self.open_session(context, sid, owner, self.drafter.prefill, sid, tokens, feats,
+                                             request.greedy, sampling)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         return drafter_pb2.DrafterPrefillResponse()
 
@@ -187,7 +193,8 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     async def Commit(self, request, context):
         self.check()
         sid = check_session_id(request.session_id)
-        tokens = list(request.token_ids)
+        tokens = check_token_ids(request.token_ids, self.drafter.vocab_size, "token_ids",
+                                 vocabulary="drafter vocabulary")
         feats = self._feature_tensor(request.features, "features", len(tokens))
         await self.run(self.drafter.commit, sid, tokens, feats)
         return drafter_pb2.DrafterCommitResponse()
@@ -201,6 +208,13 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         self.check()
         released, _ = await self.run(self.drafter.release, check_session_id(request.session_id), shield=True)
         return drafter_pb2.DrafterReleaseResponse(released=released)
+
+    async def Renew(self, request, context):
+        renewed = self.renew(request.owner, request.session_ids)
+        return drafter_pb2.DrafterRenewResponse(renewed=renewed, lease_s=self.lease_s)
+
+    def release_session(self, sid: str) -> bool:
+        return self.drafter.release(sid)
 
     async def GetInfo(self, request, context):
         self.check()

@@ -4,7 +4,12 @@ to, its calls under the request's deadline, and its release.
 Transport time: each call's wall time minus the compute its response reports
 (all of it for a call that failed) adds to the handle's ``network_s``, which
 the speculative loop books as network; the rest is the backend's compute.
-A session is released, once, on the endpoint that holds it and on every
+A session is held on an endpoint from the moment a Prefill is sent there,
+whatever becomes of that call: a backend runs its engine calls in order and
+cannot stop one that started, so a Prefill still in flight when the request
+ends (client deadline, cancel) lands before the Release that follows it. A
+held session is under this orchestrator's lease (``orchestrator.lease``)
+until it is released, once, on the endpoint that holds it and on every
 endpoint it was moved away from (a lost backend may still hold it).
 """
 
@@ -17,6 +22,7 @@ from abc import ABC, abstractmethod
 
 import grpc
 
+from orchestrator.lease import Leases
 from orchestrator.routing import PROBE_TIMEOUT_S, Endpoint, Pool
 from specdec.errors import SpecdecError
 
@@ -58,11 +64,13 @@ class Backend(ABC):
 
     role: str                                   # "verifier" | "drafter"
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
         self.pool = pool
         self.session_id = session_id
         self.deadline = deadline
+        self.leases = leases
         self.endpoint: Endpoint | None = None
+        self.sent_prefill = False               # to the pinned endpoint: it may hold the session
         self.moves = 0
         self.excluded: set[str] = set()
         self.abandoned: list[Endpoint] = []     # may still hold the session
@@ -77,6 +85,9 @@ class Backend(ABC):
     async def call(self, name: str, request, account: bool = True):
         """One call to the pinned endpoint; ``account``: its transport time goes
         to ``network_s`` (a call that runs beside another is accounted by the caller)."""
+        if name == "Prefill":
+            self.sent_prefill = True
+            self.leases.hold(self.endpoint, self.session_id)
         start = time.perf_counter()
         try:
             response = await getattr(self.endpoint.stub, name)(request, timeout=self.deadline.remaining())
@@ -92,6 +103,7 @@ class Backend(ABC):
     def unpin(self, exc: BackendError) -> None:
         """Stop using the pinned endpoint for this session after ``exc``."""
         endpoint, self.endpoint = self.endpoint, None
+        self.sent_prefill = False
         self.pool.unpin(endpoint)
         if exc.status == grpc.StatusCode.UNAVAILABLE:
             self.pool.failed(endpoint, str(exc))
@@ -100,10 +112,8 @@ class Backend(ABC):
             self.excluded.add(endpoint.address)
         if exc.status not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED):
             self.abandoned.append(endpoint)
-
-    @property
-    def holds_session(self) -> bool:
-        return True
+        else:                                   # it holds nothing (refused, or forgot the session)
+            self.leases.drop(endpoint, self.session_id)
 
     @abstractmethod
     def release_request(self):
@@ -117,15 +127,17 @@ class Backend(ABC):
         current = []
         if self.endpoint is not None:
             self.pool.unpin(self.endpoint)
-            if self.holds_session:
+            if self.sent_prefill:
                 current.append(self.endpoint)
 
         async def release(endpoint: Endpoint) -> None:
             try:
                 await endpoint.stub.Release(self.release_request(), timeout=RELEASE_TIMEOUT_S)
             except Exception as exc:      # a lost backend's failure is expected, the others' worth a line
-                if endpoint in current:
+                if endpoint in current:   # (its lease lapses there in seconds)
                     log.warning("release failed", extra={"session": self.session_id, "backend": endpoint.address,
                                                          "error": str(exc)})
+            finally:
+                self.leases.drop(endpoint, self.session_id)
 
         await asyncio.gather(*(release(e) for e in current + self.abandoned))

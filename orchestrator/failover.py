@@ -45,6 +45,7 @@ import grpc
 from prometheus_client import Counter
 
 from orchestrator.backend import Backend, BackendError, Deadline
+from orchestrator.lease import Leases
 from orchestrator.routing import Pool
 from specdec import wire
 from specdec.errors import ResourceExhausted, Unavailable
@@ -129,9 +130,9 @@ class RemoteVerifier(Backend):
 
     role = "verifier"
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
-        super().__init__(pool, session_id, deadline)
-        self.opened = False                      # the pinned verifier holds the session
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
+        super().__init__(pool, session_id, deadline, leases)
+        self.opened = False                      # the pinned verifier answered the session's Prefill
         self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
         self.committed: list[int] = []           # prompt + every token committed
         self.prompt_len = 0
@@ -141,10 +142,6 @@ class RemoteVerifier(Backend):
     @property
     def sessions(self) -> int:
         return self.endpoint.sessions if self.endpoint is not None else 1
-
-    @property
-    def holds_session(self) -> bool:
-        return self.opened
 
     async def pin(self) -> None:
         """Pin the least loaded verifier; none free: ResourceExhausted, none reachable: Unavailable."""
@@ -156,7 +153,7 @@ class RemoteVerifier(Backend):
         self.prompt_len, self.max_new_tokens = len(prompt), max_new_tokens
         first = await self.on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling, max_new_tokens=max_new_tokens,
-            return_features=features))
+            return_features=features, owner=self.leases.owner))
         self.opened = True
         self.committed = [*prompt, first.token]
         return Committed([first.token], [], first.features)
@@ -188,7 +185,7 @@ class RemoteVerifier(Backend):
         remaining = self.max_new_tokens - (len(self.committed) - self.prompt_len)
         request = verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=self.committed, sampling=self.sampling,
-            max_new_tokens=max(remaining, 0), resume=True)
+            max_new_tokens=max(remaining, 0), resume=True, owner=self.leases.owner)
         while True:
             try:
                 await self.call("Prefill", request)
@@ -230,8 +227,8 @@ class RemoteDrafter(Backend):
 
     role = "drafter"
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline):
-        super().__init__(pool, session_id, deadline)
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
+        super().__init__(pool, session_id, deadline, leases)
         self.features: FeatureLog | None = None   # every feature row, kept while an EAGLE drafter may need them
         self.committed: list[int] = []            # every token this handle was given
         self.sampling = common_pb2.SamplingParams()
@@ -349,7 +346,7 @@ class RemoteDrafter(Backend):
             request = drafter_pb2.DrafterPrefillRequest(
                 session_id=self.session_id, token_ids=self.committed,
                 features=self.features.tensor() if self.endpoint.info.needs_features else None,
-                greedy=self.sampling.temperature <= 0.0, sampling=self.sampling)
+                greedy=self.sampling.temperature <= 0.0, sampling=self.sampling, owner=self.leases.owner)
             try:
                 await self.call("Prefill", request)
             except BackendError as exc:
@@ -383,7 +380,7 @@ class RemoteDrafter(Backend):
         if self.endpoint is not None:
             self.pool.unpin(self.endpoint)
             self.abandoned.append(self.endpoint)
-            self.endpoint = None
+            self.endpoint, self.sent_prefill = None, False
         self.fall_back(reason, error)
 
     def fall_back(self, reason: str, error: str) -> None:

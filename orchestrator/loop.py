@@ -68,8 +68,9 @@ class Generation:
         self.gate_by_kind = gate_by_kind    # the gate's min_tau follows the first pinned drafter's kind
         self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
-        self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline)
-        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline) if job.tree is not None
+        self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases)
+        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases)
+                               if job.tree is not None
                                else None)
         self.emit: Callable[[Delta], Awaitable[None]] | None = None
         self.first_token_seen = False

@@ -40,6 +40,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.lease import Leases
 from specdec.errors import ResourceExhausted, Unavailable
 from specdec.server import ClientTls, open_channel
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -341,6 +342,7 @@ class Router:
         self.resolve_interval_s = resolve_interval_s
         self.probe_interval_s = probe_interval_s
         self.vocab_size: int | None = None   # the first verifier's; every backend must agree
+        self.leases = Leases()               # the sessions this orchestrator holds, renewed on every backend
         self._task: asyncio.Task | None = None
 
     @property
@@ -369,6 +371,7 @@ class Router:
         """Keep resolving and probing in the background until ``aclose``."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+        self.leases.start()
 
     async def _run(self) -> None:
         next_resolve = 0.0
@@ -384,6 +387,7 @@ class Router:
             await asyncio.sleep(min(self.probe_interval_s, max(0.0, next_resolve - time.monotonic())))
 
     async def aclose(self) -> None:
+        await self.leases.aclose()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -191,7 +191,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.active += 1
         self.stats.update(self.active)
         try:
-            request = wire.generation_request_from_proto(msg)
+            request = wire.generation_request_from_proto(msg, self.config.max_new_tokens_limit)
             if request.request_id:
                 request_id_var.set(request.request_id)
             if self.verifier_info is None:

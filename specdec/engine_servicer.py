@@ -10,6 +10,14 @@ compute at once and oversubscribed OpenMP threads stall each other. With at
 most one session open the two services alternate (draft, verify, draft, ...),
 so an engine call may then use all the cores; the servicer switches torch's
 thread count on its worker thread before each call.
+
+Opening a session (``open_session``) leaves nothing behind however the RPC
+ends: the engine call cannot be stopped once it started, so when the RPC is
+cancelled or its deadline passes while it runs, the session it opens is
+released as soon as it lands. A session opened with an owner is put under
+that owner's lease (``specdec.sessions``), renewed by ``renew`` (the Renew
+RPC); the sweep evicts lapsed leases as well as idle sessions, at least every
+quarter of a lease.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ import asyncio
 import contextvars
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from specdec import metrics
-from specdec.errors import Unavailable
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.params import MAX_LEASED_SESSIONS, check_owner, check_session_id, shown
 from specdec.server import Lifecycle
+from specdec.sessions import DEFAULT_LEASE_S
 
 log = logging.getLogger("specdec.server")
 
@@ -37,15 +47,18 @@ class EngineServicer:
     started runs to completion, so a cancelled RPC never leaves a session half
     updated. Idle sessions are evicted by a periodic sweep on the same thread.
     Subclasses set ``role`` and ``self.sessions`` (a SessionTable) when loaded,
-    and may override ``_kv_bytes``.
+    implement ``release_session`` and may override ``_kv_bytes``.
     """
 
     role = "engine"
 
-    def __init__(self, solo_threads: int = 0) -> None:
+    def __init__(self, solo_threads: int = 0, lease_s: float = DEFAULT_LEASE_S) -> None:
         if solo_threads < 0:
             raise ValueError(f"solo threads must be >= 0, got {solo_threads}")
+        if not lease_s > 0:
+            raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
         self.solo_threads = solo_threads    # torch threads while at most one session is open (0: unchanged)
+        self.lease_s = lease_s              # an owned session outlives its owner's last renewal by this much
         self._shared_threads: int | None = None   # torch threads otherwise: the worker's setting at start
         self.lifecycle = Lifecycle()
         self.lifecycle.busy = lambda: self.stats.active > 0
@@ -71,6 +84,55 @@ class EngineServicer:
         future = asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, self._timed, fn, args,
                                                             opening)
         return await (asyncio.shield(future) if shield else future)
+
+    def release_session(self, sid: str) -> bool:
+        """On the worker thread: free session ``sid``; whether it was open."""
+        raise NotImplementedError
+
+    async def open_session(self, context, sid: str, owner: str, fn: Callable, *args):
+        """``fn(*args)``, which opens session ``sid``, on the worker thread ->
+        (result, seconds it ran); the session goes under ``owner``'s lease ("":
+        none). An RPC that ends while the call is queued skips it; one that ends
+        while it runs gets the session released when it lands."""
+        ctx = contextvars.copy_context()
+        job = self._executor.submit(ctx.run, self._timed, self._open, (sid, owner, fn, args), True)
+        try:
+            result = await asyncio.shield(asyncio.wrap_future(job))
+        except asyncio.CancelledError:
+            if not job.cancel():
+                job.add_done_callback(lambda done: self._release_landed(sid, done))
+            raise
+        if rpc_ended(context):
+            await self.run(self.release_session, sid, shield=True)
+            raise TimeoutError(f"the request ended while session {shown(sid)} was opening; it was released")
+        return result
+
+    def _open(self, sid: str, owner: str, fn: Callable, args: tuple):
+        result = self._evict_then(fn, *args)
+        self.sessions.lease(sid, owner)
+        return result
+
+    def _release_landed(self, sid: str, job: Future) -> None:
+        """``job`` opened ``sid`` for an RPC that has ended: release it on the worker thread."""
+        if job.cancelled() or job.exception() is not None:
+            return
+        try:
+            self._executor.submit(self.release_session, sid)
+        except RuntimeError:                    # shut down: the sessions go with the process
+            return
+        log.info("released a session opened after its request ended", extra={"role": self.role, "session": sid})
+
+    def renew(self, owner: str, session_ids) -> int:
+        """The Renew RPC: renew ``owner``'s lease on ``session_ids`` -> how many it holds here.
+        Runs on the event loop, never queued behind an engine call."""
+        self.check()
+        owner = check_owner(owner)
+        if not owner:
+            raise InvalidArgument("owner must not be empty")
+        if len(session_ids) > MAX_LEASED_SESSIONS:
+            raise InvalidArgument(f"session_ids: at most {MAX_LEASED_SESSIONS} per call, got {len(session_ids)}")
+        ids = [check_session_id(sid, f"session_ids[{i}]") for i, sid in enumerate(session_ids)]
+        return self.sessions.renew(owner, ids)
 
     def _timed(self, fn: Callable, args: tuple, opening: bool = False):
         if self.solo_threads:
@@ -101,8 +163,10 @@ class EngineServicer:
         return 0
 
     def start_sweeper(self, ttl_s: float | None = None) -> None:
+        self.sessions.lease_s = self.lease_s
         ttl = self.sessions.ttl_s if ttl_s is None else ttl_s
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(min(max(ttl / 4, 0.02), 30.0)))
+        every_s = min(max(min(ttl, self.lease_s) / 4, 0.02), 30.0)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(every_s))
 
     def _evict(self) -> list[str]:
         return self.sessions.evict_idle()
@@ -138,4 +202,12 @@ class EngineServicer:
         self.stats.close()
 
 
-# -- the interceptor -------------------------------------------------------------------------
+
+def rpc_ended(context) -> bool:
+    """Whether the RPC behind ``context`` was cancelled or ran past its deadline."""
+    if context is None:
+        return False
+    if context.cancelled():
+        return True
+    left = context.time_remaining()
+    return left is not None and left <= 0

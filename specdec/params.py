@@ -9,14 +9,15 @@ client writes it (``sampling.top_p must be in (0, 1], got 1.5``).
 Bounds, field by field (a request's 0 / "" / unset leaves a knob to the server):
 
 ==========================  ====================================================
-sampling.temperature        finite, >= 0 (0 = greedy)
+sampling.temperature        0 (greedy) or finite and >= ``MIN_TEMPERATURE``
 sampling.top_k              integer >= 0 (0 = off)
 sampling.top_p              in (0, 1] (on the wire 0 = unset = 1)
 sampling.seed               integer in [0, 2**64), or unset (the server draws one)
 tree.method                 one of ``METHODS``; a request may also say "vanilla"
 tree.total_tokens, depth,   integer >= 1 (a request: >= 0, 0 = server default;
 tree.expand_k               larger values are clamped to the drafter's limits)
-tree.value_temperature      finite, > 0 (a request: >= 0, 0 = the drafter's choice)
+tree.value_temperature      finite, >= ``MIN_TEMPERATURE`` (a request: also 0 = the
+                            drafter's choice)
 tree.proposals              one of ``PROPOSALS``
 tree.static_shape           rank paths, each after its parent (``tree_shapes``)
 prompt                      1 to ``MAX_PROMPT_CHARS`` characters (the model's
@@ -25,9 +26,18 @@ max_new_tokens              integer >= 0 (0 = server default; the server's limit
 stop                        at most ``MAX_STOP_STRINGS`` strings of 1 to
                             ``MAX_STOP_CHARS`` characters
 request_id                  at most ``MAX_ID_CHARS`` printable ASCII characters
+                            (it travels as gRPC metadata)
 session_id (internal)       1 to ``MAX_ID_CHARS`` characters
+owner (internal)            at most ``MAX_ID_CHARS`` characters ("" = no lease)
+session_ids (Renew)         at most ``MAX_LEASED_SESSIONS`` session ids
 counts (internal)           integers >= 0 (rollback lengths, DraftAhead count...)
+token ids (internal)        in [0, vocabulary size): prompt_ids, token_ids,
+                            commit_tokens (a Prefill needs at least one; an
+                            EAGLE drafter's, two)
 ==========================  ====================================================
+
+An error message never echoes more than ``MAX_SHOWN_CHARS`` of a client's
+value (``shown``): status details travel in size-limited metadata.
 """
 
 from __future__ import annotations
@@ -57,9 +67,22 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_ID_CHARS = 128             # request and session ids (they travel in metadata and logs)
 MAX_SEED = 2**64 - 1           # the wire's uint64; torch generators take the whole range
+# Below this a temperature is refused rather than sampled: logits divided by a
+# subnormal temperature overflow to inf and the probabilities become NaN. At
+# 1e-6 logits would need a magnitude of 1e32 to overflow; sampling that cold
+# is argmax in all but name (use 0).
+MIN_TEMPERATURE = 1e-6
+MAX_SHOWN_CHARS = 64           # of a client's value echoed in an error message
+MAX_LEASED_SESSIONS = 4096     # session ids one Renew may list (past any backend's session cap)
 
 
 # -- field checks ------------------------------------------------------------------------------
+def shown(value) -> str:
+    """``repr(value)``, cut to ``MAX_SHOWN_CHARS`` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -68,7 +91,14 @@ def check_count(value, field: str, low: int = 0, note: str = "") -> int:
     """An integer >= ``low``; ``note`` says what a special value means (e.g. "0 = server default")."""
     if not is_int(value) or value < low:
         bound = f">= {low} ({note})" if note and is_int(value) else f"an integer >= {low}"
-        raise InvalidArgument(f"{field} must be {bound}, got {value!r}")
+        raise InvalidArgument(f"{field} must be {bound}, got {shown(value)}")
+    return value
+
+
+def check_max_new_tokens(value: int, limit: int) -> int:
+    """A request's max_new_tokens (already >= 0) within a server's limit."""
+    if value > limit:
+        raise InvalidArgument(f"max_new_tokens must be <= {limit}, got {value}")
     return value
 
 
@@ -89,6 +119,10 @@ def check_session_id(value, field: str = "session_id") -> str:
     return check_text(value, field, MAX_ID_CHARS)
 
 
+def check_owner(value, field: str = "owner") -> str:
+    return check_text(value, field, MAX_ID_CHARS, empty_ok=True)
+
+
 def check_request_id(value, field: str = "request_id") -> str:
     return check_text(value, field, MAX_ID_CHARS, empty_ok=True, ascii_only=True)
 
@@ -99,6 +133,21 @@ def is_request_id(value) -> bool:
         return bool(check_request_id(value))
     except InvalidArgument:
         return False
+
+
+def check_token_ids(tokens, vocab_size: int, field: str, min_count: int = 0,
+                    vocabulary: str = "vocabulary") -> list[int]:
+    """Token ids in [0, ``vocab_size``), at least ``min_count`` of them;
+    ``vocabulary`` names the vocabulary in the message."""
+    tokens = list(tokens)
+    if not tokens and min_count:
+        raise InvalidArgument(f"{field} must not be empty")
+    if len(tokens) < min_count:
+        raise InvalidArgument(f"{field} must hold at least {min_count} token ids, got {len(tokens)}")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field}: token id {bad} is outside the {vocabulary} [0, {vocab_size})")
+    return tokens
 
 
 def check_stop_strings(stop, field: str = "stop") -> tuple[str, ...]:
@@ -112,7 +161,7 @@ def check_stop_strings(stop, field: str = "stop") -> tuple[str, ...]:
 
 def check_choice(value, choices: tuple[str, ...], field: str) -> str:
     if value not in choices:
-        raise InvalidArgument(f"{field} must be one of {', '.join(choices)}, got {value!r}")
+        raise InvalidArgument(f"{field} must be one of {', '.join(choices)}, got {shown(value)}")
     return value
 
 
@@ -132,8 +181,9 @@ class SamplingParams:
         """Raise InvalidArgument naming ``field``.<name> unless every value is in bounds."""
         # Written as negated range checks so that NaN fails them too.
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t >= 0.0) or math.isinf(t):
-            raise InvalidArgument(f"{prefixed(field, 'temperature')} must be >= 0 and finite, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise InvalidArgument(f"{prefixed(field, 'temperature')} must be >= 0 and finite (0 = greedy, else "
+                                  f">= {MIN_TEMPERATURE:g}), got {t!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument(f"{prefixed(field, 'top_p')} must be in (0, 1], got {self.top_p!r}")
         check_count(self.top_k, prefixed(field, "top_k"), note="0 = off")
@@ -148,8 +198,9 @@ class SamplingParams:
 
 # -- tree knobs --------------------------------------------------------------------------------
 def check_value_temperature(t, field: str, zero_ok: bool = False) -> None:
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 <= t < math.inf) or (t == 0 and not zero_ok):
-        bound = ">= 0 (0 = the drafter's choice)" if zero_ok else "> 0"
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+            MIN_TEMPERATURE <= t < math.inf or (t == 0 and zero_ok)):
+        bound = f">= 0 (0 = the drafter's choice, else >= {MIN_TEMPERATURE:g})" if zero_ok else f">= {MIN_TEMPERATURE:g}"
         raise InvalidArgument(f"{field} must be {bound} and finite, got {t!r}")
 
 

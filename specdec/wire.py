@@ -19,8 +19,11 @@ draft trees convert in ``specdec.tensor_wire`` (drafter, verifier, local runs).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
+
 from specdec.errors import InvalidArgument
-from specdec.params import PROPOSALS, REQUEST_METHODS, GenerationRequest, SamplingParams, TreeParams, TreeRequest
+from specdec.params import (PROPOSALS, REQUEST_METHODS, GenerationRequest, SamplingParams, TreeParams, TreeRequest,
+                            check_max_new_tokens)
 from specdec.v1 import common_pb2, orchestrator_pb2
 
 def _enum_suffix(name: str) -> str:
@@ -53,8 +56,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Validated SamplingParams; top_p 0 (unset) reads as 1, an unset seed as None."""
+    return unchecked_sampling(msg).validate(field)
+
+
+def unchecked_sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams as the message says, for a caller that validates them in its own order."""
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
-                          seed=msg.seed if msg.HasField("seed") else None).validate(field)
+                          seed=msg.seed if msg.HasField("seed") else None)
 
 
 def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
@@ -109,8 +117,15 @@ def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.Gene
                                             tree=tree_request_to_proto(req.tree), request_id=req.request_id)
 
 
-def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
-    """The validated public request: InvalidArgument names the first bad field."""
-    return GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
-                             sampling=sampling_from_proto(msg.sampling), tree=tree_request_from_proto(msg.tree),
-                             stop=tuple(msg.stop), request_id=msg.request_id)
+def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest,
+                                  max_new_tokens_limit: int | None = None) -> GenerationRequest:
+    """The validated public request: InvalidArgument names the first bad field in
+    the order of ``specdec.params``' table (prompt, max_new_tokens, within the
+    server's ``max_new_tokens_limit`` when given, sampling, stop, request_id,
+    then the tree knobs)."""
+    request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens)
+    if max_new_tokens_limit is not None:
+        check_max_new_tokens(request.max_new_tokens, max_new_tokens_limit)
+    request = replace(request, sampling=unchecked_sampling(msg.sampling), stop=tuple(msg.stop),
+                      request_id=msg.request_id)
+    return replace(request, tree=tree_request_from_proto(msg.tree))

@@ -20,7 +20,9 @@ from typing import Callable
 
 from specdec import metrics, tensor_wire, wire
 from specdec.engine_servicer import EngineServicer
-from specdec.params import SamplingParams, check_count, check_session_id
+from specdec.errors import InvalidArgument
+from specdec.params import SamplingParams, check_count, check_owner, check_session_id, check_token_ids
+from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -36,6 +38,7 @@ class VerifierServiceConfig:
     batch_window_ms: float = 0.0       # >0: verify concurrent sessions' trees in one forward
     max_batch: int = 16
     solo_threads: int = 0              # >0: torch threads while at most one session is open
+    lease_s: float = DEFAULT_LEASE_S   # an orchestrator's session outlives its last lease renewal this long
 
     def __post_init__(self):
         if self.feature_dtype not in ("float32", "float16"):
@@ -46,7 +49,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     role = "verifier"
 
     def __init__(self, config: VerifierServiceConfig = VerifierServiceConfig()):
-        super().__init__(config.solo_threads)
+        super().__init__(config.solo_threads, config.lease_s)
         self.config = config
         self.engine = None                 # VerifierEngine, once loaded
         self.scheduler = None              # BatchScheduler when batching is on
@@ -102,8 +105,13 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         sid = check_session_id(request.session_id)
         params = wire.sampling_from_proto(request.sampling)
         max_new = check_count(request.max_new_tokens, "max_new_tokens", note="0 = no reservation")
-        result, seconds = await self.run(self._evict_then, self.engine.prefill, sid, list(request.prompt_ids),
-                                         params, max_new, request.resume, opening=True)
+        owner = check_owner(request.owner)
+        prompt = check_token_ids(request.prompt_ids, self.engine.target.vocab_size, "prompt_ids", min_count=1)
+        if request.resume and len(prompt) < 2:    # the last token is the pending root: a prompt comes before it
+            raise InvalidArgument(f"prompt_ids: resuming a session needs at least two committed tokens, "
+                                  f"got {len(prompt)}")
+        result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
+                                                  max_new, request.resume)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds)
         if request.return_features:
@@ -135,6 +143,13 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         # shielded: a client that gives up on Release still gets the memory freed
         released, _ = await self.run(self.engine.release, check_session_id(request.session_id), shield=True)
         return verifier_pb2.VerifierReleaseResponse(released=released)
+
+    async def Renew(self, request, context):
+        renewed = self.renew(request.owner, request.session_ids)
+        return verifier_pb2.VerifierRenewResponse(renewed=renewed, lease_s=self.lease_s)
+
+    def release_session(self, sid: str) -> bool:
+        return self.engine.release(sid)
 
     async def GetInfo(self, request, context):
         self.check()

@@ -26,6 +26,7 @@ from specdec.errors import UsageError
 from specdec.models import ATTN_IMPLEMENTATIONS
 from specdec.params import METHODS, PROPOSALS, TreeParams
 from specdec.server import ServerConfig
+from specdec.sessions import DEFAULT_LEASE_S
 
 VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
 DRAFTER_PORTS = (50053, 9453)
@@ -78,6 +79,9 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sessions")
     g.add_argument("--max-sessions", type=int, default=64, help="open sessions at most (RESOURCE_EXHAUSTED past it)")
     g.add_argument("--session-ttl", type=float, default=600.0, help="evict a session idle this many seconds")
+    g.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S,
+                   help="evict an orchestrator's session this many seconds after its lease was last renewed "
+                        f"(the orchestrator renews every second; default {DEFAULT_LEASE_S:g})")
 
 
     g.add_argument("--solo-threads", type=int, default=env("SPECDEC_SOLO_THREADS", 0),
@@ -92,6 +96,8 @@ def _check_sessions(args) -> None:
         raise UsageError(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if not args.session_ttl > 0:
         raise UsageError(f"--session-ttl must be > 0, got {args.session_ttl}")
+    if not args.lease_s > 0:
+        raise UsageError(f"--lease-s must be > 0, got {args.lease_s}")
     if args.solo_threads < 0:
         raise UsageError(f"--solo-threads must be >= 0, got {args.solo_threads}")
 
@@ -188,7 +194,8 @@ def run_verifier(args) -> int:
         raise UsageError("--solo-threads needs --tp 1 (tensor-parallel ranks keep their own threads)")
     servicer = VerifierService(VerifierServiceConfig(feature_dtype=args.feature_dtype,
                                                      batch_window_ms=args.batch_window_ms,
-                                                     max_batch=args.max_batch, solo_threads=args.solo_threads))
+                                                     max_batch=args.max_batch, solo_threads=args.solo_threads,
+                                                     lease_s=args.lease_s))
 
     def build():
         from verifier.engine import TargetModel, VerifierEngine
@@ -258,5 +265,5 @@ def run_drafter(args) -> int:
 
     servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits,
                                                    batch_window_ms=args.batch_window_ms, max_batch=args.max_batch,
-                                                   solo_threads=args.solo_threads))
+                                                   solo_threads=args.solo_threads, lease_s=args.lease_s))
     return _serve(cfg, servicer, "drafter", build, args)

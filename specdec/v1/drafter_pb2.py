@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xa2\x01\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\"\x18\n\x16\x44rafterPrefillResponse\"\x9b\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x61head\x18\x05 \x01(\x08\"G\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xb5\x01\n\x11\x44raftAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x63ount\x18\x05 \x01(\x05\x12\x13\n\x0btokens_left\x18\x06 \x01(\x05\"G\n\tAheadTree\x12\x15\n\rcommit_tokens\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"M\n\x12\x44raftAheadResponse\x12$\n\x05trees\x18\x01 \x03(\x0b\x32\x15.specdec.v1.AheadTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"c\n\x14\x44rafterCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x17\n\x15\x44rafterCommitResponse\"<\n\x16\x44rafterRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x19\n\x17\x44rafterRollbackResponse\"+\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16\x44rafterReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15\x44rafterGetInfoRequest\"\xc1\x01\n\x16\x44rafterGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0eneeds_features\x18\x02 \x01(\x08\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12(\n\x08max_tree\x18\x06 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x14\n\x0c\x64rafts_ahead\x18\x07 \x01(\x08\x32\xb5\x04\n\x0e\x44rafterService\x12P\n\x07Prefill\x12!.specdec.v1.DrafterPrefillRequest\x1a\".specdec.v1.DrafterPrefillResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nDraftAhead\x12\x1d.specdec.v1.DraftAheadRequest\x1a\x1e.specdec.v1.DraftAheadResponse\x12M\n\x06\x43ommit\x12 .specdec.v1.DrafterCommitRequest\x1a!.specdec.v1.DrafterCommitResponse\x12S\n\x08Rollback\x12\".specdec.v1.DrafterRollbackRequest\x1a#.specdec.v1.DrafterRollbackResponse\x12P\n\x07Release\x12!.specdec.v1.DrafterReleaseRequest\x1a\".specdec.v1.DrafterReleaseResponse\x12P\n\x07GetInfo\x12!.specdec.v1.DrafterGetInfoRequest\x1a\".specdec.v1.DrafterGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb1\x01\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05owner\x18\x06 \x01(\t\"\x18\n\x16\x44rafterPrefillResponse\"\x9b\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x61head\x18\x05 \x01(\x08\"G\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xb5\x01\n\x11\x44raftAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x63ount\x18\x05 \x01(\x05\x12\x13\n\x0btokens_left\x18\x06 \x01(\x05\"G\n\tAheadTree\x12\x15\n\rcommit_tokens\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"M\n\x12\x44raftAheadResponse\x12$\n\x05trees\x18\x01 \x03(\x0b\x32\x15.specdec.v1.AheadTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"c\n\x14\x44rafterCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x17\n\x15\x44rafterCommitResponse\"<\n\x16\x44rafterRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x19\n\x17\x44rafterRollbackResponse\"+\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16\x44rafterReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15\x44rafterGetInfoRequest\"\xc1\x01\n\x16\x44rafterGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0eneeds_features\x18\x02 \x01(\x08\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12(\n\x08max_tree\x18\x06 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x14\n\x0c\x64rafts_ahead\x18\x07 \x01(\x08\"9\n\x13\x44rafterRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\"8\n\x14\x44rafterRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x32\x81\x05\n\x0e\x44rafterService\x12P\n\x07Prefill\x12!.specdec.v1.DrafterPrefillRequest\x1a\".specdec.v1.DrafterPrefillResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nDraftAhead\x12\x1d.specdec.v1.DraftAheadRequest\x1a\x1e.specdec.v1.DraftAheadResponse\x12M\n\x06\x43ommit\x12 .specdec.v1.DrafterCommitRequest\x1a!.specdec.v1.DrafterCommitResponse\x12S\n\x08Rollback\x12\".specdec.v1.DrafterRollbackRequest\x1a#.specdec.v1.DrafterRollbackResponse\x12P\n\x07Release\x12!.specdec.v1.DrafterReleaseRequest\x1a\".specdec.v1.DrafterReleaseResponse\x12P\n\x07GetInfo\x12!.specdec.v1.DrafterGetInfoRequest\x1a\".specdec.v1.DrafterGetInfoResponse\x12J\n\x05Renew\x12\x1f.specdec.v1.DrafterRenewRequest\x1a .specdec.v1.DrafterRenewResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.drafter_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTERPREFILLREQUEST']._serialized_start=66
-  _globals['_DRAFTERPREFILLREQUEST']._serialized_end=228
-  _globals['_DRAFTERPREFILLRESPONSE']._serialized_start=230
-  _globals['_DRAFTERPREFILLRESPONSE']._serialized_end=254
-  _globals['_DRAFTREQUEST']._serialized_start=257
-  _globals['_DRAFTREQUEST']._serialized_end=412
-  _globals['_DRAFTRESPONSE']._serialized_start=414
-  _globals['_DRAFTRESPONSE']._serialized_end=485
-  _globals['_DRAFTAHEADREQUEST']._serialized_start=488
-  _globals['_DRAFTAHEADREQUEST']._serialized_end=669
-  _globals['_AHEADTREE']._serialized_start=671
-  _globals['_AHEADTREE']._serialized_end=742
-  _globals['_DRAFTAHEADRESPONSE']._serialized_start=744
-  _globals['_DRAFTAHEADRESPONSE']._serialized_end=821
-  _globals['_DRAFTERCOMMITREQUEST']._serialized_start=823
-  _globals['_DRAFTERCOMMITREQUEST']._serialized_end=922
-  _globals['_DRAFTERCOMMITRESPONSE']._serialized_start=924
-  _globals['_DRAFTERCOMMITRESPONSE']._serialized_end=947
-  _globals['_DRAFTERROLLBACKREQUEST']._serialized_start=949
-  _globals['_DRAFTERROLLBACKREQUEST']._serialized_end=1009
-  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_start=1011
-  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_end=1036
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=1038
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1081
-  _globals['_DRAFTERRELEASERESPONSE']._serialized_start=1083
-  _globals['_DRAFTERRELEASERESPONSE']._serialized_end=1125
-  _globals['_DRAFTERGETINFOREQUEST']._serialized_start=1127
-  _globals['_DRAFTERGETINFOREQUEST']._serialized_end=1150
-  _globals['_DRAFTERGETINFORESPONSE']._serialized_start=1153
-  _globals['_DRAFTERGETINFORESPONSE']._serialized_end=1346
-  _globals['_DRAFTERSERVICE']._serialized_start=1349
-  _globals['_DRAFTERSERVICE']._serialized_end=1914
+  _globals['_DRAFTERPREFILLREQUEST']._serialized_end=243
+  _globals['_DRAFTERPREFILLRESPONSE']._serialized_start=245
+  _globals['_DRAFTERPREFILLRESPONSE']._serialized_end=269
+  _globals['_DRAFTREQUEST']._serialized_start=272
+  _globals['_DRAFTREQUEST']._serialized_end=427
+  _globals['_DRAFTRESPONSE']._serialized_start=429
+  _globals['_DRAFTRESPONSE']._serialized_end=500
+  _globals['_DRAFTAHEADREQUEST']._serialized_start=503
+  _globals['_DRAFTAHEADREQUEST']._serialized_end=684
+  _globals['_AHEADTREE']._serialized_start=686
+  _globals['_AHEADTREE']._serialized_end=757
+  _globals['_DRAFTAHEADRESPONSE']._serialized_start=759
+  _globals['_DRAFTAHEADRESPONSE']._serialized_end=836
+  _globals['_DRAFTERCOMMITREQUEST']._serialized_start=838
+  _globals['_DRAFTERCOMMITREQUEST']._serialized_end=937
+  _globals['_DRAFTERCOMMITRESPONSE']._serialized_start=939
+  _globals['_DRAFTERCOMMITRESPONSE']._serialized_end=962
+  _globals['_DRAFTERROLLBACKREQUEST']._serialized_start=964
+  _globals['_DRAFTERROLLBACKREQUEST']._serialized_end=1024
+  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_start=1026
+  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_end=1051
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=1053
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1096
+  _globals['_DRAFTERRELEASERESPONSE']._serialized_start=1098
+  _globals['_DRAFTERRELEASERESPONSE']._serialized_end=1140
+  _globals['_DRAFTERGETINFOREQUEST']._serialized_start=1142
+  _globals['_DRAFTERGETINFOREQUEST']._serialized_end=1165
+  _globals['_DRAFTERGETINFORESPONSE']._serialized_start=1168
+  _globals['_DRAFTERGETINFORESPONSE']._serialized_end=1361
+  _globals['_DRAFTERRENEWREQUEST']._serialized_start=1363
+  _globals['_DRAFTERRENEWREQUEST']._serialized_end=1420
+  _globals['_DRAFTERRENEWRESPONSE']._serialized_start=1422
+  _globals['_DRAFTERRENEWRESPONSE']._serialized_end=1478
+  _globals['_DRAFTERSERVICE']._serialized_start=1481
+  _globals['_DRAFTERSERVICE']._serialized_end=2122
 # @@protoc_insertion_point(module_scope)

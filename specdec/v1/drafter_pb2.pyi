@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DrafterPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids", "features", "greedy", "sampling")
+    __slots__ = ("session_id", "token_ids", "features", "greedy", "sampling", "owner")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     GREEDY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
     greedy: bool
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., greedy: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., greedy: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class DrafterPrefillResponse(_message.Message):
     __slots__ = ()
@@ -138,3 +140,19 @@ class DrafterGetInfoResponse(_message.Message):
     max_tree: _common_pb2.TreeParams
     drafts_ahead: bool
     def __init__(self, kind: _Optional[str] = ..., needs_features: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafts_ahead: _Optional[bool] = ...) -> None: ...
+
+class DrafterRenewRequest(_message.Message):
+    __slots__ = ("owner", "session_ids")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, owner: _Optional[str] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrafterRenewResponse(_message.Message):
+    __slots__ = ("renewed", "lease_s")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    renewed: int
+    lease_s: float
+    def __init__(self, renewed: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...

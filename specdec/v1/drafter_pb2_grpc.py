@@ -70,6 +70,11 @@ class DrafterServiceStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterGetInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterGetInfoResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/specdec.v1.DrafterService/Renew',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -123,6 +128,13 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Renew the lease of sessions opened with `owner` (docs/serving.md, "Session lifecycle").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +172,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterGetInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterGetInfoResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +369,33 @@ class DrafterService:
             '/specdec.v1.DrafterService/GetInfo',
             specdec_dot_v1_dot_drafter__pb2.DrafterGetInfoRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.DrafterGetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DrafterService/Renew',
+            specdec_dot_v1_dot_drafter__pb2.DrafterRenewRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.DrafterRenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

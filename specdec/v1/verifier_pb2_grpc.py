@@ -60,6 +60,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierGetInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierGetInfoResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/specdec.v1.VerifierService/Renew',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -98,6 +103,13 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Renew the lease of sessions opened with `owner` (docs/serving.md, "Session lifecycle").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +137,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierGetInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierGetInfoResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class VerifierService:
             '/specdec.v1.VerifierService/GetInfo',
             specdec_dot_v1_dot_verifier__pb2.VerifierGetInfoRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.VerifierGetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.VerifierService/Renew',
+            specdec_dot_v1_dot_verifier__pb2.VerifierRenewRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.VerifierRenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,19 +13,18 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fuzz_strategies import (answer_of, assert_documented, examples, feature_choices, int32s, sampling_params,
-                             session_choices, token_ids, tree_params)
+                             session_choices, texts, token_ids, tree_params)
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import (DraftAheadRequest, DrafterCommitRequest, DrafterGetInfoRequest,
-                                    DrafterPrefillRequest, DrafterReleaseRequest, DrafterRollbackRequest, DraftRequest)
+                                    DrafterPrefillRequest, DrafterReleaseRequest, DrafterRenewRequest,
+                                    DrafterRollbackRequest, DraftRequest)
 
 PROMPT = [5, 17, 42, 8, 99, 3]
 commits = st.lists(token_ids, max_size=6)
-# INVALID_ARGUMENT that does not name the field (issue 18, part 2); found here:
+# INVALID_ARGUMENT names the field (issue 18, part 2); it once did not for
 # "token id -1 is outside the drafter vocabulary [0, 300)" (token_ids / commit_tokens),
 # "drafter prefill needs at least one token", "eagle drafter prefill needs at least 2 tokens ..." (token_ids).
-field_named = pytest.mark.parametrize("field_named", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="issue 18: the drafter's token checks "
-                                                      "say 'token id' / 'prefill', not token_ids / commit_tokens"))])
+field_named = pytest.mark.parametrize("field_named", [True])
 
 
 def features(targets, choice, rows: int) -> common_pb2.Tensor | None:
@@ -149,5 +148,18 @@ def test_release_and_get_info(targets, witness):
         release(targets, live)
         assert_documented(answer, request)
         assert_documented(answer_of(targets.drafter.GetInfo, DrafterGetInfoRequest()), DrafterGetInfoRequest())
+
+    run_fuzz(targets, witness, fuzz)
+
+
+def test_renew(targets, witness):
+    @examples(30)
+    @given(owner=st.one_of(texts, st.just("o" * 100_000)), choices=st.lists(session_choices, max_size=4))
+    def fuzz(owner, choices):
+        live = open_session(targets)
+        request = DrafterRenewRequest(owner=owner, session_ids=[resolve(c, live) for c in choices])
+        answer = answer_of(targets.drafter.Renew, request)
+        release(targets, live)
+        assert_documented(answer, request)
 
     run_fuzz(targets, witness, fuzz)

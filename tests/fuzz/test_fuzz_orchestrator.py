@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import re
 
-import pytest
 from hypothesis import example, given
 
 from fuzz_strategies import answer_of, assert_documented, examples, generate_requests, public_violation
@@ -54,10 +53,6 @@ def _request(**fields) -> orchestrator_pb2.GenerateRequest:
     return orchestrator_pb2.GenerateRequest(prompt="def f():", max_new_tokens=4, tree=tree, **fields)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: tree.value_temperature NaN / negative is accepted (OK); a "
-                                       "1 MB request_id is answered RESOURCE_EXHAUSTED 'all verifiers are at "
-                                       "capacity'; a request_id with a control character and a subnormal "
-                                       "temperature (1.4e-45) end in INTERNAL")
 def test_out_of_bounds_requests_are_refused_naming_the_field(targets, witness):
     @examples(40)
     @given(request=generate_requests())
@@ -65,9 +60,8 @@ def test_out_of_bounds_requests_are_refused_naming_the_field(targets, witness):
     @example(request=_request(tree={"value_temperature": -0.5}))
     @example(request=_request(request_id="r" * (1 << 20)))
     # found by this suite with 8x the examples: request_id is forwarded as gRPC
-    # metadata, where a control character fails the backend call
-    # ("ExecuteBatchError ... SendInitialMetadataOperation"), and the verifier's
-    # sampling at temperature 1.4e-45 meets inf/NaN probabilities
+    # metadata, where a control character failed the backend call, and the
+    # verifier's sampling at temperature 1.4e-45 met inf/NaN probabilities
     @example(request=_request(request_id="\x1f"))
     @example(request=_request(sampling=common_pb2.SamplingParams(temperature=1.4013e-45)))
     def fuzz(request):

@@ -15,19 +15,16 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from fuzz_strategies import (CONTEXT, answer_of, assert_documented, draft_trees, examples, int32s, sampling_params,
-                             session_choices, token_ids)
+                             session_choices, texts, token_ids)
 from specdec.v1 import common_pb2
 from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequest, VerifierReleaseRequest,
-                                     VerifierRollbackRequest, VerifyRequest)
+                                     VerifierRenewRequest, VerifierRollbackRequest, VerifyRequest)
 
 PROMPT = [5, 17, 42, 8, 99]
-# Prefill's INVALID_ARGUMENT does not always name the field (issue 18, part 2); found here:
+# Prefill's INVALID_ARGUMENT names the field (issue 18, part 2); it once did not for
 # "prompt id -1 is outside the vocabulary [0, 300)" and "prompt must not be empty" (prompt_ids),
 # "session 'fuzz-...' already exists" (session_id).
-field_named = pytest.mark.parametrize("field_named", [
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason="issue 18: VerifierService.Prefill's "
-                                                      "INVALID_ARGUMENT says 'prompt' / 'session', not prompt_ids / "
-                                                      "session_id"))])
+field_named = pytest.mark.parametrize("field_named", [True])
 prompts = st.one_of(st.lists(token_ids, max_size=12), st.lists(token_ids, min_size=CONTEXT - 4, max_size=CONTEXT + 8))
 
 
@@ -116,5 +113,18 @@ def test_release_and_get_info(targets, witness):
         release(targets, live)
         assert_documented(answer, request)
         assert_documented(answer_of(targets.verifier.GetInfo, VerifierGetInfoRequest()), VerifierGetInfoRequest())
+
+    run_fuzz(targets, witness, fuzz)
+
+
+def test_renew(targets, witness):
+    @examples(30)
+    @given(owner=st.one_of(texts, st.just("o" * 100_000)), choices=st.lists(session_choices, max_size=4))
+    def fuzz(owner, choices):
+        live, _ = open_session(targets)
+        request = VerifierRenewRequest(owner=owner, session_ids=[resolve(c, live) for c in choices])
+        answer = answer_of(targets.verifier.Renew, request)
+        release(targets, live)
+        assert_documented(answer, request)
 
     run_fuzz(targets, witness, fuzz)

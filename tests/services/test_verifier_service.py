@@ -147,7 +147,7 @@ async def test_malformed_requests_are_invalid_argument_naming_the_field(verifier
         err = await rpc_error(stub.Verify(VerifyRequest(session_id="ok", tree=tree)))
         assert err.code() == CODE.INVALID_ARGUMENT and words in err.details(), err.details()
     bad_prefills = {
-        "prompt must not be empty": prefill_request("p1", prompt=[]),
+        "prompt_ids must not be empty": prefill_request("p1", prompt=[]),
         "max_new_tokens must be >= 0": prefill_request("p2", max_new_tokens=-1),
         "exceeds the model's context": prefill_request("p3", max_new_tokens=10_000),
         "sampling.temperature": VerifierPrefillRequest(session_id="p4", prompt_ids=PROMPT,
