@@ -65,12 +65,14 @@ def cycle_config(cfg: TreeParams, remaining: int) -> TreeParams | None:
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
-             tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0) -> Decoding:
+             tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
+             logprobs: int | None = None) -> Decoding:
     """Run one request to completion; ``drafter=None`` or ``tree_cfg=None`` is vanilla.
     ``min_tau``: pause drafting while recent cycles commit fewer tokens (``SpeculationGate``).
     ``lookahead``: trees drafted one round ahead per cycle (``Drafter.draft_ahead``);
     here they are drafted before the verify, where the services draft them during it,
-    so both loops use the same trees."""
+    so both loops use the same trees. ``logprobs``: each token's raw logprob
+    with that many top alternatives, in ``Decoding.logprobs``."""
     sid = uuid.uuid4().hex
     dec = Decoding(stop, min_tau)
     times = dec.stats.time_s
@@ -79,9 +81,9 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     ahead: dict[tuple[int, ...], object] = {}          # outcome tokens -> tree drafted for it
     try:
         t = time.perf_counter()
-        first = verifier.prefill(sid, prompt, params, stop.max_new_tokens)
+        first = verifier.prefill(sid, prompt, params, stop.max_new_tokens, logprobs=logprobs)
         times["prefill"] += time.perf_counter() - t
-        dec.add([first.token])
+        dec.add([first.token], first.logprobs)
         if use_drafter and not dec.done:
             t = time.perf_counter()
             drafter.prefill(sid, prompt + [first.token], first.features if drafter.needs_features else None,
@@ -115,7 +117,7 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
             times["verify"] += t3 - t2
             dec.stats.record_cycle(tree.size, len(result.accepted))
             dec.gate.record(tree.size > 1, len(result.tokens))
-            dec.add(result.tokens)
+            dec.add(result.tokens, result.logprobs)
             last = tuple(result.tokens)
             if use_drafter and not dec.done:
                 pending.append((list(result.tokens), result.features if drafter.needs_features else None))
