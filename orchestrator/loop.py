@@ -93,6 +93,7 @@ class Job:
     max_new_tokens: int
     sampling: common_pb2.SamplingParams          # seed always set
     tree: common_pb2.TreeParams | None           # explicit knobs; None: root-only trees
+    logprobs: int | None = None                  # top alternatives per token's logprob; None: no logprobs
 
 
 class Deadline:
@@ -171,9 +172,9 @@ class Generation:
             await self._pin_drafter(first=True)
         first = await self._on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=job.session_id, prompt_ids=job.prompt_ids, sampling=job.sampling,
-            max_new_tokens=job.max_new_tokens, return_features=self.features is not None))
+            max_new_tokens=job.max_new_tokens, return_features=self.features is not None, logprobs=job.logprobs))
         self.opened = True
-        await self._committed([first.token], first.features, emit)
+        await self._committed([first.token], first.features, emit, first.logprobs)
         if self.drafter is not None and not self.dec.done:
             await self._open_drafter()
         ahead: dict[tuple[int, ...], common_pb2.DraftTree] = {}
@@ -200,7 +201,7 @@ class Generation:
             self.dec.stats.record_cycle(len(tree.tokens), len(result.accepted_nodes))
             self.dec.gate.record(len(tree.tokens) > 1, len(result.tokens))
             last = tuple(result.tokens)
-            await self._committed(list(result.tokens), result.features, emit)
+            await self._committed(list(result.tokens), result.features, emit, result.logprobs)
 
     @property
     def _looks_ahead(self) -> bool:
@@ -253,7 +254,7 @@ class Generation:
     def _wants_features(self) -> bool:
         return self.drafter is not None and self.features is not None
 
-    async def _committed(self, tokens: list[int], features: common_pb2.Tensor, emit) -> None:
+    async def _committed(self, tokens: list[int], features: common_pb2.Tensor, emit, logprobs=()) -> None:
         """What the verifier committed: into the request state, then to the client."""
         self.committed.extend(tokens)
         if self._wants_features:
@@ -264,7 +265,7 @@ class Generation:
                 self._drop_drafter("features", str(exc))
         if self.drafter is not None:
             self.pending_tokens.extend(tokens)
-        await self._commit(tokens, emit)
+        await self._commit(tokens, emit, list(logprobs))
 
     async def _draft(self, params: common_pb2.TreeParams) -> common_pb2.DraftTree | None:
         """This cycle's tree (carrying the pending commit), or None for a root-only tree."""
@@ -297,9 +298,9 @@ class Generation:
             params.total_tokens = min(params.total_tokens, share) if params.total_tokens else share
         return params
 
-    async def _commit(self, tokens: list[int], emit) -> None:
+    async def _commit(self, tokens: list[int], emit, logprobs: list | None = None) -> None:
         first = not self.dec.tokens
-        self.dec.add(tokens)
+        self.dec.add(tokens, logprobs)
         if first and self.dec.tokens:
             metrics.TTFT.observe(self.dec.stats.ttft_s)
         await self._emit(self.text.take(), emit)
@@ -334,7 +335,8 @@ class Generation:
         remaining = self.job.max_new_tokens - len(self.dec.tokens)
         request = verifier_pb2.VerifierPrefillRequest(
             session_id=self.job.session_id, prompt_ids=self.committed, sampling=self.job.sampling,
-            max_new_tokens=max(remaining, 0), resume=True)
+            max_new_tokens=max(remaining, 0), resume=True, logprobs=self.job.logprobs,
+            prompt_tokens=len(self.job.prompt_ids))
         while True:
             try:
                 await self._call("verifier", self.verifier, "Prefill", request)

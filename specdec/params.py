@@ -352,6 +352,18 @@ class GenerationRequest:
         check_request_id(self.request_id)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob under the raw model (log-softmax of the
+    target's logits, before any sampling processor) and the most likely
+    alternatives at its position, most likely first."""
+
+    token: int
+    logprob: float
+    top_tokens: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice ``index`` of a request seeded with ``seed``: the seed
     itself for choice 0 (n = 1 reproduces a plain request), else a splitmix64

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.params import SamplingParams
+from specdec.params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -146,16 +146,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, counts: TokenCoun
 def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> torch.Tensor:
     """Greedy decoding's choice per row: the argmax of the penalised logits ([..., V] -> [...])."""
     return penalize(logits.float(), params, counts).argmax(-1)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A chosen token's raw-model logprob and the ``k`` most likely alternatives."""
-
-    token: int
-    logprob: float
-    top_tokens: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:

@@ -24,8 +24,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidArgument
-from specdec.params import (PROPOSALS, REQUEST_METHODS, ChatMessage, GenerationRequest, SamplingParams, TreeParams,
-                            TreeRequest)
+from specdec.params import (PROPOSALS, REQUEST_METHODS, ChatMessage, GenerationRequest, SamplingParams,
+                            TokenLogprob, TreeParams, TreeRequest)
 from specdec.v1 import common_pb2, orchestrator_pb2
 
 if TYPE_CHECKING:
@@ -228,7 +228,10 @@ def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest) -> Gene
 
 # -- logprobs ----------------------------------------------------------------------
 def logprobs_to_proto(entries) -> list[common_pb2.TokenLogprob]:
-    """``specdec.sampling.TokenLogprob`` entries (or anything with token,
-    logprob, top_tokens, top_logprobs) as messages."""
+    """``specdec.params.TokenLogprob`` entries as messages."""
     return [common_pb2.TokenLogprob(token=e.token, logprob=e.logprob, top_tokens=list(e.top_tokens),
                                     top_logprobs=list(e.top_logprobs)) for e in entries]
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token, m.logprob, tuple(m.top_tokens), tuple(m.top_logprobs)) for m in msgs]

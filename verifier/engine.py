@@ -24,8 +24,8 @@ from specdec import kv
 from specdec.acceptance import Acceptance, accept
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.models import ModelSpec, load_causal_lm
-from specdec.params import SamplingParams
-from specdec.sampling import History, TokenLogprob, make_generator, sample, target_probs, token_logprobs
+from specdec.params import SamplingParams, TokenLogprob
+from specdec.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
 

@@ -10,7 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-import specdec.sampling as sampling
 from specdec.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.models import ModelSpec
