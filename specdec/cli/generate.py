@@ -9,7 +9,7 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.decoding import StopCriteria
-from specdec.params import PROPOSALS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
+from specdec.params import MAX_LOGPROBS, PROPOSALS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
 
 # torch-free at import: `specdec --help` and the service subcommands that
 # don't need torch must not pay for (or require) it.
@@ -63,6 +63,16 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below MIN_P x the top probability (0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted once from every token already generated (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted per occurrence among the generated tokens (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divides positive (multiplies negative) logits of tokens in prompt or output (1 = off)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each token's logprob (raw model) with N top alternatives (0..20), in --json output "
+                        "or on stderr")
     add_tree_flags(p)
 
 
@@ -106,8 +116,25 @@ def read_prompts(args) -> list[str]:
 
 
 def sampling_from(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed).validate()
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty).validate()
+
+
+def logprobs_record(entries) -> list[dict]:
+    """Logprobs as JSON: token, logprob and the top alternatives as [token, logprob] pairs."""
+    return [{"token": e.token, "logprob": e.logprob, "top": [[t, lp] for t, lp in zip(e.top_tokens, e.top_logprobs)]}
+            for e in entries]
+
+
+def print_logprobs(entries, decode=None) -> None:
+    """One line per token on stderr: the token, its logprob, the alternatives
+    (``decode``: token ids -> text; None: token ids as they are)."""
+    decode = decode or (lambda ids: ids[0])
+    for e in entries:
+        top = ", ".join(f"{decode([t])!r} {lp:.3f}" for t, lp in zip(e.top_tokens, e.top_logprobs))
+        print(f"  {decode([e.token])!r} {e.logprob:.4f}" + (f"  [{top}]" if top else ""), file=sys.stderr)
 
 
 def tree_from(args) -> TreeParams | None:
@@ -141,9 +168,12 @@ def resolve_models(args):
     return spec, DrafterChoice("eagle", eagle)
 
 
-def result_record(tokens: list[int], text: str, stats) -> dict:
-    return {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
-            "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
+def result_record(tokens: list[int], text: str, stats, logprobs=None) -> dict:
+    record = {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
+              "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
+    if logprobs is not None:
+        record["logprobs"] = logprobs_record(logprobs)
+    return record
 
 
 def run(args) -> int:
@@ -152,6 +182,9 @@ def run(args) -> int:
     prompts = read_prompts(args)
     params = sampling_from(args)
     tree_cfg = tree_from(args)
+    logprobs = args.logprobs
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise CliError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.server:
@@ -171,12 +204,15 @@ def run(args) -> int:
             raise CliError("prompt must not be empty")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
-        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau)
+        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau, logprobs=logprobs)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
         if args.json:
-            print(json.dumps(result_record(dec.tokens, text, dec.stats)), flush=True)
+            print(json.dumps(result_record(dec.tokens, text, dec.stats, None if logprobs is None else dec.logprobs)),
+                  flush=True)
         else:
             print(prompt + text, flush=True)
+            if logprobs is not None:
+                print_logprobs(dec.logprobs, tok.decode)
             s = dec.stats
             print(f"[{len(dec.tokens)} tokens, {s.cycles} cycles, tau {s.tau:.2f}, "
                   f"{len(dec.tokens) / max(s.wall_s, 1e-9):.1f} tok/s]", file=sys.stderr)
