@@ -158,7 +158,7 @@ class SamplingParams:
     top_k: int = 0  # 0 => off; else keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 => off
     seed: int | None = None  # None => a random seed per request
-    # Processors, applied in this order by ``specdec.sampling.process_logits``:
+    # Processors, applied in this order by ``specdec.sampling.target_probs``:
     # repetition penalty, frequency and presence penalties, temperature, top-k,
     # top-p, min-p. Greedy decoding takes the argmax of the penalised logits.
     min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 => off

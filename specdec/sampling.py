@@ -4,7 +4,7 @@
 would sample from in plain decoding. Speculative acceptance is lossless with
 respect to *this* distribution, so plain decoding (a root-only tree) and tree
 verification call the same function. The processors, in order
-(`process_logits`):
+(`target_probs`):
 
 1. repetition penalty (transformers / vLLM): a token that occurs in the prompt
    or the generated tokens has its logit divided by the penalty when positive,
