@@ -258,3 +258,21 @@ def test_committed_prefix_penalties_are_caught_by_the_same_check(engines, monkey
 def test_seeded_penalised_sampling_reproduces(stacks):
     params = replace(PENALISED, seed=99)
     assert [d.tokens for d in run(stacks["eagle"], params)] == [d.tokens for d in run(stacks["eagle"], params)]
+
+
+def test_a_resumed_session_keeps_its_penalties(stacks, vanilla):
+    """Failover re-prefills the committed tokens with ``resume``: the prompt
+    boundary (``prompt_tokens``) keeps frequency/presence penalties on the
+    generated tokens only, and the output continues as if nothing happened."""
+    verifier = stacks["eagle"].verifier
+    params = PENALTIES["all"]
+    for prompt, want in zip(prompts(verifier.target.vocab_size), vanilla["all"]):
+        tokens = list(prompt) + [verifier.prefill("before", prompt, params, NEW_TOKENS).token]
+        for _ in range(5):
+            tokens += verifier.verify("before", tree_from_lists([tokens[-1]], [-1])).tokens
+        verifier.release("before")
+        verifier.prefill("after", tokens, params, NEW_TOKENS, resume=True, prompt_tokens=len(prompt))
+        while len(tokens) - len(prompt) < NEW_TOKENS:
+            tokens += verifier.verify("after", tree_from_lists([tokens[-1]], [-1])).tokens
+        verifier.release("after")
+        assert tokens[len(prompt):] == want
