@@ -57,7 +57,7 @@ class History:
     only); the rest are generated (every penalty)."""
 
     def __init__(self, vocab_size: int, tokens: list[int], prompt_len: int):
-        self.vocab_size = vocab_size
+        self.vocab_size, self.prompt_len = vocab_size, prompt_len
         self.generated = torch.zeros(vocab_size)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
         self.seen[torch.tensor(tokens[:prompt_len], dtype=torch.long)] = True

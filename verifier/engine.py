@@ -62,6 +62,12 @@ class TargetSession:
         if self.history is not None:
             self.history.extend(tokens)
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (and the penalty counts of just those)."""
+        del self.tokens[length:]
+        if self.history is not None:
+            self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len)
+
 
 @dataclass(frozen=True)
 class PrefillResult:
@@ -209,7 +215,7 @@ class VerifierEngine:
             if not 1 <= length <= len(sess.tokens):
                 raise InvalidArgument(f"rollback length must be in [1, {len(sess.tokens)}], got {length}")
             kv.truncate(sess.cache, length - 1)
-            del sess.tokens[length:]
+            sess.truncate(length)
 
     # -- the hot path ----------------------------------------------------------
     def verify(self, sid: str, tree: DraftTree) -> VerifyResult:

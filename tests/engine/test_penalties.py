@@ -276,3 +276,18 @@ def test_a_resumed_session_keeps_its_penalties(stacks, vanilla):
             tokens += verifier.verify("after", tree_from_lists([tokens[-1]], [-1])).tokens
         verifier.release("after")
         assert tokens[len(prompt):] == want
+
+
+def test_rollback_rolls_the_penalty_counts_back(stacks, vanilla):
+    verifier = stacks["eagle"].verifier
+    params = PENALTIES["all"]
+    for prompt, want in zip(prompts(verifier.target.vocab_size), vanilla["all"]):
+        tokens = list(prompt) + [verifier.prefill("rb", prompt, params, NEW_TOKENS).token]
+        for _ in range(8):
+            tokens += verifier.verify("rb", tree_from_lists([tokens[-1]], [-1])).tokens
+        del tokens[len(prompt) + 3:]
+        verifier.rollback("rb", len(tokens))
+        while len(tokens) - len(prompt) < NEW_TOKENS:
+            tokens += verifier.verify("rb", tree_from_lists([tokens[-1]], [-1])).tokens
+        verifier.release("rb")
+        assert tokens[len(prompt):] == want
