@@ -130,14 +130,17 @@ def check_stop_strings(stop, field: str = "stop") -> tuple[str, ...]:
     return stop
 
 
-def check_real(value, field: str, low: float, high: float, *, low_open: bool = False) -> float:
-    """A finite number in [low, high] ((low, high] when ``low_open``); NaN fails."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+def check_real(value, field: str, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
+    """A finite number in [low, high] ((low, ...] when ``low_open``); NaN and infinities fail."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     if ok:
         ok = (low < value if low_open else low <= value) and value <= high
     if not ok:
-        bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f"> {low:g} and finite"
-        raise InvalidArgument(f"{field} must be in {bound}, got {value!r}")
+        if math.isinf(high):
+            bound = f"{'>' if low_open else '>='} {low:g} and finite"
+        else:
+            bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidArgument(f"{field} must be {bound}, got {value!r}")
     return value
 
 
@@ -180,10 +183,7 @@ class SamplingParams:
         check_real(self.min_p, prefixed(field, "min_p"), 0.0, 1.0)
         for name in ("presence_penalty", "frequency_penalty"):
             check_real(getattr(self, name), prefixed(field, name), -MAX_PENALTY, MAX_PENALTY)
-        check_real(self.repetition_penalty, prefixed(field, "repetition_penalty"), 0.0, math.inf, low_open=True)
-        if math.isinf(self.repetition_penalty):
-            raise InvalidArgument(f"{prefixed(field, 'repetition_penalty')} must be > 0 and finite, "
-                                  f"got {self.repetition_penalty!r}")
+        check_real(self.repetition_penalty, prefixed(field, "repetition_penalty"), 0.0, low_open=True)
         return self
 
     @property

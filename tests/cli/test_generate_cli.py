@@ -59,7 +59,7 @@ def test_json_lines_match_vanilla(tiny_family, tmp_path, capsys, drafter, method
     (["--min-p", "1.5", "hi"], "min_p must be in [0, 1]"),
     (["--presence-penalty", "2.5", "hi"], "presence_penalty must be in [-2, 2]"),
     (["--frequency-penalty", "-3", "hi"], "frequency_penalty must be in [-2, 2]"),
-    (["--repetition-penalty", "0", "hi"], "repetition_penalty must be in"),
+    (["--repetition-penalty", "0", "hi"], "repetition_penalty must be > 0 and finite"),
     (["--logprobs", "21", "hi"], "--logprobs must be in [0, 20]"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_family, capsys, args, needle):
