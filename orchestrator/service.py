@@ -26,7 +26,8 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable
+from functools import partial
+from typing import Awaitable, Callable, Sequence
 
 from orchestrator.loop import Deadline, Generation, Job
 from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
@@ -35,7 +36,7 @@ from specdec import metrics, wire
 from specdec.decoding import Decoding, StopCriteria
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.logs import request_id_var
-from specdec.params import VANILLA, GenerationRequest, TreeParams
+from specdec.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
 from specdec.server import ClientTls, Lifecycle, status_code_of
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 
@@ -43,6 +44,8 @@ log = logging.getLogger("specdec.orchestrator")
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 DRAFTER_WAIT_S = 60.0          # readiness waits this long for a drafter once a verifier answers
+# Renders a request's chat messages into the prompt text (the model's chat template).
+ChatRenderer = Callable[[Sequence[ChatMessage]], str]
 
 
 @dataclass(frozen=True)
@@ -109,9 +112,11 @@ class OrchestratorConfig:
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     role = "orchestrator"
 
-    def __init__(self, config: OrchestratorConfig, tokenizer: TextTokenizer, resolver: Resolver = resolve_dns):
+    def __init__(self, config: OrchestratorConfig, tokenizer: TextTokenizer, resolver: Resolver = resolve_dns,
+                 chat_renderer: ChatRenderer | None = None):
         self.config = config
         self.tokenizer = tokenizer
+        self.chat_renderer = chat_renderer   # None: requests with messages are refused
         self.resolver = resolver             # DNS lookups (HOST, PORT) -> [HOST:PORT]
         self.lifecycle = Lifecycle()
         self.lifecycle.busy = lambda: self.active > 0
@@ -170,24 +175,38 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     # -- RPCs -----------------------------------------------------------------------------
     async def Generate(self, request, context):
-        async def emit(delta: Delta) -> None:
-            await context.write(orchestrator_pb2.GenerateResponse(
-                chunk=orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)))
+        """Chunks as tokens are committed (choices interleaved, each chunk naming
+        its choice), then one final stats message per choice, in order. The
+        choices run concurrently and a stream takes one write at a time."""
+        writing = asyncio.Lock()
 
-        gen, stats = await self._serve(request, context, emit)
-        await context.write(orchestrator_pb2.GenerateResponse(final=stats))
+        async def emit(index: int, gen: Generation, delta: Delta) -> None:
+            chunk = orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text, index=index,
+                                                logprobs=_sent_logprobs(gen, delta))
+            async with writing:
+                await context.write(orchestrator_pb2.GenerateResponse(chunk=chunk))
+
+        gens, stats = await self._serve(request, context, emit)
+        for final in stats:
+            await context.write(orchestrator_pb2.GenerateResponse(final=final))
 
     async def Complete(self, request, context):
-        async def emit(delta: Delta) -> None:
+        async def emit(index: int, gen: Generation, delta: Delta) -> None:
             return None
 
-        gen, stats = await self._serve(request.request, context, emit)
-        return orchestrator_pb2.CompleteResponse(text=gen.text.text, token_ids=gen.dec.tokens, stats=stats)
+        gens, stats = await self._serve(request.request, context, emit)
+        choices = [orchestrator_pb2.Choice(index=i, text=gen.text.text, token_ids=gen.dec.tokens,
+                                           logprobs=wire.logprobs_to_proto(gen.dec.logprobs), stats=s)
+                   for i, (gen, s) in enumerate(zip(gens, stats))]
+        first = choices[0]
+        return orchestrator_pb2.CompleteResponse(text=first.text, token_ids=first.token_ids, stats=first.stats,
+                                                 logprobs=first.logprobs, choices=choices)
 
-    async def _serve(self, msg, context, emit: Callable[[Delta], Awaitable[None]]):
+    async def _serve(self, msg, context, emit: Callable[[int, Generation, Delta], Awaitable[None]]):
+        """Run a request's choices (each its own sessions) -> (generations, their stats)."""
         start = time.perf_counter()
         status = "OK"
-        gen = None
+        gens: list[Generation] = []
         self.active += 1
         self.stats.update(self.active)
         try:
@@ -197,10 +216,11 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if self.verifier_info is None:
                 raise Unavailable("not ready: waiting for a verifier")
             self.lifecycle.check(opens_session=True)
-            gen = self._prepare(request, Deadline(context.time_remaining()))
-            await gen.run(emit)
-            gen.dec.finish()
-            return gen, self._stats(gen)
+            gens = self._prepare(request, Deadline(context.time_remaining()))
+            await _run_all([gen.run(partial(emit, i, gen)) for i, gen in enumerate(gens)])
+            for gen in gens:
+                gen.dec.finish()
+            return gens, [self._stats(gen, i) for i, gen in enumerate(gens)]
         except asyncio.CancelledError:
             status = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
             raise
@@ -212,35 +232,59 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             self.stats.update(self.active)
             metrics.REQUESTS.labels(status).inc()
             metrics.REQUEST_DURATION.observe(time.perf_counter() - start)
-            if gen is not None:
+            for gen in gens:
                 self._count(gen, status)
 
     # -- requests -------------------------------------------------------------------------
-    def _prepare(self, request: GenerationRequest, deadline: Deadline) -> Generation:
-        """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT names the field."""
+    def _prepare(self, request: GenerationRequest, deadline: Deadline) -> list[Generation]:
+        """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT
+        names the field. One generation per choice: choice i samples with
+        ``choice_seed(seed, i)``, so a seeded request reproduces every choice."""
         max_new = self._max_new_tokens(request.max_new_tokens)
         sampling = request.sampling
         if sampling.seed is None:          # drawn here so that the verifier and the logs share it
             sampling = replace(sampling, seed=secrets.randbits(63))
         # explicit knobs for a drafter (the loop clamps them to the one it pins), or None for root-only trees
         tree = request.tree.resolve(self.config.tree) if self.config.drafters.configured else None
-        text = TextStream(self.tokenizer, list(request.stop))
-        prompt_ids = self.tokenizer.encode(request.prompt)
-        if not prompt_ids:
-            raise InvalidArgument("prompt encodes to no tokens")
+        prompt_ids = self._prompt_ids(request)
         context = self.verifier_info.max_positions
         if len(prompt_ids) + max_new > context:
             raise InvalidArgument(f"prompt is too long: {len(prompt_ids)} tokens + max_new_tokens {max_new} "
                                   f"exceed the model's context of {context} tokens")
+        return [self._generation(prompt_ids, max_new, replace(sampling, seed=choice_seed(sampling.seed, i)),
+                                 tree, request, deadline) for i in range(request.n)]
+
+    def _generation(self, prompt_ids: list[int], max_new: int, sampling, tree: TreeParams | None,
+                    request: GenerationRequest, deadline: Deadline) -> Generation:
+        text = TextStream(self.tokenizer, list(request.stop))
         stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
         job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
-                  tree=tree)
+                  tree=tree, logprobs=request.logprobs)
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": tree.method if tree else VANILLA})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
                           gate_by_kind=self.config.min_tau is None)
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids: given, or the text (rendered chat messages) encoded."""
+        if request.prompt_ids:
+            vocab = self.verifier_info.vocab_size
+            bad = next((i for i, t in enumerate(request.prompt_ids) if t >= vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt_ids[{bad}] = {request.prompt_ids[bad]} is outside the "
+                                      f"vocabulary [0, {vocab})")
+            return list(request.prompt_ids)
+        if request.messages:
+            if self.chat_renderer is None:
+                raise InvalidArgument("messages: this server has no chat template to render them with")
+            prompt_ids = self.tokenizer.encode(self.chat_renderer(request.messages))
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        if not prompt_ids:
+            raise InvalidArgument("prompt encodes to no tokens")
+        return prompt_ids
 
     def _max_new_tokens(self, value: int) -> int:
         """A request's max_new_tokens (already >= 0) within this server's limit; 0 takes the default."""
@@ -250,13 +294,14 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return value or min(self.config.default_max_new_tokens, limit)
 
     # -- results --------------------------------------------------------------------------
-    def _stats(self, gen: Generation) -> orchestrator_pb2.GenerationStats:
+    def _stats(self, gen: Generation, index: int = 0) -> orchestrator_pb2.GenerationStats:
         s = gen.dec.stats
         return orchestrator_pb2.GenerationStats(
             prompt_tokens=len(gen.job.prompt_ids), completion_tokens=len(gen.dec.tokens), cycles=s.cycles,
             tau=s.tau, accepted_per_position=s.accepted_per_position, draft_tokens=s.drafted,
             accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s, ahead_hits=s.ahead_hits,
-            finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), **gen.timing())
+            finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), index=index,
+            **gen.timing())
 
     @staticmethod
     def _count(gen: Generation, status: str) -> None:
@@ -271,6 +316,28 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             "tau": round(s.tau, 3), "finish_reason": gen.dec.finish_reason, "wall_s": round(s.wall_s, 4),
             "verifier": gen.verifier.address if gen.verifier else None,
             "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
+
+
+def _sent_logprobs(gen: Generation, delta: Delta) -> list:
+    """The logprobs of a chunk's tokens (the last ``len(delta.token_ids)`` the text stream sent), as messages."""
+    end = gen.text.sent_tokens
+    return wire.logprobs_to_proto(gen.dec.logprobs[end - len(delta.token_ids):end])
+
+
+async def _run_all(runs: list[Awaitable[None]]) -> None:
+    """Await every choice's run; the first failure cancels the others (whose
+    ``finally`` releases their sessions) and is raised."""
+    if len(runs) == 1:
+        await runs[0]
+        return
+    tasks = [asyncio.ensure_future(r) for r in runs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _expired(context) -> bool:

@@ -22,7 +22,6 @@ import torch
 
 import specdec.batching
 from specdec import kv
-from specdec.acceptance import accept
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.tree import DraftTree
 from verifier.engine import TargetSession, VerifierEngine, VerifyResult
@@ -126,14 +125,14 @@ def _forward_and_commit(engine: VerifierEngine, rows: list[_Row]) -> list[Verify
     results = []
     for b, r in enumerate(rows):
         n = sizes[b]
-        result = accept(r.tree, logits[b, :n], r.sess.params, r.sess.generator)
+        result, logprobs = r.sess.decide(r.tree, logits[b, :n])
         path = [0] + result.accepted
         slots = P + torch.tensor(path, device=device)                # the accepted nodes' new slots
         for i, layer in enumerate(batch_cache.layers):
             kv.append(r.sess.cache, i, layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots])
-        committed = [int(r.tree.tokens[i]) for i in result.accepted] + [result.bonus]
-        r.sess.tokens.extend(committed)
-        results.append(VerifyResult(result.accepted, committed, hidden[b, path]))
+        committed = result.tokens(r.tree)
+        r.sess.commit(committed)
+        results.append(VerifyResult(result.accepted, committed, hidden[b, path], logprobs))
     return results
 
 

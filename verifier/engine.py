@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import kv
-from specdec.acceptance import accept
+from specdec.acceptance import Acceptance, accept
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.models import ModelSpec, load_causal_lm
-from specdec.params import SamplingParams
-from specdec.sampling import make_generator, sample, target_probs
+from specdec.params import SamplingParams, TokenLogprob
+from specdec.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
 
@@ -38,16 +38,42 @@ class TargetSession:
     generator: torch.Generator
     reserved_bytes: int = 0       # worst-case KV this session may grow to (admission control)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    history: History | None = None  # penalty counts of `tokens` (only when a penalty is on)
+    logprobs: int | None = None     # top alternatives per committed token's logprob; None: no logprobs
 
     @property
     def prefix_len(self) -> int:
         return len(self.tokens) - 1
+
+    def decide(self, tree: DraftTree, logits: torch.Tensor) -> tuple[Acceptance, list[TokenLogprob] | None]:
+        """Acceptance of ``tree`` on its target logits [n, V] (every node
+        penalised with its own path's history), and the logprobs of the tokens
+        it commits when the session asked for them. Plain decoding (root-only
+        trees), the batched and the tensor-parallel verifiers all decide here."""
+        counts = None if self.history is None else self.history.node_counts(tree.tokens, tree.ancestor_mask())
+        result = accept(tree, logits, self.params, self.generator, counts)
+        if self.logprobs is None:
+            return result, None
+        path = [0] + result.accepted
+        return result, token_logprobs(logits[path], result.tokens(tree), self.logprobs)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        if self.history is not None:
+            self.history.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (and the penalty counts of just those)."""
+        del self.tokens[length:]
+        if self.history is not None:
+            self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len)
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     token: int                    # first generated token (the first root)
     features: torch.Tensor        # [P, H] final hidden state at each prompt position
+    logprobs: list[TokenLogprob] | None = None   # the first token's, when asked for (not on resume)
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,7 @@ class VerifyResult:
     accepted: list[int]           # accepted node indices, root excluded
     tokens: list[int]             # committed this cycle: accepted tokens + bonus
     features: torch.Tensor        # [len(accepted) + 1, H] at root + accepted nodes
+    logprobs: list[TokenLogprob] | None = None   # one per committed token, when the session asked for them
 
 
 class TargetModel:
@@ -116,12 +143,17 @@ class VerifierEngine:
 
     # -- session lifecycle ---------------------------------------------------
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
-                max_new_tokens: int = 0, resume: bool = False) -> PrefillResult:
+                max_new_tokens: int = 0, resume: bool = False, logprobs: int | None = None,
+                prompt_tokens: int = 0) -> PrefillResult:
         """Run the prompt, pick the first token, open the session.
 
         ``resume``: ``prompt`` is a session's whole committed sequence, moved
         here from a lost verifier; its last token becomes the pending root
-        again (nothing is sampled) and the features cover the others."""
+        again (nothing is sampled) and the features cover the others.
+        ``logprobs``: return each committed token's raw logprob with this many
+        top alternatives (None: none). ``prompt_tokens``: how many of
+        ``prompt`` are the prompt, for the penalties that count generated
+        tokens only (0: all; on resume, all but the pending root)."""
         params.validate()
         self._check_tokens(prompt, "prompt")
         if not prompt:
@@ -139,30 +171,39 @@ class VerifierEngine:
                     f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
                     f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
             generator = make_generator(params.seed)
-            sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need)
+            sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need,
+                                 logprobs=logprobs)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
+        first_logprobs = None
         try:
             if resume:
                 if len(prompt) < 2:
                     raise InvalidArgument("resuming a session needs at least two committed tokens")
                 sess.tokens = sess.tokens[:-1]
+                if params.penalized:
+                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens))
                 ids = torch.tensor(prompt[:-1], dtype=torch.long)
                 hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None)
                 first = prompt[-1]
             else:
                 ids = torch.tensor(prompt, dtype=torch.long)
+                if params.penalized:
+                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt))
                 hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None)
-                probs = target_probs(logits[-1], params)
+                counts = None if sess.history is None else sess.history.counts()
+                probs = target_probs(logits[-1], params, counts)
                 first = int(probs.argmax()) if params.greedy else sample(probs, generator)
+                if logprobs is not None:
+                    first_logprobs = token_logprobs(logits[-1:], [first], logprobs)
         except BaseException:
             self.sessions.pop(sid)
             raise
         else:
-            sess.tokens.append(first)
+            sess.commit([first])
         finally:
             sess.lock.release()
-        return PrefillResult(first, hidden)
+        return PrefillResult(first, hidden, first_logprobs)
 
     def release(self, sid: str) -> bool:
         return self.sessions.pop(sid) is not None
@@ -174,7 +215,7 @@ class VerifierEngine:
             if not 1 <= length <= len(sess.tokens):
                 raise InvalidArgument(f"rollback length must be in [1, {len(sess.tokens)}], got {length}")
             kv.truncate(sess.cache, length - 1)
-            del sess.tokens[length:]
+            sess.truncate(length)
 
     # -- the hot path ----------------------------------------------------------
     def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
@@ -193,12 +234,12 @@ class VerifierEngine:
                                       f"{self.target.max_positions} tokens")
             mask = None if n == 1 else kv.tree_attention_mask(tree.ancestor_mask(), prefix)
             hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask)
-            result = accept(tree, logits, sess.params, sess.generator)
+            result, logprobs = sess.decide(tree, logits)
             path = [0] + result.accepted
             kv.commit_path(sess.cache, prefix, path)
-            committed = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
-            sess.tokens.extend(committed)
-            return VerifyResult(result.accepted, committed, hidden[path])
+            committed = result.tokens(tree)
+            sess.commit(committed)
+            return VerifyResult(result.accepted, committed, hidden[path], logprobs)
 
     def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list:
         """Several sessions' trees in one forward (``verifier.batch``)."""

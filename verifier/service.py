@@ -20,7 +20,8 @@ from typing import Callable
 
 from specdec import metrics, tensor_wire, wire
 from specdec.engine_servicer import EngineServicer
-from specdec.params import SamplingParams, check_count, check_session_id
+from specdec.errors import InvalidArgument
+from specdec.params import MAX_LOGPROBS, SamplingParams, check_count, check_session_id
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -102,10 +103,15 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         sid = check_session_id(request.session_id)
         params = wire.sampling_from_proto(request.sampling)
         max_new = check_count(request.max_new_tokens, "max_new_tokens", note="0 = no reservation")
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] or unset, got {logprobs}")
+        prompt_tokens = check_count(request.prompt_tokens, "prompt_tokens", note="0 = all")
         result, seconds = await self.run(self._evict_then, self.engine.prefill, sid, list(request.prompt_ids),
-                                         params, max_new, request.resume, opening=True)
+                                         params, max_new, request.resume, logprobs, prompt_tokens, opening=True)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
-        response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds)
+        response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds,
+                                                        logprobs=wire.logprobs_to_proto(result.logprobs or ()))
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))
         return response
@@ -120,7 +126,8 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             result, seconds = await self.run(self.engine.verify, sid, tree)
         metrics.VERIFY_DURATION.observe(seconds)
         response = verifier_pb2.VerifyResponse(accepted_nodes=result.accepted, tokens=result.tokens,
-                                               compute_s=seconds)
+                                               compute_s=seconds,
+                                               logprobs=wire.logprobs_to_proto(result.logprobs or ()))
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))
         return response

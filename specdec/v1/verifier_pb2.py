@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xaf\x01\n\x16VerifierPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x0e\n\x06resume\x18\x06 \x01(\x08\"a\n\x17VerifierPrefillResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12$\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\"a\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\"q\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\"=\n\x17VerifierRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x1a\n\x18VerifierRollbackResponse\",\n\x16VerifierReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x17VerifierReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x18\n\x16VerifierGetInfoRequest\"\xa9\x01\n\x17VerifierGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x32\xa5\x03\n\x0fVerifierService\x12R\n\x07Prefill\x12\".specdec.v1.VerifierPrefillRequest\x1a#.specdec.v1.VerifierPrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12U\n\x08Rollback\x12#.specdec.v1.VerifierRollbackRequest\x1a$.specdec.v1.VerifierRollbackResponse\x12R\n\x07Release\x12\".specdec.v1.VerifierReleaseRequest\x1a#.specdec.v1.VerifierReleaseResponse\x12R\n\x07GetInfo\x12\".specdec.v1.VerifierGetInfoRequest\x1a#.specdec.v1.VerifierGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xea\x01\n\x16VerifierPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x42\x0b\n\t_logprobs\"\x8d\x01\n\x17VerifierPrefillResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12$\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"a\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\"\x9d\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"=\n\x17VerifierRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x1a\n\x18VerifierRollbackResponse\",\n\x16VerifierReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x17VerifierReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x18\n\x16VerifierGetInfoRequest\"\xa9\x01\n\x17VerifierGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x32\xa5\x03\n\x0fVerifierService\x12R\n\x07Prefill\x12\".specdec.v1.VerifierPrefillRequest\x1a#.specdec.v1.VerifierPrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12U\n\x08Rollback\x12#.specdec.v1.VerifierRollbackRequest\x1a$.specdec.v1.VerifierRollbackResponse\x12R\n\x07Release\x12\".specdec.v1.VerifierReleaseRequest\x1a#.specdec.v1.VerifierReleaseResponse\x12R\n\x07GetInfo\x12\".specdec.v1.VerifierGetInfoRequest\x1a#.specdec.v1.VerifierGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFIERPREFILLREQUEST']._serialized_start=67
-  _globals['_VERIFIERPREFILLREQUEST']._serialized_end=242
-  _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=244
-  _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=341
-  _globals['_VERIFYREQUEST']._serialized_start=343
-  _globals['_VERIFYREQUEST']._serialized_end=440
-  _globals['_VERIFYRESPONSE']._serialized_start=442
-  _globals['_VERIFYRESPONSE']._serialized_end=555
-  _globals['_VERIFIERROLLBACKREQUEST']._serialized_start=557
-  _globals['_VERIFIERROLLBACKREQUEST']._serialized_end=618
-  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_start=620
-  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_end=646
-  _globals['_VERIFIERRELEASEREQUEST']._serialized_start=648
-  _globals['_VERIFIERRELEASEREQUEST']._serialized_end=692
-  _globals['_VERIFIERRELEASERESPONSE']._serialized_start=694
-  _globals['_VERIFIERRELEASERESPONSE']._serialized_end=737
-  _globals['_VERIFIERGETINFOREQUEST']._serialized_start=739
-  _globals['_VERIFIERGETINFOREQUEST']._serialized_end=763
-  _globals['_VERIFIERGETINFORESPONSE']._serialized_start=766
-  _globals['_VERIFIERGETINFORESPONSE']._serialized_end=935
-  _globals['_VERIFIERSERVICE']._serialized_start=938
-  _globals['_VERIFIERSERVICE']._serialized_end=1359
+  _globals['_VERIFIERPREFILLREQUEST']._serialized_end=301
+  _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=304
+  _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=445
+  _globals['_VERIFYREQUEST']._serialized_start=447
+  _globals['_VERIFYREQUEST']._serialized_end=544
+  _globals['_VERIFYRESPONSE']._serialized_start=547
+  _globals['_VERIFYRESPONSE']._serialized_end=704
+  _globals['_VERIFIERROLLBACKREQUEST']._serialized_start=706
+  _globals['_VERIFIERROLLBACKREQUEST']._serialized_end=767
+  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_start=769
+  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_end=795
+  _globals['_VERIFIERRELEASEREQUEST']._serialized_start=797
+  _globals['_VERIFIERRELEASEREQUEST']._serialized_end=841
+  _globals['_VERIFIERRELEASERESPONSE']._serialized_start=843
+  _globals['_VERIFIERRELEASERESPONSE']._serialized_end=886
+  _globals['_VERIFIERGETINFOREQUEST']._serialized_start=888
+  _globals['_VERIFIERGETINFOREQUEST']._serialized_end=912
+  _globals['_VERIFIERGETINFORESPONSE']._serialized_start=915
+  _globals['_VERIFIERGETINFORESPONSE']._serialized_end=1084
+  _globals['_VERIFIERSERVICE']._serialized_start=1087
+  _globals['_VERIFIERSERVICE']._serialized_end=1508
 # @@protoc_insertion_point(module_scope)
