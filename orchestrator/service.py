@@ -106,6 +106,15 @@ class OrchestratorConfig:
         return Discovery(self.drafter, self.drafter_dns)
 
 
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished generation: the output (cut at a stop string) and its statistics."""
+
+    text: str
+    token_ids: list[int]
+    stats: orchestrator_pb2.GenerationStats
+
+
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     role = "orchestrator"
 
@@ -174,37 +183,51 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await context.write(orchestrator_pb2.GenerateResponse(
                 chunk=orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)))
 
-        gen, stats = await self._serve(request, context, emit)
-        await context.write(orchestrator_pb2.GenerateResponse(final=stats))
+        result = await self._serve(request, context, emit)
+        await context.write(orchestrator_pb2.GenerateResponse(final=result.stats))
 
     async def Complete(self, request, context):
         async def emit(delta: Delta) -> None:
             return None
 
-        gen, stats = await self._serve(request.request, context, emit)
-        return orchestrator_pb2.CompleteResponse(text=gen.text.text, token_ids=gen.dec.tokens, stats=stats)
+        result = await self._serve(request.request, context, emit)
+        return orchestrator_pb2.CompleteResponse(text=result.text, token_ids=result.token_ids, stats=result.stats)
 
-    async def _serve(self, msg, context, emit: Callable[[Delta], Awaitable[None]]):
+    async def _serve(self, msg, context, emit: Callable[[Delta], Awaitable[None]]) -> GenerationResult:
+        try:
+            request = wire.generation_request_from_proto(msg)
+        except InvalidArgument:
+            metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
+            raise
+        return await self.generate(request, emit, context.time_remaining())
+
+    async def generate(self, request: GenerationRequest, emit: Callable[[Delta], Awaitable[None]],
+                       timeout: float | None = None) -> GenerationResult:
+        """Run one validated request to its end, passing each final chunk to
+        ``emit``: the one generation path of every public API (the gRPC
+        handlers above, the HTTP API of ``orchestrator.http``). Errors are
+        raised as ``SpecdecError``s (their ``code`` is the status); cancelling
+        the caller's task stops the generation and releases both sessions."""
         start = time.perf_counter()
         status = "OK"
         gen = None
+        deadline = Deadline(timeout)
         self.active += 1
         self.stats.update(self.active)
         try:
-            request = wire.generation_request_from_proto(msg)
             if request.request_id:
                 request_id_var.set(request.request_id)
             if self.verifier_info is None:
                 raise Unavailable("not ready: waiting for a verifier")
             self.lifecycle.check(opens_session=True)
-            gen = self._prepare(request, Deadline(context.time_remaining()))
+            gen = self._prepare(request, deadline)
             await gen.run(emit)
             gen.dec.finish()
-            return gen, self._stats(gen)
+            return GenerationResult(gen.text.text, list(gen.dec.tokens), self._stats(gen))
         except asyncio.CancelledError:
-            status = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
+            status = "DEADLINE_EXCEEDED" if _expired(deadline) else "CANCELLED"
             raise
-        except Exception as exc:              # the server's interceptor answers it
+        except Exception as exc:              # the caller answers it (the gRPC interceptor, the HTTP layer)
             status = status_code_of(exc).name
             raise
         finally:
@@ -274,9 +297,5 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
 
 
-def _expired(context) -> bool:
-    try:
-        left = context.time_remaining()
-    except Exception:
-        return False
-    return left is not None and left <= 0
+def _expired(deadline: Deadline) -> bool:
+    return deadline.at is not None and time.monotonic() >= deadline.at
