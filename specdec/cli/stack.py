@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec import knobs
+from specdec.cli.http_flags import add_http_flags, add_up_http_flag, http_config_from, up_http_port
 from specdec.cli.serve import add_server_flags, server_config_from
 from specdec.params import METHODS, REQUEST_METHODS, VANILLA, TreeParams
 
@@ -122,6 +123,7 @@ def add_orchestrator_parser(sub) -> None:
     b.add_argument("--backend-key", default=_env("SPECDEC_BACKEND_KEY"), help="client key (mutual TLS)")
     b.add_argument("--backend-token", default=_env("SPECDEC_BACKEND_TOKEN"), help="bearer token for the backends")
     add_server_flags(p, *ORCHESTRATOR_PORTS)
+    add_http_flags(p)
     p.set_defaults(run=run_orchestrator)
 
 
@@ -170,25 +172,45 @@ def run_orchestrator(args) -> int:
 
     config = orchestrator_config(args)
     cfg = server_config_from(args)
-    tokenizer = TextTokenizer.load(args.tokenizer or demo_path("target"))
+    tokenizer_dir = args.tokenizer or demo_path("target")
+    tokenizer = TextTokenizer.load(tokenizer_dir)
+    http = http_config_from(args, cfg, tokenizer_dir)
     configure_logging("orchestrator", args.log_level)
     servicer = OrchestratorService(config, tokenizer)
     try:
-        asyncio.run(_serve_orchestrator(cfg, servicer, args.ready_file))
+        asyncio.run(_serve_orchestrator(cfg, servicer, args.ready_file, http))
     except OSError as exc:
         raise CliError(str(exc)) from None
     return 0
 
 
-async def _serve_orchestrator(cfg, servicer, ready_file: str | None) -> None:
-    """Listen at once, go ready when the backends answer; a SIGTERM while
-    waiting for them stops the server too."""
-    from specdec.server import install_signal_drain, start_server
+async def _serve_orchestrator(cfg, servicer, ready_file: str | None, http=None) -> None:
+    """Listen at once (gRPC, and HTTP with ``http``), go ready when the
+    backends answer; a SIGTERM while waiting for them stops the server too."""
+    from orchestrator.http_server import start_http
+    from specdec.server import start_server
 
     server = await start_server(cfg, [servicer.registration()], "orchestrator")
+    try:
+        http_server = None if http is None else await start_http(servicer, http)
+    except OSError:
+        await server.stop(None)
+        raise
+    try:
+        await _serve_until_stopped(server, servicer, ready_file, http_server, cfg.drain_s)
+    finally:
+        if http_server is not None:
+            await http_server.stop()
+
+
+async def _serve_until_stopped(server, servicer, ready_file: str | None, http_server, drain_s: float) -> None:
+    from specdec.server import install_signal_drain
+
     record = server.listening_record()
+    if http_server is not None:
+        record["http_port"] = http_server.port
     print(json.dumps(record), flush=True)
-    install_signal_drain(server, cfg.drain_s)
+    install_signal_drain(server, drain_s)
     connect = asyncio.create_task(servicer.connect())
     stopped = asyncio.create_task(server.wait())
     await asyncio.wait([connect, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -213,6 +235,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--port", type=int, default=ORCHESTRATOR_PORTS[0], help="orchestrator port (0 = any free port)")
     p.add_argument("--metrics-port", default="0", help="orchestrator metrics port (0 = any free port, 'off')")
+    add_up_http_flag(p)
     add_model_flags(p)
     p.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=REQUEST_METHODS,
                    help="default tree method (vanilla: no drafter process)")
@@ -241,6 +264,7 @@ class Child:
     proc: subprocess.Popen
     port: int | None = None
     lines: list[str] = field(default_factory=list)
+    http_port: int | None = None       # the orchestrator's OpenAI-compatible API, if served
 
     @property
     def address(self) -> str:
@@ -316,6 +340,7 @@ def _read_stdout(child: Child) -> None:
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict) and record.get("event") == "listening":
+                child.http_port = record.get("http_port")
                 child.port = int(record["port"])
 
 
@@ -487,6 +512,9 @@ def run_up(args) -> int:
         orch_argv = ["orchestrator", "serve", "--verifier", ",".join(c.address for c in verifiers),
                      "--tokenizer", tokenizer, "--host", "127.0.0.1", "--port", str(args.port),
                      "--metrics-port", str(args.metrics_port), "--drain-s", "2", "--log-level", args.log_level]
+        http_port = up_http_port(args)
+        if http_port is not None:
+            orch_argv += ["--http-port", str(http_port)]
         if drafters:
             orch_argv += ["--drafter", ",".join(c.address for c in drafters), "--method", args.method]
         orchestrator = _spawn("orchestrator", orch_argv, module="specdec.cli.stack")
@@ -497,6 +525,8 @@ def run_up(args) -> int:
             _write_state(args.state, orchestrator, verifiers, drafters)
         where = ", ".join(f"{c.name} {c.address}" for c in verifiers + drafters)
         print(f"specdec up: orchestrator on {orchestrator.address} ({where})", flush=True)
+        if orchestrator.http_port is not None:
+            print(f"specdec up: OpenAI-compatible API on http://127.0.0.1:{orchestrator.http_port}/v1", flush=True)
         if args.demo_generation:
             _demo(orchestrator.address, args.demo_max_new_tokens)
             if args.exit_after_demo:
