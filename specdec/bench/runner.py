@@ -52,6 +52,7 @@ DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
 ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top")
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
+OPENAI_METHOD = "openai"         # with --openai-url: that OpenAI-compatible server (bench.openai_peer)
 CALIBRATED = "eagle2"                      # the method whose trees feed the calibration plot
 
 
@@ -283,6 +284,9 @@ class BenchConfig:
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)
     lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
+    openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)
+    openai_model: str | None = None  # its model id (None: the first it lists)
+    openai_key: str | None = None    # its bearer token
 
     def gate(self, drafter_kind: str) -> float:
         """The min_tau a method with this drafter kind runs with."""
@@ -426,6 +430,13 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
             from specdec.bench.services import grpc_methods
 
             methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))
+        if cfg.openai_url:
+            from specdec.bench.openai_peer import OpenAIPeer
+
+            methods[OPENAI_METHOD] = peer = OpenAIPeer(
+                cfg.openai_url, cfg.max_new_tokens, cfg.temperature, cfg.openai_model, cfg.openai_key,
+                encode=lambda text: models.tokenizer(text, add_special_tokens=False)["input_ids"])
+            stack.callback(peer.close)
         totals = measure(methods, prompts, cfg.repeats, cfg.seed, on_warm=recorder.clear, progress=progress)
     points = recorder.points()
     return {
@@ -439,6 +450,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                  "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
         "repeats": cfg.repeats,
+        "openai_url": cfg.openai_url,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},
         "peers": {"hf-assisted": "assistant_model = draft LM, HF default assistant-token schedule",
                   "hf-prompt-lookup": f"prompt_lookup_num_tokens = {PROMPT_LOOKUP_TOKENS}"},
