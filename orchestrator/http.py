@@ -101,7 +101,8 @@ def api_error(exc: BaseException, req: schema.CommonRequest | None = None) -> Ap
     """The OpenAI error for a failure of the service (its status code decides)."""
     if isinstance(exc, ApiError):
         return exc
-    code = "DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else status_code_of(exc).name
+    timed_out = isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+    code = "DEADLINE_EXCEEDED" if timed_out else status_code_of(exc).name
     status, kind, err_code = ERRORS.get(code, INTERNAL)
     message = str(exc) or type(exc).__name__
     param = None
@@ -143,8 +144,7 @@ class Run:
 
         cap = None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S
         try:
-            async with asyncio.timeout(cap):
-                result = await self.service.generate(request, emit, self.timeout_s)
+            result = await asyncio.wait_for(self.service.generate(request, emit, self.timeout_s), cap)
         except Exception as exc:
             self.queue.put_nowait(Event(index, error=exc))
         else:

@@ -80,3 +80,18 @@ def test_error_before_the_first_token_keeps_its_status(api):
     resp, raw = stream(api, "/v1/completions", {"prompt": "x", "max_tokens": 5000, "stream": True})
     assert resp.status_code == 400
     assert json.loads(raw)["error"]["param"] == "max_tokens"
+
+
+def test_an_error_after_the_first_token_is_an_event(api):
+    """Headers are out with the first text: a later failure (here the server's
+    0.3 s request timeout) is an error event, then [DONE]."""
+    body = {"prompt": "class Point:", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", api.root("timeout") + "/v1/completions", json=body, timeout=60) as resp:
+        raw = resp.read()
+    assert resp.status_code == 200
+    payloads = events(raw)
+    assert payloads[-1] == b"[DONE]"
+    error = json.loads(payloads[-2])
+    assert set(error) == {"error"} and error["error"]["code"] == "timeout" and error["error"]["type"] == "server_error"
+    assert all("choices" in json.loads(p) for p in payloads[:-2])
+    assert api.wait_closed() == {"verifier": 0, "drafter-eagle": 0}
