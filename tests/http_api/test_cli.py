@@ -11,7 +11,7 @@ import sys
 import httpx
 import openai
 
-from conftest import TOKEN, wait_until
+from http_api.helpers import TOKEN, wait_until
 
 
 def test_orchestrator_serve_with_http(api, tmp_path):

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import TOKEN, wait_until
+from http_api.helpers import TOKEN, wait_until
 from services.helpers import channel_to
 from specdec.v1.common_pb2 import SamplingParams
 from specdec.v1.verifier_pb2 import VerifierPrefillRequest, VerifierReleaseRequest

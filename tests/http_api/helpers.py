@@ -1,6 +1,7 @@
-"""A tiny-family stack with the OpenAI-compatible HTTP API on its orchestrators (127.0.0.1, free ports).
+"""Helpers of the HTTP API tests: a tiny-family stack with the OpenAI-compatible
+API on its orchestrator (127.0.0.1, free ports). The ``api`` fixture (conftest)
+serves, on the same orchestrator:
 
-``api.url(name)`` is the base URL (``.../v1``) of the HTTP server ``name``:
 - "eagle": orchestrator with the EAGLE drafter, a chat template, no token;
 - "plain": the same orchestrator, no chat template;
 - "auth": the same orchestrator, bearer token ``TOKEN``;
@@ -13,9 +14,6 @@ import json
 import shutil
 import time
 
-import pytest
-
-from orchestrator.chat_template import load_chat_template
 from orchestrator.http import HttpConfig
 from orchestrator.http_server import start_http
 from running_stack import Stack
@@ -66,22 +64,6 @@ class Api:
         for name in list(self.http):
             self.stop(name)
         self.stack.close()
-
-
-@pytest.fixture(scope="package")
-def api(tiny_family, tmp_path_factory):
-    stack = Stack(tiny_family)
-    stack.add_verifier("verifier")
-    stack.add_drafter("drafter-eagle", "eagle")
-    stack.add_orchestrator("eagle", drafter="drafter-eagle")
-    a = Api(stack)
-    template = load_chat_template(chat_tokenizer_dir(tiny_family, tmp_path_factory.mktemp("chat")))
-    a.serve("eagle", "eagle", chat_template=template)
-    a.serve("plain", "eagle")
-    a.serve("auth", "eagle", auth_token=TOKEN, chat_template=template)
-    a.serve("timeout", "eagle", timeout_s=0.3)
-    yield a
-    a.close()
 
 
 def wait_until(predicate, timeout: float = 5.0) -> bool:

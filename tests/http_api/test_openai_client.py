@@ -8,7 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from conftest import CHAT_TEMPLATE
+from http_api.helpers import CHAT_TEMPLATE
 from specdec.client import SpecdecClient
 
 PROMPTS = ["def add(a, b):", "for i in range(3):\n"]

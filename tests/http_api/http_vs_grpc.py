@@ -1,6 +1,6 @@
 """What the HTTP API adds to a request's wall time over gRPC (a measurement, not a test).
 
-    PYTHONPATH=. python tests/http/http_vs_grpc.py [--repeats 3] [--prompts 4] [--max-new-tokens 128]
+    PYTHONPATH=. python tests/http_api/http_vs_grpc.py [--repeats 3] [--prompts 4] [--max-new-tokens 128]
 
 Starts ``specdec up`` (the bundled demo family, eagle2, free ports), then
 sends each bench prompt, greedy, for ``--max-new-tokens`` tokens, as four
