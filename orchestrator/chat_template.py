@@ -77,9 +77,11 @@ class ChatTemplate:
             raise ValueError(f"chat template {self.origin} does not parse: {exc}") from None
         object.__setattr__(self, "compiled", compiled)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text; InvalidArgument (field ``messages``) when the template refuses them."""
-        variables = {**self.special_tokens, **kwargs, "messages": messages,
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, extra: dict | None = None) -> str:
+        """The prompt text; ``extra``: more template variables (a request's
+        ``chat_template_kwargs``). InvalidArgument (field ``messages``) when
+        the template refuses them."""
+        variables = {**self.special_tokens, **(extra or {}), "messages": messages,
                      "add_generation_prompt": add_generation_prompt}
         try:
             return self.compiled.render(**variables)

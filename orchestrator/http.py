@@ -227,7 +227,7 @@ class OpenAIApi:
             raise InvalidArgument("messages: this model has no chat template (start the server with "
                                   "--chat-template FILE)")
         text = template.render(schema.chat_messages(req), add_generation_prompt=True,
-                               **(req.chat_template_kwargs or {}))
+                               extra=req.chat_template_kwargs)
         return self.without_added_bos(text, template)
 
     def without_added_bos(self, text: str, template: ChatTemplate) -> str:
@@ -255,7 +255,7 @@ class OpenAIApi:
         try:
             if req.stream:
                 first = await run.next()
-                return StreamingResponse(self.stream(run, first, req, meta, len(prompts)),
+                return StreamingResponse(self.stream(run, first, req, meta),
                                          media_type="text/event-stream",
                                          headers={"cache-control": "no-cache", "x-request-id": rid})
             results = await run.results()
@@ -279,8 +279,7 @@ class OpenAIApi:
         prompt = sum(r.stats.prompt_tokens for r in results[::n])
         return schema.usage(prompt, sum(r.stats.completion_tokens for r in results))
 
-    async def stream(self, run: Run, first: Event, req: schema.CommonRequest, meta: tuple,
-                     prompts: int) -> AsyncIterator[bytes]:
+    async def stream(self, run: Run, first: Event, req: schema.CommonRequest, meta: tuple) -> AsyncIterator[bytes]:
         kind, rid, created, model = meta
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 

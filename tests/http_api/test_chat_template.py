@@ -44,7 +44,10 @@ def test_renders_like_transformers(tiny_family, tmp_path):
                                    meta={"lang": "español"})
     config = json.loads((tiny_family["target"] / "tokenizer_config.json").read_text())
     template = ChatTemplate(TEMPLATE, special_tokens(config), "test")
-    assert template.render(MESSAGES, add_generation_prompt=True, meta={"lang": "español"}) == want
+    assert template.render(MESSAGES, add_generation_prompt=True, extra={"meta": {"lang": "español"}}) == want
+    # extra variables never replace the conversation itself
+    assert template.render(MESSAGES, extra={"meta": {"lang": "español"}, "messages": [],
+                                            "add_generation_prompt": False}) == want
     assert "español" in want and tok.bos_token in want
     no_prompt = tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=False)
     assert template.render(MESSAGES, add_generation_prompt=False) == no_prompt
