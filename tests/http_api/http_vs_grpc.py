@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python tests/http_api/http_vs_grpc.py [--repeats 3] [--prompts 4] [--max-new-tokens 128]
 
-Starts ``specdec up`` (the bundled demo family, eagle2, free ports), then
+Starts ``specdec up`` (the bundled demo family unless ``--up-args`` names
+other models; eagle2, free ports), then
 sends each bench prompt, greedy, for ``--max-new-tokens`` tokens, as four
 kinds of request interleaved (order rotated per round): gRPC ``Complete`` and
 streamed ``Generate`` (the SDK), HTTP ``/v1/completions`` whole and streamed
@@ -29,8 +30,8 @@ from specdec.client import SpecdecClient
 PROMPTS = Path(__file__).resolve().parents[2] / "specdec" / "bench" / "prompts.jsonl"
 
 
-def start_up() -> tuple[subprocess.Popen, str, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "up", "--port", "0"],
+def start_up(extra: list[str]) -> tuple[subprocess.Popen, str, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli.main", "up", "--port", "0", *extra],
                             stdout=subprocess.PIPE, text=True)
     grpc_line, http_line = proc.stdout.readline(), proc.stdout.readline()
     address = re.search(r"orchestrator on (\S+)", grpc_line).group(1)
@@ -43,9 +44,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--up-args", default="", help="more `specdec up` flags, e.g. '--target DIR --eagle DIR'")
     args = p.parse_args()
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()[:args.prompts]]
-    proc, address, url = start_up()
+    proc, address, url = start_up(args.up_args.split())
     n = args.max_new_tokens
     try:
         sdk = SpecdecClient(address, timeout=600)
