@@ -129,9 +129,11 @@ class Run:
 
     GONE = Event(-1)
 
-    def __init__(self, service: OrchestratorService, requests: list, timeout_s: float | None, receive):
+    def __init__(self, service: OrchestratorService, requests: list, timeout_s: float | None, receive,
+                 stream: bool):
         self.service = service
         self.timeout_s = timeout_s
+        self.stream = stream                    # False: only each choice's end is an event
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.left = len(requests)
         self.tasks = [asyncio.create_task(self._one(i, r)) for i, r in enumerate(requests)]
@@ -139,7 +141,7 @@ class Run:
 
     async def _one(self, index: int, request) -> None:
         async def emit(delta) -> None:
-            if delta.text:
+            if delta.text and self.stream:
                 self.queue.put_nowait(Event(index, delta.text))
 
         cap = None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S
@@ -250,7 +252,7 @@ class OpenAIApi:
         except SpecdecError as exc:
             return api_error(exc, req).response()
         requests = [r for first in firsts for r in schema.choice_requests(first, req.n)]
-        run = Run(self.service, requests, self.config.timeout_s, request.receive)
+        run = Run(self.service, requests, self.config.timeout_s, request.receive, req.stream)
         meta = (kind, schema.new_id(kind), int(time.time()), model)
         try:
             if req.stream:
