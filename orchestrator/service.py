@@ -9,7 +9,9 @@ session ids (uuid4), seeds (one is drawn when the request has none, and sent
 to the verifier), tree knobs (request, else this server's defaults
 ``OrchestratorConfig.tree``, clamped to the pinned drafter's limits) and the deadline, passed down as the timeout
 of every internal call. A client cancel or an expired deadline cancels the
-handler; the loop's ``finally`` releases both sessions.
+handler; the loop's ``finally`` releases both sessions. ``generate`` is that
+path as a public call, taking a validated request: the gRPC handlers and the
+HTTP API (``orchestrator.http``, in the same process) both use it.
 
 Readiness: ``connect`` returns once a verifier answers GetInfo (which it does
 only when loaded) and, if drafters are configured, a drafter too, or
