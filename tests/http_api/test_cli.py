@@ -43,3 +43,32 @@ def test_orchestrator_serve_with_http(api, tmp_path):
             proc.kill()
             proc.wait()
     assert stack.wait_sessions_closed("verifier", "drafter-eagle") == {"verifier": 0, "drafter-eagle": 0}
+
+
+def test_sigterm_drains_an_http_stream(api):
+    """A SIGTERM while a stream runs: the stream still ends with its last chunk
+    and [DONE] (the drain waits for HTTP generations too), then the process exits."""
+    stack = api.stack
+    cmd = [sys.executable, "-m", "specdec.cli.stack", "orchestrator", "serve", "--port", "0",
+           "--metrics-port", "off", "--verifier", stack.address("verifier"), "--tokenizer",
+           str(stack.paths["target"]), "--http-port", "0", "--drain-s", "20"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        root = f"http://127.0.0.1:{json.loads(proc.stdout.readline())['http_port']}"
+        assert wait_until(lambda: httpx.get(root + "/health", timeout=5).status_code == 200, timeout=60)
+        body = {"prompt": "class Point:", "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", root + "/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        events = [first, *rest]
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert last["choices"][0]["specdec"]["completion_tokens"] == 300
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
