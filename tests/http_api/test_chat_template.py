@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
 
 from orchestrator.chat_template import ChatTemplate, load_chat_template, special_tokens
+from orchestrator.http import HttpConfig, OpenAIApi
+from orchestrator.text import TextTokenizer
 from specdec.errors import InvalidArgument
 
 # A template in the style of real ones: loop controls, tojson, generation
@@ -88,3 +93,20 @@ def test_the_demo_tokenizer_has_no_template():
     from specdec.models import demo_path
 
     assert load_chat_template(demo_path("target")) is None
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_a_bos_is_encoded_once(tiny_family, adds_bos):
+    """A template writes BOS; a tokenizer that adds one itself must not get a second."""
+    tok = Tokenizer.from_file(str(tiny_family["target"] / "tokenizer.json"))
+    bos = json.loads((tiny_family["target"] / "tokenizer_config.json").read_text())["bos_token"]
+    bos_id = tok.token_to_id(bos)
+    if adds_bos:
+        tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+    text_tok = TextTokenizer(tok, frozenset())
+    template = ChatTemplate("{{ bos_token }}{{ messages[0].content }}", {"bos_token": bos}, "test")
+    api = OpenAIApi(SimpleNamespace(tokenizer=text_tok), HttpConfig(chat_template=template))
+    prompt = api.without_added_bos(template.render([{"role": "user", "content": "def add"}]), template)
+    ids = text_tok.encode(prompt)
+    assert ids[0] == bos_id and ids.count(bos_id) == 1
+    assert prompt == ("def add" if adds_bos else bos + "def add")
