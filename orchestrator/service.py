@@ -9,7 +9,9 @@ session ids (uuid4), seeds (one is drawn when the request has none, and sent
 to the verifier), tree knobs (request, else this server's defaults
 ``OrchestratorConfig.tree``, clamped to the pinned drafter's limits) and the deadline, passed down as the timeout
 of every internal call. A client cancel or an expired deadline cancels the
-handler; the loop's ``finally`` releases both sessions.
+handler; the loop's ``finally`` releases both sessions. ``generate`` is that
+path as a public call, taking a validated request: the gRPC handlers and the
+HTTP API (``orchestrator.http``, in the same process) both use it.
 
 Readiness: ``connect`` returns once a verifier answers GetInfo (which it does
 only when loaded) and, if drafters are configured, a drafter too, or
@@ -25,7 +27,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Awaitable, Callable, Sequence
 
@@ -109,6 +111,21 @@ class OrchestratorConfig:
         return Discovery(self.drafter, self.drafter_dns)
 
 
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished choice: the output (cut at a stop string), its statistics
+    and its tokens' logprobs (``specdec.params.TokenLogprob``; none unless asked for)."""
+
+    text: str
+    token_ids: list[int]
+    stats: orchestrator_pb2.GenerationStats
+    logprobs: list = field(default_factory=list)
+
+
+# What a generation hears as it runs: (choice index, a final chunk, its tokens' logprobs).
+Emit = Callable[[int, Delta, list], Awaitable[None]]
+
+
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     role = "orchestrator"
 
@@ -180,51 +197,68 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         choices run concurrently and a stream takes one write at a time."""
         writing = asyncio.Lock()
 
-        async def emit(index: int, gen: Generation, delta: Delta) -> None:
+        async def emit(index: int, delta: Delta, logprobs: list) -> None:
             chunk = orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text, index=index,
-                                                logprobs=_sent_logprobs(gen, delta))
+                                                logprobs=wire.logprobs_to_proto(logprobs))
             async with writing:
                 await context.write(orchestrator_pb2.GenerateResponse(chunk=chunk))
 
-        gens, stats = await self._serve(request, context, emit)
-        for final in stats:
-            await context.write(orchestrator_pb2.GenerateResponse(final=final))
+        results = await self._serve(request, context, emit)
+        for result in results:
+            await context.write(orchestrator_pb2.GenerateResponse(final=result.stats))
 
     async def Complete(self, request, context):
-        async def emit(index: int, gen: Generation, delta: Delta) -> None:
+        async def emit(index: int, delta: Delta, logprobs: list) -> None:
             return None
 
-        gens, stats = await self._serve(request.request, context, emit)
-        choices = [orchestrator_pb2.Choice(index=i, text=gen.text.text, token_ids=gen.dec.tokens,
-                                           logprobs=wire.logprobs_to_proto(gen.dec.logprobs), stats=s)
-                   for i, (gen, s) in enumerate(zip(gens, stats))]
+        results = await self._serve(request.request, context, emit)
+        choices = [orchestrator_pb2.Choice(index=i, text=r.text, token_ids=r.token_ids,
+                                           logprobs=wire.logprobs_to_proto(r.logprobs), stats=r.stats)
+                   for i, r in enumerate(results)]
         first = choices[0]
         return orchestrator_pb2.CompleteResponse(text=first.text, token_ids=first.token_ids, stats=first.stats,
                                                  logprobs=first.logprobs, choices=choices)
 
-    async def _serve(self, msg, context, emit: Callable[[int, Generation, Delta], Awaitable[None]]):
-        """Run a request's choices (each its own sessions) -> (generations, their stats)."""
+    async def _serve(self, msg, context, emit: Emit) -> list[GenerationResult]:
+        try:
+            request = wire.generation_request_from_proto(msg)
+        except InvalidArgument:
+            metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
+            raise
+        return await self.generate(request, emit, context.time_remaining())
+
+    async def generate(self, request: GenerationRequest, emit: Emit,
+                       timeout: float | None = None) -> list[GenerationResult]:
+        """Run one validated request to its end, its ``n`` choices concurrently
+        (each its own sessions), passing each final chunk to ``emit`` with its
+        choice and its tokens' logprobs: the one generation path of every
+        public API (the gRPC handlers above, the HTTP API of
+        ``orchestrator.http``). Returns the choices in order. Errors are
+        raised as ``SpecdecError``s (their ``code`` is the status); the first
+        failing choice cancels the others; cancelling the caller's task stops
+        the generations and releases their sessions."""
         start = time.perf_counter()
         status = "OK"
         gens: list[Generation] = []
+        deadline = Deadline(timeout)
         self.active += 1
         self.stats.update(self.active)
         try:
-            request = wire.generation_request_from_proto(msg)
             if request.request_id:
                 request_id_var.set(request.request_id)
             if self.verifier_info is None:
                 raise Unavailable("not ready: waiting for a verifier")
             self.lifecycle.check(opens_session=True)
-            gens = self._prepare(request, Deadline(context.time_remaining()))
-            await _run_all([gen.run(partial(emit, i, gen)) for i, gen in enumerate(gens)])
+            gens = self._prepare(request, deadline)
+            await run_all([gen.run(partial(choice_emit, emit, i, gen)) for i, gen in enumerate(gens)])
             for gen in gens:
                 gen.dec.finish()
-            return gens, [self._stats(gen, i) for i, gen in enumerate(gens)]
+            return [GenerationResult(gen.text.text, list(gen.dec.tokens), self._stats(gen, i), list(gen.dec.logprobs))
+                    for i, gen in enumerate(gens)]
         except asyncio.CancelledError:
-            status = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
+            status = "DEADLINE_EXCEEDED" if _expired(deadline) else "CANCELLED"
             raise
-        except Exception as exc:              # the server's interceptor answers it
+        except Exception as exc:              # the caller answers it (the gRPC interceptor, the HTTP layer)
             status = status_code_of(exc).name
             raise
         finally:
@@ -318,13 +352,14 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
 
 
-def _sent_logprobs(gen: Generation, delta: Delta) -> list:
-    """The logprobs of a chunk's tokens (the last ``len(delta.token_ids)`` the text stream sent), as messages."""
+async def choice_emit(emit: Emit, index: int, gen: Generation, delta: Delta) -> None:
+    """Pass choice ``index``'s chunk on with the logprobs of its tokens (the
+    last ``len(delta.token_ids)`` the text stream sent)."""
     end = gen.text.sent_tokens
-    return wire.logprobs_to_proto(gen.dec.logprobs[end - len(delta.token_ids):end])
+    await emit(index, delta, gen.dec.logprobs[end - len(delta.token_ids):end])
 
 
-async def _run_all(runs: list[Awaitable[None]]) -> None:
+async def run_all(runs: list[Awaitable[None]]) -> None:
     """Await every choice's run; the first failure cancels the others (whose
     ``finally`` releases their sessions) and is raised."""
     if len(runs) == 1:
@@ -340,9 +375,5 @@ async def _run_all(runs: list[Awaitable[None]]) -> None:
         raise
 
 
-def _expired(context) -> bool:
-    try:
-        left = context.time_remaining()
-    except Exception:
-        return False
-    return left is not None and left <= 0
+def _expired(deadline: Deadline) -> bool:
+    return deadline.at is not None and time.monotonic() >= deadline.at
