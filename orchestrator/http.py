@@ -7,8 +7,8 @@ and ``GET /health/live`` (200 while the process serves: the liveness probe).
 
 Every generation runs in this process, on the same path as the gRPC
 handlers (``OrchestratorService.generate``): no extra hop. A request becomes
-one ``GenerationRequest`` per prompt and choice (``orchestrator.openai_schema``),
-run concurrently; the client's disconnect (noticed while waiting, streaming
+one ``GenerationRequest`` per prompt (``orchestrator.openai_schema``), its
+``n`` choices run by the service, the prompts concurrently; the client's disconnect (noticed while waiting, streaming
 or not) cancels them all, which releases every session on both backends.
 
 Streaming (``stream: true``) answers with server-sent events, each
