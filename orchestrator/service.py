@@ -2,7 +2,8 @@
 
 The servicer converts a request once (``specdec.wire`` into a validated
 ``specdec.params.GenerationRequest``: INVALID_ARGUMENT naming the field, before
-any backend is called), applies this server's defaults and limits, tokenizes it, runs ``orchestrator.loop.Generation`` on the verifier and
+any backend is called), applies this server's defaults and limits, tokenizes
+it, runs ``orchestrator.loop.Generation`` (one per choice) on the verifier and
 drafter the ``orchestrator.routing.Router`` pins it to, and translates chunks
 and statistics into messages. It owns what the services must agree on:
 session ids (uuid4), seeds (one is drawn when the request has none, and sent

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from specdec.bench.calibration import TreeRecorder, calibration_bins
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
-from specdec.bench.runner import (CALIBRATED, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod, Method, Prompt,
-                                  device_name, measure, method_tree, summarize, with_references)
+from specdec.bench.runner import (CALIBRATED, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod,
+                                  Method, Prompt, device_name, measure, method_tree, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
