@@ -130,8 +130,10 @@ class RemoteVerifier(Backend):
 
     role = "verifier"
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases,
+                 logprobs: int | None = None):
         super().__init__(pool, session_id, deadline, leases)
+        self.logprobs = logprobs                 # top alternatives per token's logprob; None: no logprobs
         self.opened = False                      # the pinned verifier answered the session's Prefill
         self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
         self.committed: list[int] = []           # prompt + every token committed
@@ -153,17 +155,22 @@ class RemoteVerifier(Backend):
         self.prompt_len, self.max_new_tokens = len(prompt), max_new_tokens
         first = await self.on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling, max_new_tokens=max_new_tokens,
-            return_features=features, owner=self.leases.owner))
+            return_features=features, owner=self.leases.owner, logprobs=self.logprobs))
         self.opened = True
         self.committed = [*prompt, first.token]
-        return Committed([first.token], [], first.features)
+        return Committed([first.token], [], first.features, self.read_logprobs(first.logprobs))
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
         result = await self.on_verifier("Verify", verifier_pb2.VerifyRequest(
             session_id=self.session_id, tree=tree, return_features=features))
         self.committed.extend(result.tokens)
-        return Committed(list(result.tokens), list(result.accepted_nodes), result.features)
+        return Committed(list(result.tokens), list(result.accepted_nodes), result.features,
+                         self.read_logprobs(result.logprobs))
+
+    def read_logprobs(self, msgs) -> list | None:
+        """The tokens' logprobs as ``specdec.params.TokenLogprob``; None when the session asked for none."""
+        return wire.logprobs_from_proto(msgs) if self.logprobs is not None else None
 
     def release_request(self):
         return verifier_pb2.VerifierReleaseRequest(session_id=self.session_id)
@@ -181,11 +188,14 @@ class RemoteVerifier(Backend):
                 await self.resume()
 
     async def resume(self) -> None:
-        """Open the session on the newly pinned verifier from the committed tokens."""
+        """Open the session on the newly pinned verifier from the committed tokens
+        (the first ``prompt_len`` of them the prompt, which the repetition
+        penalty counts apart from the output)."""
         remaining = self.max_new_tokens - (len(self.committed) - self.prompt_len)
         request = verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=self.committed, sampling=self.sampling,
-            max_new_tokens=max(remaining, 0), resume=True, owner=self.leases.owner)
+            max_new_tokens=max(remaining, 0), resume=True, owner=self.leases.owner, logprobs=self.logprobs,
+            prompt_tokens=self.prompt_len)
         while True:
             try:
                 await self.call("Prefill", request)

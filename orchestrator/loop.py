@@ -55,6 +55,7 @@ class Job:
     max_new_tokens: int
     sampling: SamplingParams          # seed always set
     tree: TreeParams | None           # explicit knobs; None: root-only trees
+    logprobs: int | None = None       # top alternatives per token's logprob; None: no logprobs
 
 
 class Generation:
@@ -68,7 +69,8 @@ class Generation:
         self.gate_by_kind = gate_by_kind    # the gate's min_tau follows the first pinned drafter's kind
         self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
-        self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases)
+        self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases,
+                                              job.logprobs)
         self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases)
                                if job.tree is not None
                                else None)

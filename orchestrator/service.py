@@ -2,14 +2,17 @@
 
 The servicer converts a request once (``specdec.wire`` into a validated
 ``specdec.params.GenerationRequest``: INVALID_ARGUMENT naming the field, before
-any backend is called), applies this server's defaults and limits, tokenizes it, runs ``orchestrator.loop.Generation`` on the verifier and
+any backend is called), applies this server's defaults and limits, tokenizes
+it, runs ``orchestrator.loop.Generation`` (one per choice) on the verifier and
 drafter the ``orchestrator.routing.Router`` pins it to, and translates chunks
 and statistics into messages. It owns what the services must agree on:
 session ids (uuid4), seeds (one is drawn when the request has none, and sent
 to the verifier), tree knobs (request, else this server's defaults
 ``OrchestratorConfig.tree``, clamped to the pinned drafter's limits) and the deadline, passed down as the timeout
 of every internal call. A client cancel or an expired deadline cancels the
-handler; the loop's ``finally`` releases both sessions.
+handler; the loop's ``finally`` releases both sessions. ``generate`` is that
+path as a public call, taking a validated request: the gRPC handlers and the
+HTTP API (``orchestrator.http``, in the same process) both use it.
 
 Readiness: ``connect`` returns once a verifier answers GetInfo (which it does
 only when loaded) and, if drafters are configured, a drafter too, or
@@ -25,8 +28,9 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, replace
-from typing import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Awaitable, Callable, Sequence
 
 from orchestrator.loop import Deadline, Generation, Job
 from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
@@ -35,7 +39,7 @@ from specdec import metrics, wire
 from specdec.decoding import Decoding, StopCriteria
 from specdec.errors import InvalidArgument, Unavailable
 from specdec.logs import request_id_var
-from specdec.params import VANILLA, GenerationRequest, TreeParams
+from specdec.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
 from specdec.server import ClientTls, Lifecycle, status_code_of
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 
@@ -43,6 +47,8 @@ log = logging.getLogger("specdec.orchestrator")
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 DRAFTER_WAIT_S = 60.0          # readiness waits this long for a drafter once a verifier answers
+# Renders a request's chat messages into the prompt text (the model's chat template).
+ChatRenderer = Callable[[Sequence[ChatMessage]], str]
 
 
 @dataclass(frozen=True)
@@ -106,12 +112,29 @@ class OrchestratorConfig:
         return Discovery(self.drafter, self.drafter_dns)
 
 
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished choice: the output (cut at a stop string), its statistics
+    and its tokens' logprobs (``specdec.params.TokenLogprob``; none unless asked for)."""
+
+    text: str
+    token_ids: list[int]
+    stats: orchestrator_pb2.GenerationStats
+    logprobs: list = field(default_factory=list)
+
+
+# What a generation hears as it runs: (choice index, a final chunk, its tokens' logprobs).
+Emit = Callable[[int, Delta, list], Awaitable[None]]
+
+
 class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     role = "orchestrator"
 
-    def __init__(self, config: OrchestratorConfig, tokenizer: TextTokenizer, resolver: Resolver = resolve_dns):
+    def __init__(self, config: OrchestratorConfig, tokenizer: TextTokenizer, resolver: Resolver = resolve_dns,
+                 chat_renderer: ChatRenderer | None = None):
         self.config = config
         self.tokenizer = tokenizer
+        self.chat_renderer = chat_renderer   # None: requests with messages are refused
         self.resolver = resolver             # DNS lookups (HOST, PORT) -> [HOST:PORT]
         self.lifecycle = Lifecycle()
         self.lifecycle.busy = lambda: self.active > 0
@@ -170,41 +193,73 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     # -- RPCs -----------------------------------------------------------------------------
     async def Generate(self, request, context):
-        async def emit(delta: Delta) -> None:
-            await context.write(orchestrator_pb2.GenerateResponse(
-                chunk=orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text)))
+        """Chunks as tokens are committed (choices interleaved, each chunk naming
+        its choice), then one final stats message per choice, in order. The
+        choices run concurrently and a stream takes one write at a time."""
+        writing = asyncio.Lock()
 
-        gen, stats = await self._serve(request, context, emit)
-        await context.write(orchestrator_pb2.GenerateResponse(final=stats))
+        async def emit(index: int, delta: Delta, logprobs: list) -> None:
+            chunk = orchestrator_pb2.TokenChunk(token_ids=delta.token_ids, text=delta.text, index=index,
+                                                logprobs=wire.logprobs_to_proto(logprobs))
+            async with writing:
+                await context.write(orchestrator_pb2.GenerateResponse(chunk=chunk))
+
+        results = await self._serve(request, context, emit)
+        for result in results:
+            await context.write(orchestrator_pb2.GenerateResponse(final=result.stats))
 
     async def Complete(self, request, context):
-        async def emit(delta: Delta) -> None:
+        async def emit(index: int, delta: Delta, logprobs: list) -> None:
             return None
 
-        gen, stats = await self._serve(request.request, context, emit)
-        return orchestrator_pb2.CompleteResponse(text=gen.text.text, token_ids=gen.dec.tokens, stats=stats)
+        results = await self._serve(request.request, context, emit)
+        choices = [orchestrator_pb2.Choice(index=i, text=r.text, token_ids=r.token_ids,
+                                           logprobs=wire.logprobs_to_proto(r.logprobs), stats=r.stats)
+                   for i, r in enumerate(results)]
+        first = choices[0]
+        return orchestrator_pb2.CompleteResponse(text=first.text, token_ids=first.token_ids, stats=first.stats,
+                                                 logprobs=first.logprobs, choices=choices)
 
-    async def _serve(self, msg, context, emit: Callable[[Delta], Awaitable[None]]):
+    async def _serve(self, msg, context, emit: Emit) -> list[GenerationResult]:
+        try:
+            request = wire.generation_request_from_proto(msg, self.config.max_new_tokens_limit)
+        except InvalidArgument:
+            metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
+            raise
+        return await self.generate(request, emit, context.time_remaining())
+
+    async def generate(self, request: GenerationRequest, emit: Emit,
+                       timeout: float | None = None) -> list[GenerationResult]:
+        """Run one validated request to its end, its ``n`` choices concurrently
+        (each its own sessions), passing each final chunk to ``emit`` with its
+        choice and its tokens' logprobs: the one generation path of every
+        public API (the gRPC handlers above, the HTTP API of
+        ``orchestrator.http``). Returns the choices in order. Errors are
+        raised as ``SpecdecError``s (their ``code`` is the status); the first
+        failing choice cancels the others; cancelling the caller's task stops
+        the generations and releases their sessions."""
         start = time.perf_counter()
         status = "OK"
-        gen = None
+        gens: list[Generation] = []
+        deadline = Deadline(timeout)
         self.active += 1
         self.stats.update(self.active)
         try:
-            request = wire.generation_request_from_proto(msg, self.config.max_new_tokens_limit)
             if request.request_id:
                 request_id_var.set(request.request_id)
             if self.verifier_info is None:
                 raise Unavailable("not ready: waiting for a verifier")
             self.lifecycle.check(opens_session=True)
-            gen = self._prepare(request, Deadline(context.time_remaining()))
-            await gen.run(emit)
-            gen.dec.finish()
-            return gen, self._stats(gen)
+            gens = self._prepare(request, deadline)
+            await run_all([gen.run(partial(choice_emit, emit, i, gen)) for i, gen in enumerate(gens)])
+            for gen in gens:
+                gen.dec.finish()
+            return [GenerationResult(gen.text.text, list(gen.dec.tokens), self._stats(gen, i), list(gen.dec.logprobs))
+                    for i, gen in enumerate(gens)]
         except asyncio.CancelledError:
-            status = "DEADLINE_EXCEEDED" if _expired(context) else "CANCELLED"
+            status = "DEADLINE_EXCEEDED" if _expired(deadline) else "CANCELLED"
             raise
-        except Exception as exc:              # the server's interceptor answers it
+        except Exception as exc:              # the caller answers it (the gRPC interceptor, the HTTP layer)
             status = status_code_of(exc).name
             raise
         finally:
@@ -212,35 +267,59 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             self.stats.update(self.active)
             metrics.REQUESTS.labels(status).inc()
             metrics.REQUEST_DURATION.observe(time.perf_counter() - start)
-            if gen is not None:
+            for gen in gens:
                 self._count(gen, status)
 
     # -- requests -------------------------------------------------------------------------
-    def _prepare(self, request: GenerationRequest, deadline: Deadline) -> Generation:
-        """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT names the field."""
+    def _prepare(self, request: GenerationRequest, deadline: Deadline) -> list[Generation]:
+        """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT
+        names the field. One generation per choice: choice i samples with
+        ``choice_seed(seed, i)``, so a seeded request reproduces every choice."""
         max_new = self._max_new_tokens(request.max_new_tokens)
         sampling = request.sampling
         if sampling.seed is None:          # drawn here so that the verifier and the logs share it
             sampling = replace(sampling, seed=secrets.randbits(63))
         # explicit knobs for a drafter (the loop clamps them to the one it pins), or None for root-only trees
         tree = request.tree.resolve(self.config.tree) if self.config.drafters.configured else None
-        text = TextStream(self.tokenizer, list(request.stop))
-        prompt_ids = self.tokenizer.encode(request.prompt)
-        if not prompt_ids:
-            raise InvalidArgument("prompt encodes to no tokens")
+        prompt_ids = self._prompt_ids(request)
         context = self.verifier_info.max_positions
         if len(prompt_ids) + max_new > context:
             raise InvalidArgument(f"prompt is too long: {len(prompt_ids)} tokens + max_new_tokens {max_new} "
                                   f"exceed the model's context of {context} tokens")
+        return [self._generation(prompt_ids, max_new, replace(sampling, seed=choice_seed(sampling.seed, i)),
+                                 tree, request, deadline) for i in range(request.n)]
+
+    def _generation(self, prompt_ids: list[int], max_new: int, sampling, tree: TreeParams | None,
+                    request: GenerationRequest, deadline: Deadline) -> Generation:
+        text = TextStream(self.tokenizer, list(request.stop))
         stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
         job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
-                  tree=tree)
+                  tree=tree, logprobs=request.logprobs)
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": tree.method if tree else VANILLA})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
                           gate_by_kind=self.config.min_tau is None)
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids: given, or the text (rendered chat messages) encoded."""
+        if request.prompt_ids:
+            vocab = self.verifier_info.vocab_size
+            bad = next((i for i, t in enumerate(request.prompt_ids) if t >= vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt_ids[{bad}] = {request.prompt_ids[bad]} is outside the "
+                                      f"vocabulary [0, {vocab})")
+            return list(request.prompt_ids)
+        if request.messages:
+            if self.chat_renderer is None:
+                raise InvalidArgument("messages: this server has no chat template to render them with")
+            prompt_ids = self.tokenizer.encode(self.chat_renderer(request.messages))
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        if not prompt_ids:
+            raise InvalidArgument("prompt encodes to no tokens")
+        return prompt_ids
 
     def _max_new_tokens(self, value: int) -> int:
         """A request's max_new_tokens (already >= 0) within this server's limit; 0 takes the default."""
@@ -250,13 +329,14 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return value or min(self.config.default_max_new_tokens, limit)
 
     # -- results --------------------------------------------------------------------------
-    def _stats(self, gen: Generation) -> orchestrator_pb2.GenerationStats:
+    def _stats(self, gen: Generation, index: int = 0) -> orchestrator_pb2.GenerationStats:
         s = gen.dec.stats
         return orchestrator_pb2.GenerationStats(
             prompt_tokens=len(gen.job.prompt_ids), completion_tokens=len(gen.dec.tokens), cycles=s.cycles,
             tau=s.tau, accepted_per_position=s.accepted_per_position, draft_tokens=s.drafted,
             accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s, ahead_hits=s.ahead_hits,
-            finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), **gen.timing())
+            finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), index=index,
+            **gen.timing())
 
     @staticmethod
     def _count(gen: Generation, status: str) -> None:
@@ -273,9 +353,28 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
 
 
-def _expired(context) -> bool:
+async def choice_emit(emit: Emit, index: int, gen: Generation, delta: Delta) -> None:
+    """Pass choice ``index``'s chunk on with the logprobs of its tokens (the
+    last ``len(delta.token_ids)`` the text stream sent)."""
+    end = gen.text.sent_tokens
+    await emit(index, delta, gen.dec.logprobs[end - len(delta.token_ids):end])
+
+
+async def run_all(runs: list[Awaitable[None]]) -> None:
+    """Await every choice's run; the first failure cancels the others (whose
+    ``finally`` releases their sessions) and is raised."""
+    if len(runs) == 1:
+        await runs[0]
+        return
+    tasks = [asyncio.ensure_future(r) for r in runs]
     try:
-        left = context.time_remaining()
-    except Exception:
-        return False
-    return left is not None and left <= 0
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _expired(deadline: Deadline) -> bool:
+    return deadline.at is not None and time.monotonic() >= deadline.at

@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from specdec.params import SamplingParams
-from specdec.sampling import sample, target_probs
+from specdec.sampling import TokenCounts, greedy_tokens, sample, target_probs
 
 
 class TreeLike(Protocol):
@@ -224,15 +224,19 @@ def accept(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    counts: TokenCounts | None = None,
 ) -> Acceptance:
     """Acceptance from raw target logits [n, V] under `params`.
 
-    Greedy params use argmaxes and need no generator; otherwise the logits
-    are filtered by `target_probs` and accepted by rejection sampling.
+    ``counts`` [n, V]: each node's own penalty counts (committed tokens plus
+    its path, ``specdec.sampling.History.node_counts``), needed when a penalty
+    is on. Greedy params use the argmaxes of the penalised logits and need no
+    generator; otherwise the logits are processed by `target_probs` and
+    accepted by rejection sampling, in fp32 (fp64 for sampled proposals).
     """
     params.validate()
     if params.greedy:
-        return accept_greedy(tree, logits.argmax(-1))
+        return accept_greedy(tree, greedy_tokens(logits, params, counts))
     if generator is None:
         raise ValueError("generator is required when temperature > 0")
-    return accept_sampling(tree, target_probs(logits, params), generator)
+    return accept_sampling(tree, target_probs(logits, params, counts), generator)

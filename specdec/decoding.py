@@ -124,6 +124,7 @@ class Decoding:
         self.stop = stop
         self.gate = SpeculationGate(min_tau)
         self.tokens: list[int] = []
+        self.logprobs: list = []       # one ``specdec.sampling.TokenLogprob`` per token, when asked for
         self.stats = DecodeStats()
         self.finish_reason: str | None = None
         self._t0 = time.perf_counter()
@@ -132,9 +133,10 @@ class Decoding:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, new_tokens: list[int]) -> list[int]:
-        """Append tokens committed by prefill or a cycle; returns the ones the
-        caller may emit (cut at EOS, max_new_tokens or a stop string)."""
+    def add(self, new_tokens: list[int], logprobs: list | None = None) -> list[int]:
+        """Append tokens committed by prefill or a cycle (with their logprobs,
+        when asked for); returns the ones the caller may emit (cut at EOS,
+        max_new_tokens or a stop string)."""
         if self.done:
             return []
         if not self.tokens:
@@ -148,10 +150,13 @@ class Decoding:
             if len(self.tokens) >= self.stop.max_new_tokens:
                 self.finish_reason = "length"
                 break
+        if logprobs:
+            self.logprobs.extend(logprobs[:len(self.tokens) - start])
         if self.stop.stop_check is not None:
             keep = self.stop.stop_check(self.tokens)
             if keep is not None:
                 del self.tokens[keep:]
+                del self.logprobs[keep:]
                 self.finish_reason = "stop"
         self.stats.wall_s = time.perf_counter() - self._t0
         return self.tokens[start:]

@@ -64,9 +64,10 @@ class LocalVerifier:
 
     network_s = 0.0
 
-    def __init__(self, engine, sid: str):
+    def __init__(self, engine, sid: str, logprobs: int | None = None):
         self.engine = engine
         self.sid = sid
+        self.logprobs = logprobs                   # top alternatives per token's logprob; None: no logprobs
         self.root: int | None = None               # the last committed token
 
     @property
@@ -75,15 +76,15 @@ class LocalVerifier:
 
     async def prefill(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int,
                       features: bool) -> Committed:
-        first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens)
+        first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens, logprobs=self.logprobs)
         self.root = first.token
-        return Committed([first.token], [], first.features)
+        return Committed([first.token], [], first.features, first.logprobs)
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
         result = self.engine.verify(self.sid, tree)
         self.root = result.tokens[-1]
-        return Committed(result.tokens, result.accepted, result.features)
+        return Committed(result.tokens, result.accepted, result.features, result.logprobs)
 
     async def release(self) -> None:
         self.engine.release(self.sid)
@@ -133,19 +134,22 @@ class LocalDrafter:
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
-             tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0) -> Decoding:
+             tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
+             logprobs: int | None = None) -> Decoding:
     """Run one request to completion through the speculative loop
     (``specdec.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
     cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
     drafted one round ahead per cycle (``Drafter.draft_ahead``, greedy
     sessions); in-process they are drafted before the verify, where the
-    services draft them during it, so both use the same trees."""
+    services draft them during it, so both use the same trees. ``logprobs``:
+    each token's raw logprob with that many top alternatives, in
+    ``Decoding.logprobs`` (None: none)."""
     sid = uuid.uuid4().hex
     request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
 
     async def run() -> Decoding:
-        return await speculative_generate(LocalVerifier(verifier, sid),
+        return await speculative_generate(LocalVerifier(verifier, sid, logprobs),
                                           LocalDrafter(drafter, sid) if drafter is not None else None,
                                           request, Decoding(stop, min_tau))
 

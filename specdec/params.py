@@ -13,6 +13,11 @@ sampling.temperature        0 (greedy) or finite and >= ``MIN_TEMPERATURE``
 sampling.top_k              integer >= 0 (0 = off)
 sampling.top_p              in (0, 1] (on the wire 0 = unset = 1)
 sampling.seed               integer in [0, 2**64), or unset (the server draws one)
+sampling.min_p              in [0, 1] (0 = off; on the wire 0 = unset)
+sampling.presence_penalty   finite, in [-2, 2] (0 = off; OpenAI semantics: generated tokens only)
+sampling.frequency_penalty  finite, in [-2, 2] (0 = off; OpenAI semantics: generated tokens only)
+sampling.repetition_penalty finite, > 0 (1 = off; on the wire 0 = unset = 1; prompt and
+                            generated tokens, as transformers and vLLM apply it)
 tree.method                 one of ``METHODS``; a request may also say "vanilla"
 tree.total_tokens, depth,   integer >= 1 (a request: >= 0, 0 = server default;
 tree.expand_k               larger values are clamped to the drafter's limits)
@@ -21,7 +26,16 @@ tree.value_temperature      finite, >= ``MIN_TEMPERATURE`` (a request: also 0 = 
 tree.proposals              one of ``PROPOSALS``
 tree.static_shape           rank paths, each after its parent (``tree_shapes``)
 prompt                      1 to ``MAX_PROMPT_CHARS`` characters (the model's
-                            context bounds its tokens, checked by the server)
+                            context bounds its tokens, checked by the server);
+                            exactly one of prompt, prompt_ids, messages is given
+prompt_ids                  1 to ``MAX_PROMPT_IDS`` token ids, each >= 0 (the
+                            vocabulary bounds them, checked by the verifier)
+messages                    1 to ``MAX_MESSAGES`` chat messages: role one of
+                            ``CHAT_ROLES``, content at most ``MAX_PROMPT_CHARS``
+                            characters (rendered with the model's chat template)
+logprobs                    unset (off) or an integer in [0, ``MAX_LOGPROBS``]: the
+                            chosen token's logprob plus that many top alternatives
+n                           integer in [1, ``MAX_CHOICES``] (on the wire 0 = 1)
 max_new_tokens              integer >= 0 (0 = server default; the server's limit)
 stop                        at most ``MAX_STOP_STRINGS`` strings of 1 to
                             ``MAX_STOP_CHARS`` characters
@@ -74,6 +88,12 @@ MAX_SEED = 2**64 - 1           # the wire's uint64; torch generators take the wh
 MIN_TEMPERATURE = 1e-6
 MAX_SHOWN_CHARS = 64           # of a client's value echoed in an error message
 MAX_LEASED_SESSIONS = 4096     # session ids one Renew may list (past any backend's session cap)
+MAX_PENALTY = 2.0              # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_LOGPROBS = 20              # top alternatives per token (OpenAI's top_logprobs limit)
+MAX_CHOICES = 16               # n: independent choices per request
+MAX_PROMPT_IDS = 1 << 20
+MAX_MESSAGES = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # -- field checks ------------------------------------------------------------------------------
@@ -159,6 +179,20 @@ def check_stop_strings(stop, field: str = "stop") -> tuple[str, ...]:
     return stop
 
 
+def check_real(value, field: str, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
+    """A finite number in [low, high] ((low, ...] when ``low_open``); NaN and infinities fail."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        if math.isinf(high):
+            bound = f"{'>' if low_open else '>='} {low:g} and finite"
+        else:
+            bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise InvalidArgument(f"{field} must be {bound}, got {value!r}")
+    return value
+
+
 def check_choice(value, choices: tuple[str, ...], field: str) -> str:
     if value not in choices:
         raise InvalidArgument(f"{field} must be one of {', '.join(choices)}, got {shown(value)}")
@@ -176,6 +210,13 @@ class SamplingParams:
     top_k: int = 0  # 0 => off; else keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 => off
     seed: int | None = None  # None => a random seed per request
+    # Processors, applied in this order by ``specdec.sampling.target_probs``:
+    # repetition penalty, frequency and presence penalties, temperature, top-k,
+    # top-p, min-p. Greedy decoding takes the argmax of the penalised logits.
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 => off
+    presence_penalty: float = 0.0  # minus this once per token generated at least once
+    frequency_penalty: float = 0.0  # minus this times the token's count among generated tokens
+    repetition_penalty: float = 1.0  # logits of tokens in prompt or output: /p if > 0 else *p; 1 => off
 
     def validate(self, field: str = "") -> SamplingParams:
         """Raise InvalidArgument naming ``field``.<name> unless every value is in bounds."""
@@ -189,7 +230,20 @@ class SamplingParams:
         check_count(self.top_k, prefixed(field, "top_k"), note="0 = off")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise InvalidArgument(f"{prefixed(field, 'seed')} must be an integer in [0, 2**64), got {self.seed!r}")
+        check_real(self.min_p, prefixed(field, "min_p"), 0.0, 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_real(getattr(self, name), prefixed(field, name), -MAX_PENALTY, MAX_PENALTY)
+        check_real(self.repetition_penalty, prefixed(field, "repetition_penalty"), 0.0, low_open=True)
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the target distribution depends on the tokens so far (any penalty on)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def without_penalties(self) -> SamplingParams:
+        """These params with every penalty off (the history-free processors only)."""
+        return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
 
     @property
     def greedy(self) -> bool:
@@ -281,21 +335,93 @@ class TreeRequest:
 
 # -- a whole request ---------------------------------------------------------------------------
 @dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+def check_messages(messages, field: str = "messages") -> tuple[ChatMessage, ...]:
+    messages = tuple(messages)
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"{field}: at most {MAX_MESSAGES} messages, got {len(messages)}")
+    for i, m in enumerate(messages):
+        check_choice(m.role, CHAT_ROLES, f"{field}[{i}].role")
+        check_text(m.content, f"{field}[{i}].content", MAX_PROMPT_CHARS, empty_ok=True)
+    return messages
+
+
+def check_prompt_ids(ids, field: str = "prompt_ids") -> tuple[int, ...]:
+    ids = tuple(ids)
+    if len(ids) > MAX_PROMPT_IDS:
+        raise InvalidArgument(f"{field}: at most {MAX_PROMPT_IDS} token ids, got {len(ids)}")
+    bad = next((i for i, t in enumerate(ids) if not is_int(t) or t < 0), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field}[{bad}] must be a token id >= 0, got {ids[bad]!r}")
+    return ids
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A validated public request (``GenerateRequest`` / ``CompleteRequest``):
     constructing one checks every field. Server-dependent bounds (the
-    max_new_tokens limit, the model's context) are the server's to check."""
+    max_new_tokens limit, the model's context, the vocabulary) are the
+    server's to check.
 
-    prompt: str
+    The prompt is exactly one of ``prompt`` (text), ``prompt_ids`` (token ids,
+    used as they are) or ``messages`` (a chat, rendered with the model's chat
+    template by the server). ``logprobs`` come from the raw model: the
+    log-softmax of the target's logits, before penalties, temperature and
+    filtering (as vLLM returns by default), for every generated token."""
+
+    prompt: str = ""
     max_new_tokens: int = 0                    # 0 = server default
     sampling: SamplingParams = SamplingParams()
     tree: TreeRequest = TreeRequest()
     stop: tuple[str, ...] = ()                 # stop strings (not included in the output)
     request_id: str = ""                       # optional; echoed in logs and stats
+    prompt_ids: tuple[int, ...] = ()
+    messages: tuple[ChatMessage, ...] = ()
+    logprobs: int | None = None                # None = off; else top alternatives per token
+    n: int = 1                                 # independent choices; choice i > 0 reseeded (``choice_seed``)
 
     def __post_init__(self):
-        check_text(self.prompt, "prompt", MAX_PROMPT_CHARS)
+        given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(self, name)]
+        if len(given) > 1:
+            raise InvalidArgument(f"give one of prompt, prompt_ids, messages; got {' and '.join(given)}")
+        if not given:
+            raise InvalidArgument("prompt must not be empty (or give prompt_ids or messages)")
+        check_text(self.prompt, "prompt", MAX_PROMPT_CHARS, empty_ok=True)
+        object.__setattr__(self, "prompt_ids", check_prompt_ids(self.prompt_ids))
+        object.__setattr__(self, "messages", check_messages(self.messages))
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or unset, got {self.logprobs!r}")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidArgument(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         check_count(self.max_new_tokens, "max_new_tokens", note="0 = server default")
         self.sampling.validate("sampling")
         object.__setattr__(self, "stop", check_stop_strings(self.stop))
         check_request_id(self.request_id)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob under the raw model (log-softmax of the
+    target's logits, before any sampling processor) and the most likely
+    alternatives at its position, most likely first."""
+
+    token: int
+    logprob: float
+    top_tokens: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded with ``seed``: the seed
+    itself for choice 0 (n = 1 reproduces a plain request), else a splitmix64
+    mix of the two, so every choice is independent and a seed reproduces all."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & MAX_SEED
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MAX_SEED
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MAX_SEED
+    return (z ^ (z >> 31)) >> 1

@@ -40,6 +40,7 @@ class Child:
     proc: subprocess.Popen
     port: int | None = None
     lines: list[str] = field(default_factory=list)
+    http_port: int | None = None       # the orchestrator's OpenAI-compatible API, if served
 
     @property
     def address(self) -> str:
@@ -108,6 +109,7 @@ def read_stdout(child: Child) -> None:
             except json.JSONDecodeError:
                 continue
             if isinstance(record, dict) and record.get("event") == "listening":
+                child.http_port = record.get("http_port")
                 child.port = int(record["port"])
 
 

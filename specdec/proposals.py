@@ -83,7 +83,10 @@ class ProposalSampler:
             raise ValueError("sampled proposals need temperature > 0")
         if support < 1:
             raise ValueError(f"support must be >= 1, got {support}")
-        self.params, self.support = params, support
+        # The draft distribution is filtered like the target's (temperature,
+        # top-k, top-p, min-p) but not penalised: penalties need each node's
+        # path history, and acceptance is lossless whatever q is.
+        self.params, self.support = params.without_penalties(), support
         self.generator = torch.Generator().manual_seed(_mix(seed, salt))
 
     def proposals(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,8 @@ Per request:
 The loop is torch-free (the orchestrator runs it): it sees token ids, a tree
 as an opaque value it hands from the drafter to the verifier (``Draft``, with
 its size), the verifier's answer (``Committed``: tokens, accepted node
-indices, features as an opaque payload for the drafter) and the decoding
+indices, features as an opaque payload for the drafter, the tokens' logprobs
+when the session asked for them) and the decoding
 state. ``Verifier`` and ``Drafter`` are the two interfaces it is written
 against: ``specdec.local`` implements them over the in-process engines,
 ``orchestrator.failover`` over gRPC stubs, with failover inside.
@@ -63,6 +64,7 @@ class Committed:
     tokens: list[int]                   # accepted draft tokens + the bonus token (prefill: the first token)
     accepted: list[int]                 # accepted node indices, root excluded (prefill: none)
     features: object = None             # the target's features for the drafter, opaque here
+    logprobs: list | None = None        # one ``specdec.params.TokenLogprob`` per token, when the session asked
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,7 @@ class SpeculativeLoop:
         req = self.request
         first = await self.timed("prefill", self.verifier, self.verifier.prefill(
             req.prompt, req.sampling, self.dec.stop.max_new_tokens, self.wants_features))
-        await self.add(first.tokens)
+        await self.add(first.tokens, first.logprobs)
         if self.drafter is not None and not self.dec.done:
             await self.timed("commit", self.drafter, self.drafter.prefill(
                 req.prompt + first.tokens, first.features, req.sampling))
@@ -245,7 +247,7 @@ class SpeculativeLoop:
         self.dec.stats.record_cycle(size, len(result.accepted))
         self.dec.gate.record(size > 1, len(result.tokens))
         self.last = tuple(result.tokens)
-        await self.add(result.tokens)
+        await self.add(result.tokens, result.logprobs)
         if self.drafter is not None and not self.dec.done:
             self.pending.append(result)
 
@@ -272,8 +274,8 @@ class SpeculativeLoop:
         pending, self.pending = self.pending, []
         return pending
 
-    async def add(self, tokens: list[int]) -> None:
-        final = self.dec.add(tokens)
+    async def add(self, tokens: list[int], logprobs: list | None = None) -> None:
+        final = self.dec.add(tokens, logprobs)
         if self.listener is not None:
             await self.listener.committed(final)
 

@@ -22,8 +22,8 @@ import sys
 from dataclasses import replace
 
 from specdec.errors import InvalidArgument
-from specdec.params import (PROPOSALS, REQUEST_METHODS, GenerationRequest, SamplingParams, TreeParams, TreeRequest,
-                            check_max_new_tokens)
+from specdec.params import (PROPOSALS, REQUEST_METHODS, ChatMessage, GenerationRequest, SamplingParams,
+                            TokenLogprob, TreeParams, TreeRequest, check_max_new_tokens)
 from specdec.v1 import common_pb2, orchestrator_pb2
 
 def _enum_suffix(name: str) -> str:
@@ -48,21 +48,27 @@ TENSOR_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # -- parameters --------------------------------------------------------------------
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    min_p=params.min_p, presence_penalty=params.presence_penalty,
+                                    frequency_penalty=params.frequency_penalty,
+                                    repetition_penalty=params.repetition_penalty)
     if params.seed is not None:
         msg.seed = params.seed
     return msg
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
-    """Validated SamplingParams; top_p 0 (unset) reads as 1, an unset seed as None."""
+    """Validated SamplingParams; top_p and repetition_penalty 0 (unset) read as
+    1, an unset seed as None."""
     return unchecked_sampling(msg).validate(field)
 
 
 def unchecked_sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
     """SamplingParams as the message says, for a caller that validates them in its own order."""
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
-                          seed=msg.seed if msg.HasField("seed") else None)
+                          seed=msg.seed if msg.HasField("seed") else None, min_p=msg.min_p,
+                          presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                          repetition_penalty=msg.repetition_penalty or 1.0)
 
 
 def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
@@ -112,20 +118,39 @@ def enum_to_proto(name: str, table: dict[str, int], field: str) -> int:
 
 
 def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.GenerateRequest:
-    return orchestrator_pb2.GenerateRequest(prompt=req.prompt, max_new_tokens=req.max_new_tokens,
-                                            sampling=sampling_to_proto(req.sampling), stop=list(req.stop),
-                                            tree=tree_request_to_proto(req.tree), request_id=req.request_id)
+    msg = orchestrator_pb2.GenerateRequest(
+        prompt=req.prompt, max_new_tokens=req.max_new_tokens, sampling=sampling_to_proto(req.sampling),
+        stop=list(req.stop), tree=tree_request_to_proto(req.tree), request_id=req.request_id,
+        prompt_ids=list(req.prompt_ids), n=req.n,
+        messages=[orchestrator_pb2.ChatMessage(role=m.role, content=m.content) for m in req.messages])
+    if req.logprobs is not None:
+        msg.logprobs = req.logprobs
+    return msg
 
 
 def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest,
                                   max_new_tokens_limit: int | None = None) -> GenerationRequest:
     """The validated public request: InvalidArgument names the first bad field in
-    the order of ``specdec.params``' table (prompt, max_new_tokens, within the
-    server's ``max_new_tokens_limit`` when given, sampling, stop, request_id,
-    then the tree knobs)."""
-    request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens)
+    the order of ``specdec.params``' table (the prompt fields, logprobs, n,
+    max_new_tokens, within the server's ``max_new_tokens_limit`` when given,
+    sampling, stop, request_id, then the tree knobs)."""
+    request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
+                                prompt_ids=tuple(msg.prompt_ids),
+                                messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages),
+                                logprobs=msg.logprobs if msg.HasField("logprobs") else None, n=msg.n or 1)
     if max_new_tokens_limit is not None:
         check_max_new_tokens(request.max_new_tokens, max_new_tokens_limit)
     request = replace(request, sampling=unchecked_sampling(msg.sampling), stop=tuple(msg.stop),
                       request_id=msg.request_id)
     return replace(request, tree=tree_request_from_proto(msg.tree))
+
+
+# -- logprobs ----------------------------------------------------------------------
+def logprobs_to_proto(entries) -> list[common_pb2.TokenLogprob]:
+    """``specdec.params.TokenLogprob`` entries as messages."""
+    return [common_pb2.TokenLogprob(token=e.token, logprob=e.logprob, top_tokens=list(e.top_tokens),
+                                    top_logprobs=list(e.top_logprobs)) for e in entries]
+
+
+def logprobs_from_proto(msgs) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token, m.logprob, tuple(m.top_tokens), tuple(m.top_logprobs)) for m in msgs]

@@ -22,7 +22,6 @@ import torch
 
 import specdec.batching
 from specdec import kv
-from specdec.acceptance import accept
 from specdec.errors import FailedPrecondition
 from specdec.tree import DraftTree
 from verifier.target import TargetSession, VerifyResult, check_tree
@@ -106,12 +105,12 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
     results = []
     for b, r in enumerate(rows):
         n = sizes[b]
-        result = accept(r.tree, logits[b, :n], r.sess.params, r.sess.generator)
+        result, logprobs = r.sess.decide(r.tree, logits[b, :n])
         path = [0] + result.accepted
         kv.append_slots(r.sess.cache, batch_cache, b, P + torch.tensor(path, device=device))   # the accepted slots
-        committed = [int(r.tree.tokens[i]) for i in result.accepted] + [result.bonus]
-        r.sess.tokens.extend(committed)
-        results.append(VerifyResult(result.accepted, committed, hidden[b, path]))
+        committed = result.tokens(r.tree)
+        r.sess.commit(committed)
+        results.append(VerifyResult(result.accepted, committed, hidden[b, path], logprobs))
     return results
 
 

@@ -20,10 +20,9 @@ import threading
 import torch
 
 from specdec import kv
-from specdec.acceptance import accept
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.params import SamplingParams
-from specdec.sampling import make_generator, sample, target_probs
+from specdec.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
 from verifier.batch import verify_batch
@@ -51,12 +50,17 @@ class VerifierEngine:
 
     # -- session lifecycle ---------------------------------------------------
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
-                max_new_tokens: int = 0, resume: bool = False) -> PrefillResult:
+                max_new_tokens: int = 0, resume: bool = False, logprobs: int | None = None,
+                prompt_tokens: int = 0) -> PrefillResult:
         """Run the prompt, pick the first token, open the session.
 
         ``resume``: ``prompt`` is a session's whole committed sequence, moved
         here from a lost verifier; its last token becomes the pending root
-        again (nothing is sampled) and the features cover the others."""
+        again (nothing is sampled) and the features cover the others.
+        ``logprobs``: return each committed token's raw logprob with this many
+        top alternatives (None: none). ``prompt_tokens``: how many of
+        ``prompt`` are the prompt, for the penalties that count generated
+        tokens only (0: all; on resume, all but the pending root)."""
         params.validate()
         check_tokens(self.target, prompt, "prompt")
         if not prompt:
@@ -74,30 +78,39 @@ class VerifierEngine:
                     f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
                     f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
             generator = make_generator(params.seed)
-            sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need)
+            sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need,
+                                 logprobs=logprobs)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
+        first_logprobs = None
         try:
             if resume:
                 if len(prompt) < 2:
                     raise InvalidArgument("resuming a session needs at least two committed tokens")
                 sess.tokens = sess.tokens[:-1]
+                if params.penalized:
+                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens))
                 ids = torch.tensor(prompt[:-1], dtype=torch.long)
                 hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None)
                 first = prompt[-1]
             else:
                 ids = torch.tensor(prompt, dtype=torch.long)
+                if params.penalized:
+                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt))
                 hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None)
-                probs = target_probs(logits[-1], params)
+                counts = None if sess.history is None else sess.history.counts()
+                probs = target_probs(logits[-1], params, counts)
                 first = int(probs.argmax()) if params.greedy else sample(probs, generator)
+                if logprobs is not None:
+                    first_logprobs = token_logprobs(logits[-1:], [first], logprobs)
         except BaseException:
             self.sessions.pop(sid)
             raise
         else:
-            sess.tokens.append(first)
+            sess.commit([first])
         finally:
             sess.lock.release()
-        return PrefillResult(first, hidden)
+        return PrefillResult(first, hidden, first_logprobs)
 
     def release(self, sid: str) -> bool:
         return self.sessions.pop(sid) is not None
@@ -109,7 +122,7 @@ class VerifierEngine:
             if not 1 <= length <= len(sess.tokens):
                 raise InvalidArgument(f"rollback length must be in [1, {len(sess.tokens)}], got {length}")
             kv.truncate(sess.cache, length - 1)
-            del sess.tokens[length:]
+            sess.truncate(length)
 
     # -- the hot path ----------------------------------------------------------
     def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
@@ -119,12 +132,12 @@ class VerifierEngine:
             prefix = sess.prefix_len
             mask = None if tree.size == 1 else self.target.tree_masks(tree, prefix)
             hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask)
-            result = accept(tree, logits, sess.params, sess.generator)
+            result, logprobs = sess.decide(tree, logits)
             path = [0] + result.accepted
             kv.keep_path(sess.cache, prefix, path)
-            committed = [int(tree.tokens[i]) for i in result.accepted] + [result.bonus]
-            sess.tokens.extend(committed)
-            return VerifyResult(result.accepted, committed, hidden[path])
+            committed = result.tokens(tree)
+            sess.commit(committed)
+            return VerifyResult(result.accepted, committed, hidden[path], logprobs)
 
     def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list:
         """Several sessions' trees in one forward (``verifier.batch``)."""

@@ -21,7 +21,8 @@ from typing import Callable
 from specdec import metrics, tensor_wire, wire
 from specdec.engine_servicer import EngineServicer
 from specdec.errors import InvalidArgument
-from specdec.params import SamplingParams, check_count, check_owner, check_session_id, check_token_ids
+from specdec.params import (MAX_LOGPROBS, SamplingParams, check_count, check_owner, check_session_id,
+                            check_token_ids)
 from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
@@ -110,10 +111,15 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         if request.resume and len(prompt) < 2:    # the last token is the pending root: a prompt comes before it
             raise InvalidArgument(f"prompt_ids: resuming a session needs at least two committed tokens, "
                                   f"got {len(prompt)}")
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] or unset, got {logprobs}")
+        prompt_tokens = check_count(request.prompt_tokens, "prompt_tokens", note="0 = all")
         result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
-                                                  max_new, request.resume)
+                                                  max_new, request.resume, logprobs, prompt_tokens)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
-        response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds)
+        response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds,
+                                                        logprobs=wire.logprobs_to_proto(result.logprobs or ()))
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))
         return response
@@ -128,7 +134,8 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             result, seconds = await self.run(self.engine.verify, sid, tree)
         metrics.VERIFY_DURATION.observe(seconds)
         response = verifier_pb2.VerifyResponse(accepted_nodes=result.accepted, tokens=result.tokens,
-                                               compute_s=seconds)
+                                               compute_s=seconds,
+                                               logprobs=wire.logprobs_to_proto(result.logprobs or ()))
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))
         return response

@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from specdec import kv
+from specdec.acceptance import Acceptance, accept
 from specdec.causal_lm import CausalLm
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.masks import tree_allowed
 from specdec.models import ModelSpec, load_causal_lm
-from specdec.params import SamplingParams
+from specdec.params import SamplingParams, TokenLogprob
+from specdec.sampling import History, token_logprobs
 from specdec.tree import DraftTree
 
 
@@ -30,16 +32,42 @@ class TargetSession:
     generator: torch.Generator
     reserved_bytes: int = 0       # worst-case KV this session may grow to (admission control)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    history: History | None = None  # penalty counts of `tokens` (only when a penalty is on)
+    logprobs: int | None = None     # top alternatives per committed token's logprob; None: no logprobs
 
     @property
     def prefix_len(self) -> int:
         return len(self.tokens) - 1
+
+    def decide(self, tree: DraftTree, logits: torch.Tensor) -> tuple[Acceptance, list[TokenLogprob] | None]:
+        """Acceptance of ``tree`` on its target logits [n, V] (every node
+        penalised with its own path's history), and the logprobs of the tokens
+        it commits when the session asked for them. Plain decoding (root-only
+        trees), the batched and the tensor-parallel verifiers all decide here."""
+        counts = None if self.history is None else self.history.node_counts(tree.tokens, tree.ancestor_mask())
+        result = accept(tree, logits, self.params, self.generator, counts)
+        if self.logprobs is None:
+            return result, None
+        path = [0] + result.accepted
+        return result, token_logprobs(logits[path], result.tokens(tree), self.logprobs)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        if self.history is not None:
+            self.history.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (and the penalty counts of just those)."""
+        del self.tokens[length:]
+        if self.history is not None:
+            self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len)
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     token: int                    # first generated token (the first root)
     features: torch.Tensor        # [P, H] final hidden state at each prompt position
+    logprobs: list[TokenLogprob] | None = None   # the first token's, when asked for (not on resume)
 
 
 @dataclass(frozen=True)
@@ -47,6 +75,7 @@ class VerifyResult:
     accepted: list[int]           # accepted node indices, root excluded
     tokens: list[int]             # committed this cycle: accepted tokens + bonus
     features: torch.Tensor        # [len(accepted) + 1, H] at root + accepted nodes
+    logprobs: list[TokenLogprob] | None = None   # one per committed token, when the session asked for them
 
 
 class TargetModel:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.bench.runner import GRPC_SUFFIX, PEER_METHODS, REFERENCES
+from specdec.bench.runner import GRPC_SUFFIX, OPENAI_METHOD, PEER_METHODS, REFERENCES
 
 # bar colours by family: references grey, external peers orange, ours blue
 _COLOURS = {"reference": "#8c8c8c", "peer": "#e08a2c", "ours": "#2b6cb0", "grpc": "#7fb3e6"}
@@ -38,7 +38,7 @@ def family(name: str) -> str:
         return "grpc"
     if name in REFERENCES:
         return "reference"
-    return "peer" if name in PEER_METHODS else "ours"
+    return "peer" if name in PEER_METHODS or name == OPENAI_METHOD else "ours"
 
 
 def _fmt(x, spec: str, none: str = "–") -> str:

@@ -54,6 +54,7 @@ GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
 SWEEP_DEPTHS = (2, 3, 4, 5, 6, 7, 8)           # and depths at the configured total_tokens
+OPENAI_METHOD = "openai"         # with --openai-url: that OpenAI-compatible server (bench.openai_peer)
 CALIBRATED = "eagle2"                      # the method whose trees feed the calibration plot
 
 
@@ -283,6 +284,9 @@ class BenchConfig:
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)
     lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
+    openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)
+    openai_model: str | None = None  # its model id (None: the first it lists)
+    openai_key: str | None = None    # its bearer token
 
     def gate(self, drafter_kind: str) -> float:
         """The min_tau a method with this drafter kind runs with."""

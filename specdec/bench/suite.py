@@ -15,8 +15,8 @@ from dataclasses import replace
 
 from specdec.bench.calibration import TreeRecorder, calibration_bins
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
-from specdec.bench.runner import (CALIBRATED, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod, Method, Prompt,
-                                  device_name, measure, method_tree, summarize, with_references)
+from specdec.bench.runner import (CALIBRATED, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod,
+                                  Method, Prompt, device_name, measure, method_tree, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
@@ -117,6 +117,13 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
     with ExitStack() as stack:
         if cfg.grpc:
             methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))
+        if cfg.openai_url:
+            from specdec.bench.openai_peer import OpenAIPeer      # httpx: the optional `bench` extra
+
+            methods[OPENAI_METHOD] = peer = OpenAIPeer(
+                cfg.openai_url, cfg.max_new_tokens, cfg.temperature, cfg.openai_model, cfg.openai_key,
+                encode=lambda text: models.tokenizer(text, add_special_tokens=False)["input_ids"])
+            stack.callback(peer.close)
         totals = measure(methods, prompts, cfg.repeats, cfg.seed, on_warm=recorder.clear, progress=progress)
     points = recorder.points()
     return {
@@ -130,6 +137,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                  "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
         "repeats": cfg.repeats,
+        "openai_url": cfg.openai_url,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},
         "peers": {"hf-assisted": "assistant_model = draft LM, HF default assistant-token schedule",
                   "hf-prompt-lookup": f"prompt_lookup_num_tokens = {PROMPT_LOOKUP_TOKENS}"},

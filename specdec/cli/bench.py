@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from specdec.cli.options import add_tree_flags, model_dir, read_prompts, resolved_min_tau
@@ -59,6 +60,12 @@ def add_parser(sub) -> None:
     p.add_argument("--grpc", action="store_true",
                    help="also run each speculative method (and vanilla) through the three gRPC services "
                         "on 127.0.0.1, as METHOD@grpc")
+    p.add_argument("--openai-url", metavar="URL",
+                   help="also send the prompts to this OpenAI-compatible server (e.g. http://host:8000/v1: "
+                        "streamed /completions), reported as method `openai`")
+    p.add_argument("--openai-model", metavar="NAME", help="its model id (default: the first it lists)")
+    p.add_argument("--openai-key", metavar="KEY", default=os.environ.get("OPENAI_API_KEY") or None,
+                   help="its bearer token (env OPENAI_API_KEY)")
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set this many times")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     add_tree_flags(p)
@@ -131,7 +138,8 @@ def config_from(args, sweep: bool):
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
                        device=args.device, verify_token_budget=args.verify_token_budget,
                        min_tau=resolved_min_tau(args.min_tau),
-                       lookahead=tuple(dict.fromkeys(args.lookahead)))
+                       lookahead=tuple(dict.fromkeys(args.lookahead)), openai_url=args.openai_url,
+                       openai_model=args.openai_model, openai_key=args.openai_key)
 
 
 def concurrency_plan(args):
@@ -154,6 +162,8 @@ def run(args) -> int:
     sweep = args.mode == "sweep"
     if args.concurrency and sweep:
         raise UsageError("--concurrency does not combine with `bench sweep`")
+    if args.openai_url and (sweep or args.concurrency):
+        raise UsageError("--openai-url runs with the side-by-side bench only (not sweep or --concurrency)")
     plan = concurrency_plan(args) if args.concurrency else None
     cfg = config_from(args, sweep)
     prompts = load_prompts(args.prompts, args.limit_prompts)

@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from specdec import knobs
-from specdec.cli.options import add_model_flags, add_tree_flags, read_prompts, resolved_min_tau, result_record
+from specdec.cli.options import (add_model_flags, add_tree_flags, print_logprobs, read_prompts, resolved_min_tau,
+                                 result_record)
 from specdec.cli.remote import run_remote
 from specdec.decoding import StopCriteria
 from specdec.errors import UsageError
-from specdec.params import REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
+from specdec.params import MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
 
 # torch-free at import: `specdec --help` and the service subcommands that
 # don't need torch must not pay for (or require) it; specdec.local (torch) is
@@ -26,6 +27,16 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below MIN_P x the top probability (0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted once from every token already generated (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtracted per occurrence among the generated tokens (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divides positive (multiplies negative) logits of tokens in prompt or output (1 = off)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each token's logprob (raw model) with N top alternatives (0..20), in --json output "
+                        "or on stderr")
     add_tree_flags(p)
 
 
@@ -43,8 +54,10 @@ def add_parser(sub) -> None:
 
 
 def sampling_from(args) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed).validate()
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          min_p=args.min_p, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty).validate()
 
 
 def tree_from(args) -> TreeParams | None:
@@ -82,6 +95,9 @@ def run(args) -> int:
     prompts = read_prompts(args)
     params = sampling_from(args)
     tree_cfg = tree_from(args)
+    logprobs = args.logprobs
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise UsageError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.server:
@@ -99,12 +115,15 @@ def run(args) -> int:
             raise UsageError("prompt must not be empty")
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
-        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau)
+        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau, logprobs=logprobs)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
         if args.json:
-            print(json.dumps(result_record(dec.tokens, text, dec.stats)), flush=True)
+            print(json.dumps(result_record(dec.tokens, text, dec.stats, None if logprobs is None else dec.logprobs)),
+                  flush=True)
         else:
             print(prompt + text, flush=True)
+            if logprobs is not None:
+                print_logprobs(dec.logprobs, tok.decode)
             s = dec.stats
             print(f"[{len(dec.tokens)} tokens, {s.cycles} cycles, tau {s.tau:.2f}, "
                   f"{len(dec.tokens) / max(s.wall_s, 1e-9):.1f} tok/s]", file=sys.stderr)

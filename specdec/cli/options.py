@@ -113,6 +113,25 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-def result_record(tokens: list[int], text: str, stats) -> dict:
-    return {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
-            "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
+def result_record(tokens: list[int], text: str, stats, logprobs=None) -> dict:
+    """One prompt's result as JSON; ``logprobs``: the tokens' (None: not asked for)."""
+    record = {"token_ids": tokens, "text": text, "cycles": stats.cycles, "tau": round(stats.tau, 4),
+              "accepted_per_position": list(stats.accepted_per_position), "wall_s": round(stats.wall_s, 4)}
+    if logprobs is not None:
+        record["logprobs"] = logprobs_record(logprobs)
+    return record
+
+
+def logprobs_record(entries) -> list[dict]:
+    """Logprobs as JSON: token, logprob and the top alternatives as [token, logprob] pairs."""
+    return [{"token": e.token, "logprob": e.logprob, "top": [[t, lp] for t, lp in zip(e.top_tokens, e.top_logprobs)]}
+            for e in entries]
+
+
+def print_logprobs(entries, decode=None) -> None:
+    """One line per token on stderr: the token, its logprob, the alternatives
+    (``decode``: token ids -> text; None: token ids as they are)."""
+    decode = decode or (lambda ids: ids[0])
+    for e in entries:
+        top = ", ".join(f"{decode([t])!r} {lp:.3f}" for t, lp in zip(e.top_tokens, e.top_logprobs))
+        print(f"  {decode([e.token])!r} {e.logprob:.4f}" + (f"  [{top}]" if top else ""), file=sys.stderr)

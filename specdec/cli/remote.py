@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from specdec.cli.options import result_record
+from specdec.cli.options import print_logprobs, result_record
 from specdec.errors import UsageError
 from specdec.params import VANILLA
 
@@ -30,7 +30,9 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
 
 def _request_params(args, params, tree_cfg) -> dict:
     out = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-               top_k=params.top_k, seed=params.seed)
+               top_k=params.top_k, seed=params.seed, min_p=params.min_p, presence_penalty=params.presence_penalty,
+               frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+               logprobs=args.logprobs)
     if tree_cfg is None:
         out["method"] = VANILLA
     else:
@@ -53,7 +55,9 @@ def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
             try:
                 if args.json:
                     result = client.complete(prompt, **request)
-                    print(json.dumps(result_record(result.token_ids, result.text, result.stats)), flush=True)
+                    logprobs = None if args.logprobs is None else result.logprobs
+                    print(json.dumps(result_record(result.token_ids, result.text, result.stats, logprobs)),
+                          flush=True)
                     continue
                 stream = client.generate(prompt, **request)
                 sys.stdout.write(prompt)
@@ -61,6 +65,8 @@ def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                 print(flush=True)
+                if args.logprobs is not None:
+                    print_logprobs(stream.logprobs)
             except SpecdecClientError as exc:
                 raise UsageError(f"{args.server}: {exc}") from None
             s = stream.stats

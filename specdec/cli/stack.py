@@ -26,10 +26,13 @@ import json
 import sys
 from pathlib import Path
 
+from orchestrator.chat_template import MessageRenderer
+from orchestrator.http_server import start_http
 from orchestrator.routing import parse_addresses, split_address
 from orchestrator.service import OrchestratorConfig, OrchestratorService
 from orchestrator.text import TextTokenizer
 from specdec import knobs
+from specdec.cli.http_flags import add_http_flags, chat_template_from, http_config_from
 from specdec.cli.options import env, run_parsed
 from specdec.cli.serve import add_server_flags, server_config_from
 from specdec.errors import UsageError
@@ -95,6 +98,7 @@ def add_orchestrator_parser(sub) -> None:
     b.add_argument("--backend-key", default=env("SPECDEC_BACKEND_KEY"), help="client key (mutual TLS)")
     b.add_argument("--backend-token", default=env("SPECDEC_BACKEND_TOKEN"), help="bearer token for the backends")
     add_server_flags(p, *ORCHESTRATOR_PORTS)
+    add_http_flags(p)
     p.set_defaults(run=run_orchestrator)
 
 
@@ -132,23 +136,43 @@ def orchestrator_config(args):
 def run_orchestrator(args) -> int:
     config = orchestrator_config(args)
     cfg = server_config_from(args)
-    tokenizer = TextTokenizer.load(args.tokenizer or demo_path("target"))
+    tokenizer_dir = args.tokenizer or demo_path("target")
+    tokenizer = TextTokenizer.load(tokenizer_dir)
+    template = chat_template_from(args, tokenizer_dir)
+    http = http_config_from(args, cfg, template)
     configure_logging("orchestrator", args.log_level)
-    servicer = OrchestratorService(config, tokenizer)
+    # gRPC / SDK `messages` render with the template the HTTP API uses for chats
+    servicer = OrchestratorService(config, tokenizer,
+                                   chat_renderer=None if template is None else MessageRenderer(template, tokenizer))
     try:
-        asyncio.run(_serve_orchestrator(cfg, servicer, args.ready_file))
+        asyncio.run(_serve_orchestrator(cfg, servicer, args.ready_file, http))
     except OSError as exc:
         raise UsageError(str(exc)) from None
     return 0
 
 
-async def _serve_orchestrator(cfg, servicer, ready_file: str | None) -> None:
-    """Listen at once, go ready when the backends answer; a SIGTERM while
-    waiting for them stops the server too."""
+async def _serve_orchestrator(cfg, servicer, ready_file: str | None, http=None) -> None:
+    """Listen at once (gRPC, and HTTP with ``http``), go ready when the
+    backends answer; a SIGTERM while waiting for them stops the server too."""
     server = await start_server(cfg, [servicer.registration()], "orchestrator")
+    try:
+        http_server = None if http is None else await start_http(servicer, http)
+    except OSError:
+        await server.stop(None)
+        raise
+    try:
+        await _serve_until_stopped(server, servicer, ready_file, http_server, cfg.drain_s)
+    finally:
+        if http_server is not None:
+            await http_server.stop()
+
+
+async def _serve_until_stopped(server, servicer, ready_file: str | None, http_server, drain_s: float) -> None:
     record = server.listening_record()
+    if http_server is not None:
+        record["http_port"] = http_server.port
     print(json.dumps(record), flush=True)
-    install_signal_drain(server, cfg.drain_s)
+    install_signal_drain(server, drain_s)
     connect = asyncio.create_task(servicer.connect())
     stopped = asyncio.create_task(server.wait())
     await asyncio.wait([connect, stopped], return_when=asyncio.FIRST_COMPLETED)

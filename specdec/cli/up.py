@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from specdec import knobs
+from specdec.cli.http_flags import add_up_http_flag, up_http_port
 from specdec.cli.options import add_model_flags, env
 from specdec.cli.stack import ORCHESTRATOR_PORTS
 from specdec.errors import UsageError
@@ -46,6 +47,7 @@ def add_parser(sub) -> None:
 def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=ORCHESTRATOR_PORTS[0], help="orchestrator port (0 = any free port)")
     p.add_argument("--metrics-port", default="0", help="orchestrator metrics port (0 = any free port, 'off')")
+    add_up_http_flag(p)
     add_model_flags(p)
     p.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=REQUEST_METHODS,
                    help="default tree method (vanilla: no drafter process)")
@@ -168,6 +170,9 @@ def run_up(args) -> int:
         orch_argv = ["orchestrator", "serve", "--verifier", ",".join(c.address for c in verifiers),
                      "--tokenizer", tokenizer, "--host", "127.0.0.1", "--port", str(args.port),
                      "--metrics-port", str(args.metrics_port), "--drain-s", "2", "--log-level", args.log_level]
+        http_port = up_http_port(args)
+        if http_port is not None:
+            orch_argv += ["--http-port", str(http_port)]
         if drafters:
             orch_argv += ["--drafter", ",".join(c.address for c in drafters), "--method", args.method]
         orchestrator = spawn("orchestrator", orch_argv, module="specdec.cli.stack")
@@ -178,6 +183,8 @@ def run_up(args) -> int:
             _write_state(args.state, orchestrator, verifiers, drafters)
         where = ", ".join(f"{c.name} {c.address}" for c in verifiers + drafters)
         print(f"specdec up: orchestrator on {orchestrator.address} ({where})", flush=True)
+        if orchestrator.http_port is not None:
+            print(f"specdec up: OpenAI-compatible API on http://127.0.0.1:{orchestrator.http_port}/v1", flush=True)
         if args.demo_generation:
             _demo(orchestrator.address, args.demo_max_new_tokens)
             if args.exit_after_demo:

@@ -3,6 +3,7 @@
 from specdec.client.sdk import (
     AsyncGenerationStream,
     AsyncSpecdecClient,
+    Choice,
     Chunk,
     Completion,
     GenerationStats,
@@ -16,10 +17,12 @@ from specdec.client.sdk import (
     SpecdecResourceExhausted,
     SpecdecUnauthenticated,
     SpecdecUnavailable,
+    TokenLogprob,
 )
 
 __all__ = [
-    "AsyncGenerationStream", "AsyncSpecdecClient", "Chunk", "Completion", "GenerationStats", "GenerationStream",
+    "AsyncGenerationStream", "AsyncSpecdecClient", "Choice", "Chunk", "Completion", "GenerationStats", "GenerationStream",
     "SpecdecCancelled", "SpecdecClient", "SpecdecClientError", "SpecdecDeadlineExceeded", "SpecdecInvalidArgument",
     "SpecdecNotFound", "SpecdecResourceExhausted", "SpecdecUnauthenticated", "SpecdecUnavailable",
+    "TokenLogprob",
 ]

@@ -11,6 +11,12 @@ layer (``specdec.params``, ``specdec.wire``)::
 
         result = client.complete("def fib(n):", max_new_tokens=64, timeout=10)
 
+        # token ids or chat messages as the prompt; penalties, min_p, logprobs, n choices
+        result = client.complete([1, 2, 3], max_new_tokens=16, logprobs=5, repetition_penalty=1.2)
+        result = client.complete(messages=[{"role": "user", "content": "Hi"}], n=2, temperature=1.0, seed=7)
+        for choice in result.choices:
+            print(choice.text, [lp.logprob for lp in choice.logprobs])
+
 ``AsyncSpecdecClient`` is the same API for asyncio (``async with``,
 ``async for``, ``await client.complete(...)``).
 
@@ -26,17 +32,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 
 from specdec.params import PROPOSALS as PROPOSALS  # re-exported: the names build_request accepts
-from specdec.params import REQUEST_METHODS, SamplingParams, is_request_id
+from specdec.client.results import Choice, Chunk, Completion, GenerationStats
+from specdec.params import REQUEST_METHODS, ChatMessage, SamplingParams, TokenLogprob, is_request_id
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from specdec.wire import METHOD_TO_PROTO, PROPOSALS_TO_PROTO, enum_to_proto, sampling_to_proto
+from specdec.wire import METHOD_TO_PROTO, PROPOSALS_TO_PROTO, enum_to_proto, logprobs_from_proto, sampling_to_proto
 
 METHODS = REQUEST_METHODS                # "vanilla" included: no drafting
+Prompt = str | Sequence[int] | None      # text, token ids, or None with messages=[...]
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_BACKOFF_S = 2.0
@@ -79,74 +86,55 @@ def error_from(exc: grpc.RpcError) -> SpecdecClientError:
     return _ERRORS.get(code, SpecdecClientError)(code, details or "")
 
 
-# -- results -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Chunk:
-    token_ids: list[int]
-    text: str
-
-
-@dataclass(frozen=True)
-class GenerationStats:
-    """Per-request figures: tau counts the bonus token (tokens per cycle);
-    the time split draft_s + verify_s + network_s + other_s = wall_s."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cycles: int = 0
-    tau: float = 0.0
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    network_s: float = 0.0
-    other_s: float = 0.0
-    ttft_s: float = 0.0
-    wall_s: float = 0.0
-    finish_reason: str = ""
-    request_id: str = ""
-    ahead_hits: int = 0                  # cycles whose tree was drafted one round ahead
-
-    @classmethod
-    def from_proto(cls, msg: orchestrator_pb2.GenerationStats) -> GenerationStats:
-        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
-        values["accepted_per_position"] = list(msg.accepted_per_position)
-        return cls(**values)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
+def chat_messages(messages: Iterable) -> list[orchestrator_pb2.ChatMessage]:
+    """Messages as ``{"role": ..., "content": ...}`` dicts, (role, content) pairs or ``ChatMessage``."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            role, content = m.get("role", ""), m.get("content", "")
+        elif isinstance(m, ChatMessage):
+            role, content = m.role, m.content
+        else:
+            role, content = m
+        out.append(orchestrator_pb2.ChatMessage(role=role, content=content))
+    return out
 
 
 # -- requests ------------------------------------------------------------------
-def build_request(prompt: str, *, max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
+                  max_new_tokens: int = 0, temperature: float = 0.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int | None = None, stop: Iterable[str] = (), method: str | None = None,
                   total_tokens: int = 0, depth: int = 0, expand_k: int = 0, value_temperature: float = 0.0,
-                  proposals: str = "auto", request_id: str = "") -> orchestrator_pb2.GenerateRequest:
+                  proposals: str = "auto", request_id: str = "", min_p: float = 0.0, presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logprobs: int | None = None,
+                  n: int = 1) -> orchestrator_pb2.GenerateRequest:
     """The request message; 0 / None leave a knob to the server's default.
+    ``prompt``: text, or token ids (a sequence of ints); or ``messages``
+    instead (a chat, rendered with the model's chat template by the server).
+    ``logprobs``: each token's raw-model logprob with that many top
+    alternatives (0..20; None: none). ``n``: independent choices, seeded from
+    ``seed``. Penalties and min_p follow ``specdec.params.SamplingParams``.
     ``method``: one of ``METHODS`` ("vanilla": no drafting); ``proposals``: how
     draft tokens are proposed when sampling ("auto": the drafter's choice;
     "top" / "sampled"). Names are checked here (ValueError); values are checked
     by the server against ``specdec.params``'s bounds, INVALID_ARGUMENT naming
     the offending field."""
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              repetition_penalty=repetition_penalty)
     tree = common_pb2.TreeParams(
         method=common_pb2.TREE_METHOD_UNSPECIFIED if method is None else enum_to_proto(method, METHOD_TO_PROTO, "method"),
         total_tokens=total_tokens, depth=depth, expand_k=expand_k, value_temperature=value_temperature,
         proposals=enum_to_proto(proposals, PROPOSALS_TO_PROTO, "proposals"))
     if isinstance(stop, str):
         stop = [stop]
-    return orchestrator_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens,
-                                            sampling=sampling_to_proto(sampling), stop=list(stop), tree=tree,
-                                            request_id=request_id)
+    text, ids = (prompt, []) if prompt is None or isinstance(prompt, str) else ("", list(prompt))
+    msg = orchestrator_pb2.GenerateRequest(prompt=text or "", prompt_ids=ids, max_new_tokens=max_new_tokens,
+                                           sampling=sampling_to_proto(sampling), stop=list(stop), tree=tree,
+                                           request_id=request_id, messages=chat_messages(messages or ()), n=n)
+    if logprobs is not None:
+        msg.logprobs = logprobs
+    return msg
 
 
 def channel_credentials(tls: Any) -> grpc.ChannelCredentials | None:
@@ -236,9 +224,24 @@ class _Stream:
         self._attempt = 0
         self._received = False
         self._closed = False
-        self.stats: GenerationStats | None = None
-        self.token_ids: list[int] = []
-        self.text = ""
+        self.choices: dict[int, Choice] = {0: Choice()}   # by index; n > 1 streams fill in more
+
+    @property
+    def stats(self) -> GenerationStats | None:
+        """Choice 0's stats, once the stream is over."""
+        return self.choices[0].stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.choices[0].logprobs
 
     def _open(self):
         if self._call is None:
@@ -258,16 +261,20 @@ class _Stream:
     def _accept(self, msg: orchestrator_pb2.GenerateResponse) -> Chunk | None:
         self._received = True
         if msg.HasField("final"):
-            self.stats = GenerationStats.from_proto(msg.final)
+            self.choices.setdefault(msg.final.index, Choice(msg.final.index)).stats = \
+                GenerationStats.from_proto(msg.final)
             return None
-        chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
-        self.token_ids.extend(chunk.token_ids)
-        self.text += chunk.text
+        chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text, logprobs_from_proto(msg.chunk.logprobs),
+                      msg.chunk.index)
+        choice = self.choices.setdefault(chunk.index, Choice(chunk.index))
+        choice.token_ids.extend(chunk.token_ids)
+        choice.text += chunk.text
+        choice.logprobs.extend(chunk.logprobs)
         return chunk
 
     def _ended(self) -> None:
         self._closed = True
-        if self.stats is None:
+        if any(c.stats is None for c in self.choices.values()):
             raise SpecdecClientError(grpc.StatusCode.INTERNAL, "stream ended without final stats")
 
     def close(self) -> None:
@@ -324,7 +331,7 @@ class SpecdecClient(_ClientBase):
             self._channel = grpc.secure_channel(target, self._credentials, options=self._channel_options)
         self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
-    def generate(self, prompt: str, *, timeout: float | None = None, **params) -> GenerationStream:
+    def generate(self, prompt: Prompt = None, *, timeout: float | None = None, **params) -> GenerationStream:
         request = build_request(prompt, **params)
         metadata = self._metadata(request)
 
@@ -333,7 +340,7 @@ class SpecdecClient(_ClientBase):
 
         return GenerationStream(start, self._deadline(timeout), self._retryable)
 
-    def complete(self, prompt: str, *, timeout: float | None = None, **params) -> Completion:
+    def complete(self, prompt: Prompt = None, *, timeout: float | None = None, **params) -> Completion:
         request = orchestrator_pb2.CompleteRequest(request=build_request(prompt, **params))
         metadata = self._metadata(request.request)
         deadline = self._deadline(timeout)
@@ -348,7 +355,7 @@ class SpecdecClient(_ClientBase):
                     raise error_from(exc) from None
                 time.sleep(delay)
                 continue
-            return Completion(resp.text, list(resp.token_ids), GenerationStats.from_proto(resp.stats))
+            return Completion.from_proto(resp)
 
     def close(self) -> None:
         self._channel.close()
@@ -408,7 +415,7 @@ class AsyncSpecdecClient(_ClientBase):
             self._channel = grpc.aio.secure_channel(target, self._credentials, options=self._channel_options)
         self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
-    def generate(self, prompt: str, *, timeout: float | None = None, **params) -> AsyncGenerationStream:
+    def generate(self, prompt: Prompt = None, *, timeout: float | None = None, **params) -> AsyncGenerationStream:
         request = build_request(prompt, **params)
         metadata = self._metadata(request)
 
@@ -417,7 +424,7 @@ class AsyncSpecdecClient(_ClientBase):
 
         return AsyncGenerationStream(start, self._deadline(timeout), self._retryable)
 
-    async def complete(self, prompt: str, *, timeout: float | None = None, **params) -> Completion:
+    async def complete(self, prompt: Prompt = None, *, timeout: float | None = None, **params) -> Completion:
         request = orchestrator_pb2.CompleteRequest(request=build_request(prompt, **params))
         metadata = self._metadata(request.request)
         deadline = self._deadline(timeout)
@@ -432,7 +439,7 @@ class AsyncSpecdecClient(_ClientBase):
                     raise error_from(exc) from None
                 await asyncio.sleep(delay)
                 continue
-            return Completion(resp.text, list(resp.token_ids), GenerationStats.from_proto(resp.stats))
+            return Completion.from_proto(resp)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "max_new_tokens", "return_features", "resume", "owner")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "max_new_tokens", "return_features", "resume", "owner", "logprobs", "prompt_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class VerifierPrefillRequest(_message.Message):
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,17 +25,21 @@ class VerifierPrefillRequest(_message.Message):
     return_features: bool
     resume: bool
     owner: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., return_features: _Optional[bool] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    prompt_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., return_features: _Optional[bool] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
-    __slots__ = ("token", "features", "compute_s")
+    __slots__ = ("token", "features", "compute_s", "logprobs")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token: int
     features: _common_pb2.Tensor
     compute_s: float
-    def __init__(self, token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree", "return_features")
@@ -46,16 +52,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_nodes", "tokens", "features", "compute_s")
+    __slots__ = ("accepted_nodes", "tokens", "features", "compute_s", "logprobs")
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.Tensor
     compute_s: float
-    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifierRollbackRequest(_message.Message):
     __slots__ = ("session_id", "length")

@@ -56,6 +56,11 @@ def test_json_lines_match_vanilla(tiny_family, tmp_path, capsys, drafter, method
     (["--prompt-file", "/nonexistent.jsonl"], "prompt file not found"),
     (["--min-tau", "-1", "hi"], "must be >= 0 or auto"),
     (["--min-tau", "often", "hi"], "--min-tau"),
+    (["--min-p", "1.5", "hi"], "min_p must be in [0, 1]"),
+    (["--presence-penalty", "2.5", "hi"], "presence_penalty must be in [-2, 2]"),
+    (["--frequency-penalty", "-3", "hi"], "frequency_penalty must be in [-2, 2]"),
+    (["--repetition-penalty", "0", "hi"], "repetition_penalty must be > 0 and finite"),
+    (["--logprobs", "21", "hi"], "--logprobs must be in [0, 20]"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_family, capsys, args, needle):
     code, out, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family), *args])
@@ -79,3 +84,19 @@ def test_console_script_exit_status(tiny_family):
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.startswith("specdec:")]
     assert len(lines) == 1 and "temperature must be >= 0" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("drafter,method", [("eagle", "eagle2"), ("ngram", "chain")])
+def test_penalties_and_logprobs_match_vanilla(tiny_family, capsys, drafter, method):
+    flags = ["generate", "--local", "--json", "--max-new-tokens", "16", "--repetition-penalty", "1.4",
+             "--frequency-penalty", "0.5", "--min-p", "0.05", "--logprobs", "2", "def add(a, b):"]
+    code, out, _ = run_cli(capsys, flags + model_flags(tiny_family, drafter) + ["--method", method])
+    assert code == 0
+    code, ref_out, _ = run_cli(capsys, flags + model_flags(tiny_family, "none") + ["--method", "vanilla"])
+    row, want = json.loads(out), json.loads(ref_out)
+    code, plain_out, _ = run_cli(capsys, ["generate", "--local", "--json", "--max-new-tokens", "16", "def add(a, b):",
+                                          *model_flags(tiny_family, "none"), "--method", "vanilla"])
+    assert row["token_ids"] == want["token_ids"] != json.loads(plain_out)["token_ids"]
+    assert [e["token"] for e in row["logprobs"]] == row["token_ids"]
+    for got, ref in zip(row["logprobs"], want["logprobs"]):
+        assert got["logprob"] == pytest.approx(ref["logprob"], abs=1e-5) and len(got["top"]) == 2

@@ -228,3 +228,42 @@ def test_sdk_and_orchestrator_import_no_torch():
             "orchestrator.text; bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_build_request_carries_the_new_parameters():
+    from specdec.client.sdk import build_request
+    from specdec.wire import generation_request_from_proto
+
+    msg = build_request([5, 6, 7], min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                        logprobs=0, n=3, seed=9, temperature=1.0)
+    req = generation_request_from_proto(msg)
+    assert req.prompt == "" and req.prompt_ids == (5, 6, 7) and req.logprobs == 0 and req.n == 3
+    s = req.sampling
+    assert (s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == \
+        pytest.approx((0.1, 0.5, -0.5, 1.2))
+    chat = generation_request_from_proto(build_request(messages=[{"role": "user", "content": "hi"}, ("assistant", "")]))
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "hi"), ("assistant", "")]
+    plain = generation_request_from_proto(build_request("x"))
+    assert plain.logprobs is None and plain.n == 1 and not plain.sampling.penalized
+
+
+def test_sync_and_async_carry_logprobs_and_choices(stack):
+    address = stack.address("orchestrator")
+    kw = dict(max_new_tokens=12, logprobs=2, n=2, temperature=1.0, seed=3, repetition_penalty=1.2)
+    with SpecdecClient(address) as client:
+        whole = client.complete(PROMPT, **kw)
+
+    async def run_async():
+        async with AsyncSpecdecClient(address) as client:
+            stream = client.generate(PROMPT, **kw)
+            chunks = [chunk async for chunk in stream]
+            return stream, chunks
+
+    stream, chunks = asyncio.run(run_async())
+    assert [c.index for c in whole.choices] == [0, 1]
+    for i, choice in enumerate(whole.choices):
+        assert stream.choices[i].token_ids == choice.token_ids
+        assert [e.token for e in choice.logprobs] == choice.token_ids
+        assert [e.logprob for e in stream.choices[i].logprobs] == pytest.approx([e.logprob for e in choice.logprobs])
+        assert [t for c in chunks if c.index == i for t in c.token_ids] == choice.token_ids
+    assert whole.logprobs == whole.choices[0].logprobs and stream.logprobs == stream.choices[0].logprobs

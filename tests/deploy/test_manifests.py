@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "deploy" / "docker"
 ROLES = ("verifier", "drafter", "orchestrator")
 GRPC_PORT = 50051
+HTTP_PORT = 8000           # the orchestrator's OpenAI-compatible API
 # Flags the manifests pass that the CLI is still gaining (none now). A flag
 # listed here may be unknown to the parser; every other flag must parse.
 PENDING_FLAGS: dict[str, set[str]] = {}
@@ -195,16 +196,34 @@ def test_models_come_read_only_from_the_claim(rendered, overlay):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_are_native_grpc(rendered, overlay):
+    """The GPU roles are probed over gRPC; the orchestrator over its HTTP API
+    (/health mirrors the gRPC readiness), which checks both of its servers."""
     for role, d in objects(rendered[overlay], "Deployment").items():
         c = container(d)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == GRPC_PORT
-        # The orchestrator's readiness waits on the verifiers, so its startup
-        # probe asks only whether the process is up.
-        startup = "liveness" if role == "orchestrator" else "readiness"
-        expected = {"startupProbe": startup, "readinessProbe": "readiness", "livenessProbe": "liveness"}
+        if role == "orchestrator":
+            assert ports["http"] == HTTP_PORT
+            assert f"--http-port={HTTP_PORT}" in c["args"]
+            # Its readiness waits on the verifiers, so its startup probe asks
+            # only whether the process is up.
+            expected = {"startupProbe": "/health/live", "readinessProbe": "/health", "livenessProbe": "/health/live"}
+            for probe, path in expected.items():
+                assert c[probe]["httpGet"] == {"port": "http", "path": path}, f"{overlay}/{role}: {probe}"
+            continue
+        expected = {"startupProbe": "readiness", "readinessProbe": "readiness", "livenessProbe": "liveness"}
         for probe, service in expected.items():
             assert c[probe]["grpc"] == {"port": GRPC_PORT, "service": service}, f"{overlay}/{role}: {probe}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_orchestrator_service_and_policy_open_the_http_api(rendered, overlay):
+    r = rendered[overlay]
+    ports = {p["name"]: p for p in objects(r, "Service")["orchestrator"]["spec"]["ports"]}
+    assert ports["http"]["port"] == HTTP_PORT and ports["http"]["targetPort"] == "http"
+    policy = objects(r, "NetworkPolicy")["orchestrator-ingress"]["spec"]
+    public = [rule for rule in policy["ingress"] if "from" not in rule]
+    assert {p["port"] for rule in public for p in rule["ports"]} == {"grpc", "http"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -433,7 +452,7 @@ class Block:
         top = name.split(".")[0]
         if top in sys.stdlib_module_names or top in allowed or top.startswith("_"):
             return None
-        raise ImportError(f"{name} is not in the orchestrator image")
+        raise ModuleNotFoundError(f"{name} is not in the orchestrator image")  # what a missing one raises
 sys.meta_path.insert(0, Block())
 for module in sys.argv[2:]:
     importlib.import_module(module)

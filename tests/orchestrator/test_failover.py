@@ -414,3 +414,29 @@ def test_every_drafter_sigkilled_mid_generation_finishes_as_plain_decoding(up, u
     with SpecdecClient(up.state["orchestrator"], timeout=120) as client:
         after = client.complete(PROMPT, max_new_tokens=LONG)
     assert after.token_ids == undisturbed and after.stats.draft_tokens == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_verifier_keeps_the_penalties_and_logprobs(stack, pair):
+    """The session reopened on another verifier counts the prompt apart from the
+    output (presence / frequency penalties see only the output) and still sends
+    logprobs: the same tokens and logprobs as an undisturbed run."""
+    names, taps = pair
+    params = dict(max_new_tokens=N, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
+                  logprobs=2)
+    with SpecdecClient(stack.address("fo"), timeout=60) as client:
+        want = client.complete(PROMPT, **params)
+        moved = sample("specdec_failovers_total", role="verifier")
+        held = held_in(taps, names["v"], after=3)
+        gen = Background(client, PROMPT, **params)
+        wait_for(held, what="a call held in a verifier")
+        servicer = stack.servicer(held())
+        servicer.engine.release(taps[held()].sessions[0])
+        for n in names["v"]:
+            taps[n].open()
+        stream = gen.result()
+    assert sample("specdec_failovers_total", role="verifier") == moved + 1
+    assert stream.token_ids == want.token_ids
+    assert [e.token for e in stream.logprobs] == want.token_ids
+    assert [e.logprob for e in stream.logprobs] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+    assert [e.top_tokens for e in stream.logprobs] == [e.top_tokens for e in want.logprobs]

@@ -26,32 +26,40 @@ def stack(tiny_family):
     return build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice("eagle", str(tiny_family["eagle"])))
 
 
-def params_of(i: int, sampled: bool) -> SamplingParams:
-    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) if sampled else SamplingParams()
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
 
 
-def reference(stack, sampled: bool):
+def params_of(i: int, sampled: bool, penalised: bool = False) -> SamplingParams:
+    extra = PENALTIES if penalised else {}
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, **extra) if sampled else SamplingParams(**extra)
+
+
+def reference(stack, sampled: bool, penalised: bool = False):
     """Each prompt alone: plain greedy decoding, or the seeded speculative run
     (drawn trees, the same draws whatever the batching)."""
     stop = StopCriteria(max_new_tokens=NEW)
     if not sampled:
-        return [generate(stack.verifier, None, p, SamplingParams(), stop, None).tokens for p in PROMPTS]
-    return [generate(stack.verifier, stack.drafter, p, params_of(i, True), stop, CFGS[i]).tokens
+        return [generate(stack.verifier, None, p, params_of(i, False, penalised), stop, None, logprobs=2)
+                for i, p in enumerate(PROMPTS)]
+    return [generate(stack.verifier, stack.drafter, p, params_of(i, True, penalised), stop, CFGS[i], logprobs=2)
             for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("sampled,penalised", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed, sampled):
-    want = reference(stack, sampled)
+def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed, sampled, penalised):
+    """Tokens and logprobs; with penalties each session's nodes are penalised with their own paths."""
+    want = reference(stack, sampled, penalised)
     v, d = stack.verifier, stack.drafter
     rng = random.Random(seed)
     sids = [f"s{seed}-{i}" for i in range(len(PROMPTS))]
     out = {sid: [] for sid in sids}
+    logprobs = {sid: [] for sid in sids}
     for i, (sid, p) in enumerate(zip(sids, PROMPTS)):
-        first = v.prefill(sid, p, params_of(i, sampled), NEW)
-        d.prefill(sid, p + [first.token], first.features, sampling=params_of(i, sampled))
+        first = v.prefill(sid, p, params_of(i, sampled, penalised), NEW, logprobs=2)
+        d.prefill(sid, p + [first.token], first.features, sampling=params_of(i, sampled, penalised))
         out[sid].append(first.token)
+        logprobs[sid].extend(first.logprobs)
     active = list(sids)
     while active:
         # random arrival order and a random subset per batch: mixed prefix lengths and tree sizes
@@ -64,11 +72,14 @@ def test_batched_sessions_get_the_tokens_they_get_alone(stack, seed, sampled):
         for sid, res in zip(batch, results):
             assert not isinstance(res, Exception), res
             out[sid].extend(res.tokens)
+            logprobs[sid].extend(res.logprobs)
             d.commit(sid, res.tokens, res.features)
             if len(out[sid]) >= NEW:
                 active.remove(sid)
     for sid, w in zip(sids, want):
-        assert out[sid][:NEW] == w
+        assert out[sid][:NEW] == w.tokens
+        got = [e.logprob for e in logprobs[sid][:NEW]]
+        assert got == pytest.approx([e.logprob for e in w.logprobs], abs=1e-5)
         v.release(sid)
         d.release(sid)
 
@@ -88,7 +99,7 @@ def test_errors_are_per_item_and_leave_others_intact(stack):
 
 def test_scheduler_batches_concurrent_calls(stack):
     v = stack.verifier
-    want = reference(stack, sampled=False)
+    want = [dec.tokens for dec in reference(stack, sampled=False)]
 
     async def one(sched, i, p):
         sid = f"sched-{i}"

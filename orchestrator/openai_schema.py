@@ -1,0 +1,302 @@
+"""The OpenAI-compatible request and response bodies, and their mapping to specdec's own.
+
+Requests are pydantic models that ignore unknown fields (as OpenAI-compatible
+servers do); a field of the wrong type is a 400 naming it. One function,
+``generation_request``, turns a request (and its rendered prompt) into the
+validated ``specdec.params.GenerationRequest``: every parameter is mapped, or
+refused, there. Values out of bounds are refused by ``specdec.params`` with
+``InvalidArgument``; ``openai_param`` names the OpenAI parameter it is about.
+
+Parameter mapping:
+- ``max_tokens`` / ``max_completion_tokens`` -> max_new_tokens (unset: the
+  server's default, ``--max-new-tokens``);
+- ``temperature`` (unset: 1, as OpenAI), ``top_p``, ``top_k`` (vLLM's extra;
+  -1 or 0 = off), ``seed`` -> SamplingParams;
+- ``stop`` (a string or a list) -> stop strings;
+- ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` (vLLM's
+  extra), ``min_p`` (vLLM's extra) -> SamplingParams (the verifier applies
+  them per tree node: speculation stays lossless);
+- ``n``: n independent choices of one request; with a seed, choice i samples
+  with ``specdec.params.choice_seed(seed, i)`` (choice 0 with the seed
+  itself), as through gRPC, so every choice reproduces;
+- chat ``logprobs`` (+ ``top_logprobs`` alternatives), completions
+  ``logprobs`` (that many alternatives) -> logprobs: each token's raw-model
+  logprob, in OpenAI's shapes (``chat_logprobs``, ``completion_logprobs``);
+- ``logit_bias``, ``suffix``, ``echo``, ``best_of`` > 1, ``tools``, a
+  ``response_format`` other than text: refused (400) rather than ignored,
+  since ignoring them would change what the client gets.
+
+Responses carry each choice's speculation statistics (tau, acceptance per
+position, the time split: ``GenerationStats``) in a ``specdec`` object of the
+choice, and, with ``return_token_ids`` (vLLM's extra), its ``token_ids``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.errors import InvalidArgument
+from specdec.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob
+from specdec.v1 import orchestrator_pb2
+
+MAX_CHOICES = 16             # n
+MAX_PROMPTS = 16             # prompts in one completions request
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+STATS_FIELDS = tuple(f.name for f in orchestrator_pb2.GenerationStats.DESCRIPTOR.fields)
+
+
+# -- requests ----------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class CommonRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")      # name, tool_call_id, ... reach the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(CommonRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# -- requests -> GenerationRequest -------------------------------------------------------------
+def unsupported(req: CommonRequest) -> None:
+    """400 naming the first parameter this server cannot honour."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise InvalidArgument("tools is not supported")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise InvalidArgument(f"response_format {req.response_format.get('type')!r} is not supported")
+    else:
+        if req.echo:
+            raise InvalidArgument("echo is not supported")
+        if req.suffix:
+            raise InvalidArgument("suffix is not supported")
+        if req.best_of not in (None, 1, req.n):
+            raise InvalidArgument(f"best_of must equal n (no best-of ranking), got {req.best_of}")
+    if req.logit_bias:
+        raise InvalidArgument("logit_bias is not supported")
+
+
+def logprobs_asked(req: CommonRequest) -> int | None:
+    """The alternatives per token the request asks logprobs with; None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        if not req.logprobs:
+            if req.top_logprobs:
+                raise InvalidArgument("top_logprobs needs logprobs: true")
+            return None
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+        return req.top_logprobs or 0
+    return req.logprobs
+
+
+def generation_request(req: CommonRequest, prompt: str, request_id: str = "") -> GenerationRequest:
+    """The validated specdec request for one prompt of ``req`` (its ``n`` choices)."""
+    unsupported(req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise InvalidArgument("max_completion_tokens and max_tokens disagree: give one of them")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidArgument(f"{max_tokens_param(req)} must be >= 1, got {max_tokens}")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise InvalidArgument(f"n must be in [1, {MAX_CHOICES}], got {req.n}")
+    top_k = 0 if req.top_k == -1 else req.top_k
+    sampling = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature, top_k=top_k or 0,
+        top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return GenerationRequest(prompt=prompt, max_new_tokens=max_tokens or 0, sampling=sampling, stop=stop,
+                             request_id=request_id, n=req.n, logprobs=logprobs_asked(req))
+
+
+def completion_prompts(req: CompletionRequest) -> list[str]:
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if not prompts:
+        raise InvalidArgument("prompt must not be empty")
+    if not all(isinstance(p, str) for p in prompts):
+        raise InvalidArgument("prompt as token ids is not supported yet: send text")
+    if len(prompts) > MAX_PROMPTS:
+        raise InvalidArgument(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
+    return prompts
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as the template sees them: content as one string."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            kinds = {p.type for p in content} - {"text"}
+            if kinds:
+                raise InvalidArgument(f"messages[{i}].content: only text parts are supported, got {sorted(kinds)}")
+            content = "".join(p.text or "" for p in content)
+        out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    return out
+
+
+def max_tokens_param(req: CommonRequest) -> str:
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
+# specdec field (as specdec.params writes it) -> the OpenAI parameter
+FIELD_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
+                "sampling.seed": "seed", "sampling.min_p": "min_p", "sampling.presence_penalty": "presence_penalty",
+                "sampling.frequency_penalty": "frequency_penalty",
+                "sampling.repetition_penalty": "repetition_penalty", "stop": "stop", "request_id": "x-request-id"}
+LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.]*)(\[\d+\])?")
+
+
+def openai_param(message: str, req: CommonRequest | None) -> tuple[str | None, str]:
+    """(the OpenAI parameter an InvalidArgument message is about, the message in
+    OpenAI's names): ``sampling.top_p must be ...`` -> ``top_p``."""
+    m = LEADING_FIELD.match(message)
+    if m is None:
+        return None, message
+    field = m.group(1)
+    if field in FIELD_PARAMS:
+        param = FIELD_PARAMS[field]
+    elif field == "max_new_tokens":
+        param = max_tokens_param(req) if req is not None else "max_tokens"
+    elif field == "prompt":
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    elif field.split(".")[0] in (CommonRequest.model_fields.keys() | CompletionRequest.model_fields.keys()
+                                 | ChatCompletionRequest.model_fields.keys()):
+        param = field.split(".")[0]
+    else:
+        return None, message
+    return param, param + message[len(field):]
+
+
+# -- responses ----------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def finish_reason(stats: orchestrator_pb2.GenerationStats) -> str:
+    return FINISH_REASONS.get(stats.finish_reason, "stop")
+
+
+def stats_dict(stats: orchestrator_pb2.GenerationStats) -> dict:
+    """The ``specdec`` extension object: every GenerationStats field."""
+    return {name: (list(value) if name == "accepted_per_position" else value)
+            for name in STATS_FIELDS for value in (getattr(stats, name),)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """Chat's ``logprobs``: per token its text, logprob, UTF-8 bytes and the top alternatives."""
+    def item(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in zip(e.top_tokens, e.top_logprobs)]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str], offset: int = 0) -> dict:
+    """Completions' ``logprobs``: tokens, their logprobs, the top alternatives
+    ({text: logprob}) and each token's offset in the choice's text (the first at ``offset``)."""
+    tokens = [token_text(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in zip(e.top_tokens, e.top_logprobs)} for e in entries],
+            "text_offset": offsets}
+
+
+def choice_body(kind: str, index: int, text: str, result=None, token_ids: bool = False,
+                stream: bool = False, logprobs: dict | None = None) -> dict:
+    """A choice of a response (``result`` set), or of a stream chunk: a delta
+    of text, or the choice's last chunk (``result`` set, ``text`` "");
+    ``logprobs``: its tokens' (``chat_logprobs``, ``completion_logprobs``)."""
+    done = result is not None
+    if kind == "chat" and not stream:
+        body = {"index": index, "message": {"role": "assistant", "content": text}}
+    elif kind == "chat":
+        body = {"index": index, "delta": {"content": text} if text else {}}
+    else:
+        body = {"index": index, "text": text}
+    body["logprobs"] = logprobs
+    body["finish_reason"] = finish_reason(result.stats) if done else None
+    if done:
+        if token_ids:
+            body["token_ids"] = list(result.token_ids)
+        body["specdec"] = stats_dict(result.stats)
+    return body
+
+
+def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict], stream: bool) -> dict:
+    obj = {"chat": ("chat.completion", "chat.completion.chunk"),
+           "completion": ("text_completion", "text_completion")}[kind][stream]
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def role_delta(index: int) -> dict:
+    """A chat stream's first chunk of a choice: the role."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

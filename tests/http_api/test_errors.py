@@ -1,0 +1,224 @@
+"""Errors as OpenAI's JSON with the right status, and cancellation: 400 naming
+each bad parameter, 401, 404, 429, 503, 504; a client that disconnects
+frees both sessions."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from http_api.helpers import TOKEN, wait_until
+from services.helpers import channel_to
+from specdec.v1.common_pb2 import SamplingParams
+from specdec.v1.verifier_pb2 import VerifierPrefillRequest, VerifierReleaseRequest
+from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
+
+LONG = {"prompt": "class Point:", "max_tokens": 400, "temperature": 0}
+
+
+def post(api, path: str, body: dict, server: str = "eagle", headers: dict | None = None) -> httpx.Response:
+    # json.dumps writes inf as Infinity, which Python's parser (and so the server's) reads back
+    return httpx.post(api.root(server) + path, content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param, body
+    assert body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+BAD_COMPLETIONS = [
+    ({"temperature": -1}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 5000}, "max_tokens"), ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"), ({"n": 0}, "n"), ({"n": 17}, "n"),
+    ({"stop": [""]}, "stop"), ({"stop": ["s"] * 17}, "stop"), ({"stop": 5}, "stop"), ({"prompt": ""}, "prompt"),
+    ({"prompt": [1, 2, 3]}, "prompt"), ({"prompt": "x" * 4000, "max_tokens": 8}, "prompt"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"best_of": 3}, "best_of"), ({"stream": "maybe"}, "stream"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_COMPLETIONS)
+def test_each_bad_completion_parameter_is_named(api, fields, param):
+    body = {"prompt": "def add(a, b):", "max_tokens": 4, **fields}
+    error = assert_error(post(api, "/v1/completions", body), 400, param)
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(param) or param in error["message"]
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"), ({"temperature": -0.5}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD_CHATS)
+def test_each_bad_chat_parameter_is_named(api, fields, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    assert_error(post(api, "/v1/chat/completions", body), 400, param)
+
+
+def test_malformed_json_is_400(api):
+    resp = httpx.post(api.root("eagle") + "/v1/completions", content=b"{not json", timeout=10,
+                      headers={"content-type": "application/json"})
+    assert_error(resp, 400, None)
+
+
+def test_a_template_refusing_the_conversation_is_400(api, tmp_path):
+    from orchestrator.chat_template import ChatTemplate
+
+    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+                            "{{ messages[0].content }}", {}, "test")
+    api.serve("strict", "eagle", chat_template=template)
+    try:
+        resp = post(api, "/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}, server="strict")
+        assert "user first" in assert_error(resp, 400, "messages")["message"]
+    finally:
+        api.stop("strict")
+
+
+def test_chat_without_a_template_is_400(api):
+    resp = post(api, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, server="plain")
+    assert "--chat-template" in assert_error(resp, 400, "messages")["message"]
+
+
+def test_unknown_model_is_404(api):
+    error = assert_error(post(api, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404, "model",
+                         "model_not_found")
+    assert "gpt-9" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=api.url("eagle"), api_key="x", max_retries=0).chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "x"}])
+
+
+def test_bearer_token(api):
+    body = {"prompt": "x", "max_tokens": 2}
+    assert_error(post(api, "/v1/completions", body, server="auth"), 401, None, "invalid_api_key")
+    assert_error(post(api, "/v1/completions", body, server="auth", headers={"authorization": "Bearer nope"}), 401)
+    assert httpx.get(api.root("auth") + "/v1/models", timeout=10).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=api.url("auth"), api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=api.url("auth"), api_key=TOKEN, max_retries=0)
+    assert good.completions.create(model=api.model, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert httpx.get(api.root("auth") + "/health", timeout=10).status_code == 200    # probes need no token
+
+
+def test_past_the_request_timeout_is_504_and_frees_the_sessions(api):
+    error = assert_error(post(api, "/v1/completions", LONG, server="timeout"), 504, None, "timeout")
+    assert error["type"] == "server_error"
+    assert api.wait_closed() == {"verifier": 0, "drafter-eagle": 0}
+
+
+def test_at_capacity_is_429(api):
+    """A verifier whose one session slot is held (by a session opened on it
+    directly): generations answer 429, streamed or not."""
+    stack = api.stack
+    stack.add_verifier("small-verifier", max_sessions=1)
+    stack.add_orchestrator("small", verifier="small-verifier")
+    api.serve("small", "small")
+
+    async def hold(release: bool):
+        async with channel_to(stack.servers["small-verifier"][0]) as channel:
+            stub = VerifierServiceStub(channel)
+            if release:
+                await stub.Release(VerifierReleaseRequest(session_id="held"))
+            else:
+                await stub.Prefill(VerifierPrefillRequest(session_id="held", prompt_ids=[5, 6, 7],
+                                                          sampling=SamplingParams(seed=1), max_new_tokens=8))
+    try:
+        stack.loop.run(hold(release=False))
+        assert stack.open_sessions("small-verifier") == {"small-verifier": 1}
+        error = assert_error(post(api, "/v1/completions", {"prompt": "x", "max_tokens": 4}, server="small"),
+                             429, None, "rate_limit_exceeded")
+        assert error["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=api.url("small"), api_key="x", max_retries=0).completions.create(
+                model=api.model, prompt="x", max_tokens=4, stream=True)
+        stack.loop.run(hold(release=True))
+        assert post(api, "/v1/completions", {"prompt": "x", "max_tokens": 4}, server="small").status_code == 200
+    finally:
+        api.stop("small")
+        stack.stop("small")
+        stack.stop("small-verifier")
+
+
+def test_not_ready_and_draining_are_503(api):
+    stack = api.stack
+    stack.add_orchestrator("cold", verifier="127.0.0.1:1", connect=False)
+    api.serve("cold", "cold")
+    try:
+        assert_error(post(api, "/v1/completions", {"prompt": "x"}, server="cold"), 503, None, "unavailable")
+        assert_error(httpx.get(api.root("cold") + "/health", timeout=10), 503)
+        assert httpx.get(api.root("cold") + "/health/live", timeout=10).status_code == 200
+    finally:
+        api.stop("cold")
+        stack.stop("cold")
+    lifecycle = stack.servicer("eagle").lifecycle
+    lifecycle.draining = True
+    try:
+        error = assert_error(post(api, "/v1/completions", {"prompt": "x", "max_tokens": 2}), 503, None)
+        assert "draining" in error["message"]
+        assert httpx.get(api.root("eagle") + "/health", timeout=10).status_code == 503
+    finally:
+        lifecycle.draining = False
+    assert httpx.get(api.root("eagle") + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_a_client_leaving_a_stream_frees_both_sessions(api):
+    with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True},
+                      timeout=60) as resp:
+        next(resp.iter_raw())
+        assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1, "drafter-eagle": 1}
+    # well before 400 tokens could have been generated
+    assert api.wait_closed(timeout=1.0) == {"verifier": 0, "drafter-eagle": 0}
+    assert wait_until(lambda: api.stack.servicer("eagle").active == 0)
+
+
+def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
+    """No stream: nothing is written until the end, so the server must watch
+    the connection itself."""
+    host, port = api.root("eagle").removeprefix("http://").split(":")
+    body = json.dumps(LONG).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    sock = socket.create_connection((host, int(port)))
+    try:
+        sock.sendall(head + body)
+        assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1, "drafter-eagle": 1}
+    finally:
+        sock.close()
+    assert api.wait_closed(timeout=1.0) == {"verifier": 0, "drafter-eagle": 0}
+    assert wait_until(lambda: api.stack.servicer("eagle").active == 0)
+
+
+def test_concurrent_streams_leaving_free_every_session(api):
+    def leave():
+        with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True, "n": 2},
+                          timeout=60) as resp:
+            next(resp.iter_raw())
+    threads = [threading.Thread(target=leave) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert api.wait_closed(timeout=2.0) == {"verifier": 0, "drafter-eagle": 0}
