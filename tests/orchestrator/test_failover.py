@@ -431,7 +431,7 @@ def test_a_resumed_verifier_keeps_the_penalties_and_logprobs(stack, pair):
         gen = Background(client, PROMPT, **params)
         wait_for(held, what="a call held in a verifier")
         servicer = stack.servicer(held())
-        servicer.engine.release(taps[held()].sessions[0])
+        servicer.engine.release(taps[held()].sessions[-1])      # this request's (want's came first)
         for n in names["v"]:
             taps[n].open()
         stream = gen.result()
