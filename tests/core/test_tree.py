@@ -16,7 +16,6 @@ from specdec.tree import (
     Frontier,
     TreeError,
     build_tree,
-    tree_from_lists,
     validate_tree,
 )
 from specdec.tree_shapes import check_shape, default_static_shape
@@ -321,51 +320,6 @@ def test_value_temperature_sharpens_values_and_deepens_the_tree():
 
 def test_config_accepts_list_shape():
     assert TreeParams(static_shape=[[0], [0, 1]]).static_shape == ((0,), (0, 1))
-
-
-# ---------------------------------------------------------------- validation
-
-
-@pytest.mark.parametrize("tokens, parents, vocab, problem", [
-    ([], [], None, "empty"),
-    ([1, 2], [-1], None, "differ in length"),
-    ([1, 2], [0, 0], None, r"parents\[0\]"),
-    ([1, 2, 3], [-1, 0, -1], None, r"parents\[2\] = -1"),
-    ([1, 2, 3], [-1, 2, 0], None, r"parents\[1\] = 2"),
-    ([1, 2, 3], [-1, 0, 2], None, r"parents\[2\] = 2"),
-    ([1, -2], [-1, 0], None, r"tokens\[1\] = -2 is negative"),
-    ([1, 10], [-1, 0], 10, r"tokens\[1\] = 10 is outside"),
-    ([1, 2.5], [-1, 0], None, r"tokens\[1\].*not an integer"),
-    ([1, True], [-1, 0], None, r"tokens\[1\].*not an integer"),
-    (torch.tensor([1.0, 2.0]), [-1, 0], None, "tokens must hold integers"),
-    ([1, 2], torch.tensor([[-1, 0]]), None, "parents must be 1-D"),
-    ("ab", [-1, 0], None, "tokens must be"),
-    (5, [-1], None, "tokens must be"),
-])
-def test_validate_tree_rejects(tokens, parents, vocab, problem):
-    with pytest.raises(TreeError, match=problem):
-        validate_tree(tokens, parents, vocab)
-    with pytest.raises(TreeError, match=problem):
-        tree_from_lists(tokens, parents, vocab)
-
-
-def test_tree_from_lists():
-    tree = tree_from_lists(torch.tensor([5, 6, 7, 8], dtype=torch.int32), [-1, 0, 0, 2], vocab_size=9)
-    validate_tree([5], torch.tensor([-1]))
-    assert tree.depths.tolist() == [0, 1, 1, 2]
-    assert tree.tokens.dtype == torch.int64 and tree.values.tolist() == [0.0] * 4
-    assert tree.paths() == [[0, 1], [0, 2, 3]]
-    assert torch.equal(tree.ancestor_mask(), brute_mask([-1, 0, 0, 2]))
-
-
-def test_draft_tree_checks_its_fields():
-    good = tree_from_lists([1, 2], [-1, 0])
-    with pytest.raises(TreeError, match="depths"):
-        DraftTree(good.tokens, good.parents, torch.tensor([0, 2]), good.values)
-    with pytest.raises(TreeError, match="values"):
-        DraftTree(good.tokens, good.parents, good.depths, good.values.double())
-    with pytest.raises(TreeError, match=r"parents\[1\]"):
-        DraftTree(good.tokens, torch.tensor([-1, -1]), good.depths, good.values)
 
 
 # ---------------------------------------------------------------- properties
