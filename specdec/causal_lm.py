@@ -8,6 +8,8 @@ what a model's own forward would add has to be done here:
 
 - the mask: sliding-window layers get the window (``specdec.masks``), hybrid
   stacks a mask per layer type;
+- ALiBi (Falcon-RW, BLOOM, MPT): biases by token position, not cache slot,
+  through the model's own blocks (``specdec.alibi``);
 - the logits: ``lm_head(hidden)`` followed by the model's own final-logit
   processing (Gemma's final soft-cap, Cohere's ``logit_scale``, Granite's
   ``logits_scaling``), so sampled output follows the model's distribution.
@@ -25,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from specdec import kv
+from specdec.alibi import AlibiMask, alibi_stack
 from specdec.masks import FULL, SLIDING, AttentionLayout, causal_allowed
 
 
@@ -34,14 +37,6 @@ class UnsupportedModel(ValueError):
 
 def refuse(config, reason: str) -> UnsupportedModel:
     return UnsupportedModel(f"model type {getattr(config, 'model_type', '?')!r} cannot be served: {reason}")
-
-
-def uses_alibi(config) -> bool:
-    """ALiBi models (Falcon-RW, BLOOM, MPT) bias attention by key *slot* from a
-    2-D mask they build themselves: a tree's siblings would get wrong biases."""
-    attn = getattr(config, "attn_config", None)
-    return (bool(getattr(config, "alibi", False)) or getattr(config, "model_type", "") == "bloom"
-            or bool(getattr(attn, "alibi", False) if not isinstance(attn, dict) else attn.get("alibi")))
 
 
 def attention_layout(config) -> AttentionLayout:
@@ -82,11 +77,9 @@ class CausalLm:
     def __init__(self, model, check: bool = True):
         self.model = model
         self.config = model.config
-        if uses_alibi(self.config):
-            raise refuse(self.config, "ALiBi biases attention by cache slot, not by token position, "
-                                      "so a draft tree's siblings would get wrong biases")
         self.layout = attention_layout(self.config)
         self.body = model.get_decoder()
+        self.alibi = alibi_stack(model)             # None unless the model uses ALiBi
         self.lm_head = model.get_output_embeddings()
         self.transform = final_logit_transform(self.config)
         first = next(model.parameters())
@@ -99,7 +92,10 @@ class CausalLm:
 
     def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """The ``attention_mask`` for allowed [B, q, k] bool, query positions [B, q]
-        and the positions of the tokens in the key slots [B, k] (``specdec.masks``)."""
+        and the positions of the tokens in the key slots [B, k] (``specdec.masks``;
+        an ALiBi model's: ``specdec.alibi.AlibiMask``)."""
+        if self.alibi is not None:
+            return self.alibi.mask(allowed, k_pos)
         out = self.layout.masks(allowed, q_pos, k_pos, self.dtype)
         if isinstance(out, dict):
             return {kind: m.to(self.device) for kind, m in out.items()}
@@ -108,7 +104,7 @@ class CausalLm:
     def causal_masks(self, past: int, positions: torch.Tensor):
         """Masks for n new tokens [B, n] after ``past`` cached ones whose slot i
         holds position i; None where the model's own causal handling is exact
-        (no window: SDPA's causal path stays fast)."""
+        (no window: SDPA's causal path stays fast; ALiBi: slots are positions)."""
         if not self.layout.windowed:
             return None
         B, n = positions.shape
@@ -120,6 +116,8 @@ class CausalLm:
         cache). Appends n slots to ``cache``; returns final hidden states [B, n, H]."""
         if mask is None:
             mask = self.causal_masks(kv.seq_len(cache), positions)
+        if isinstance(mask, AlibiMask):
+            return self.alibi.hidden(cache, tokens.to(self.device), positions.to(self.device), mask)
         out = self.body(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
                         attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.last_hidden_state

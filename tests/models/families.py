@@ -129,17 +129,27 @@ def _olmo(v):
 def _falcon_alibi(v):
     from transformers import FalconConfig
     return FalconConfig(vocab_size=v, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                        multi_query=True, alibi=True, bos_token_id=0, eos_token_id=0)
+                        multi_query=True, new_decoder_architecture=False, alibi=True, initializer_range=0.2,
+                        max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
 
 
 def _bloom(v):
     from transformers import BloomConfig
-    return BloomConfig(vocab_size=v, hidden_size=H, n_layer=LAYERS, n_head=HEADS, bos_token_id=0, eos_token_id=0)
+    return BloomConfig(vocab_size=v, hidden_size=H, n_layer=LAYERS, n_head=HEADS, initializer_range=0.2,
+                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
 def _mpt(v):
     from transformers import MptConfig
-    return MptConfig(vocab_size=v, d_model=H, n_heads=HEADS, n_layers=LAYERS, max_seq_len=256)
+    # 6 heads: not a power of two, so MPT's interleaved slopes are covered
+    return MptConfig(vocab_size=v, d_model=6 * 8, n_heads=6, n_layers=LAYERS, expansion_ratio=2, max_seq_len=256,
+                     initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def _mamba(v):
+    from transformers import MambaConfig
+    return MambaConfig(vocab_size=v, hidden_size=H, state_size=4, num_hidden_layers=LAYERS, expand=2,
+                       initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
 @dataclass(frozen=True)
@@ -171,12 +181,13 @@ FAMILIES = (
     Family("cohere", "final logit_scale", _cohere),
     Family("granite", "final logits_scaling", _granite),
     Family("olmo", "non-parametric layer norm", _olmo),
+    Family("falcon-alibi", "ALiBi (Falcon-RW), multi-query attention", _falcon_alibi),
+    Family("bloom", "ALiBi, embedding layer norm, tied embeddings", _bloom),
+    Family("mpt", "ALiBi (slopes for a head count that is not a power of two)", _mpt),
 )
 
 REFUSED = (
-    Family("falcon-alibi", "ALiBi", _falcon_alibi),
-    Family("bloom", "ALiBi", _bloom),
-    Family("mpt", "ALiBi", _mpt),
+    Family("mamba", "state-space layers", _mamba),
 )
 
 BY_NAME = {f.name: f for f in FAMILIES + REFUSED}

@@ -28,7 +28,8 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 11, 7, 16)]
 
 
-@pytest.mark.parametrize("name", ["mistral-narrow", "qwen2-sliding", "gemma2", "gemma3", "falcon", "gpt2"])
+@pytest.mark.parametrize("name", ["mistral-narrow", "qwen2-sliding", "gemma2", "gemma3", "falcon", "gpt2",
+                                  "falcon-alibi", "bloom", "mpt"])
 def test_batched_sessions_get_the_tokens_they_get_alone(name, family_dir):
     path = str(family_dir(BY_NAME[name]))
     stack = build_local(ModelSpec(path), DrafterChoice("draft-lm", path))
