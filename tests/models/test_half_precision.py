@@ -16,7 +16,7 @@ NEW = 16
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("name", ["llama", "gemma3", "mistral-narrow"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "mistral-narrow", "falcon-alibi", "mpt"])
 def test_half_precision_runs(name, dtype, family_dir):
     path = str(family_dir(BY_NAME[name]))
     stack = build_local(ModelSpec(path, dtype=dtype), DrafterChoice("draft-lm", path))

@@ -1,5 +1,5 @@
-"""Three families through the real services (gRPC on 127.0.0.1, port 0):
-verifier and draft-LM drafter batching concurrent sessions, orchestrators
+"""Families through the real services (gRPC on 127.0.0.1, port 0), the ALiBi
+ones included: verifier and draft-LM drafter batching concurrent sessions, orchestrators
 with and without a drafter. Speculative output equals plain decoding."""
 
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +14,7 @@ PROMPTS = ["def add(a, b):", "for i in range(3):\n", "class Point:", "import os\
 N = 16
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral-narrow", "falcon"])
+@pytest.mark.parametrize("name", ["gemma2", "mistral-narrow", "falcon", "falcon-alibi", "bloom", "mpt"])
 def test_services_speculate_token_identical(name, family_dir):
     path = family_dir(BY_NAME[name])
     stack = Stack({"target": path, "draft-lm": path, "tokenizer": path})
