@@ -43,6 +43,13 @@ def _qwen3(v):
     return Qwen3Config(**_common(v), num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
 
 
+def _qwen3_sliding(v):
+    from transformers import Qwen3Config
+    # the other order from qwen2-sliding: layer 0 sliding, layer 1 full
+    return Qwen3Config(**_common(v), num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=NARROW,
+                       layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+
+
 def _mistral(window):
     def build(v):
         from transformers import MistralConfig
@@ -165,6 +172,7 @@ FAMILIES = (
     Family("qwen2-sliding", "hybrid full/sliding layers (window shorter than the sequence), tied embeddings",
            _qwen2_sliding, NARROW),
     Family("qwen3", "q/k norms, explicit head_dim, tied embeddings", _qwen3),
+    Family("qwen3-sliding", "hybrid sliding/full layers (window shorter than the sequence)", _qwen3_sliding, NARROW),
     Family("mistral-wide", "sliding window larger than the sequence", _mistral(WIDE), WIDE),
     Family("mistral-narrow", "sliding window shorter than the sequence", _mistral(NARROW), NARROW),
     Family("mixtral", "mixture of experts, sliding window", _mixtral, NARROW),
