@@ -38,7 +38,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.models.falcon.modeling_falcon import build_alibi_tensor as falcon_alibi_tensor
+from transformers.models.falcon.modeling_falcon import (
+    build_alibi_tensor as falcon_alibi_tensor,
+)
 
 from specdec.masks import additive
 
@@ -90,12 +92,12 @@ class FalconAlibi(AlibiStack):
         return falcon_alibi_tensor(ones, self.heads, dtype=self.dtype)[:, 0]
 
     def hidden(self, cache, tokens, positions, mask):
-        B, _, k = mask.allowed.shape
+        B, q, k = mask.allowed.shape
         alibi = mask.bias.reshape(B * self.heads, 1, k)
         head_dim = self.body.config.hidden_size // self.heads
         # FalconModel: the causal mask becomes alibi / sqrt(head_dim) where allowed, the minimum elsewhere
-        folded = (alibi.reshape(B, self.heads, 1, k) / math.sqrt(head_dim)).expand(B, self.heads, *mask.allowed.shape[1:])
-        folded = folded.masked_fill(~mask.allowed[:, None], torch.finfo(self.dtype).min)
+        folded = (mask.bias[:, :, None, :] / math.sqrt(head_dim)).expand(B, self.heads, q, k)
+        folded = folded.masked_fill(~mask.allowed[:, None], torch.finfo(self.dtype).min)     # [B, heads, q, k]
         h = self.body.word_embeddings(tokens)
         for block in self.body.h:
             h = block(h, alibi=alibi, attention_mask=folded, position_ids=positions, layer_past=cache,

@@ -9,9 +9,9 @@ it (``tests/models/test_models_table.py`` keeps the two in sync).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

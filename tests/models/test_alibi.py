@@ -9,8 +9,7 @@ import pytest
 import torch
 from families import BY_NAME, build_model
 
-import specdec.alibi as alibi
-from specdec import kv
+from specdec import alibi, kv
 from specdec.causal_lm import CausalLm, UnsupportedModel
 from specdec.masks import tree_allowed
 

@@ -1,8 +1,8 @@
 """Batched verification and batched drafting (padded batch caches, one forward
 for several sessions) on the families whose masks are not plain causal:
 narrow sliding windows, hybrid sliding/full stacks, soft-capped attention,
-multi-query attention and learned positions. Every session gets the tokens
-it gets alone."""
+multi-query attention, learned positions and ALiBi (each row's keys biased
+by its own positions). Every session gets the tokens it gets alone."""
 
 import random
 
@@ -13,9 +13,9 @@ from families import BY_NAME
 from drafter.batch import draft_batch
 from specdec.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.speculative import cycle_tree
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams, TreeParams
+from specdec.speculative import cycle_tree
 from verifier.batch import verify_batch
 
 NEW = 20

@@ -9,8 +9,8 @@ import torch
 from families import BY_NAME, build_model
 from stats import chi2_sf
 
-import specdec.causal_lm as causal_lm
 from drafter.draft_lm import DraftLmDrafter
+from specdec import causal_lm
 from specdec.decoding import StopCriteria
 from specdec.local import generate
 from specdec.models import ModelSpec
