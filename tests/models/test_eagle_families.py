@@ -1,6 +1,6 @@
 """``specdec train eagle --target DIR`` trains a head for non-Llama targets
 (GPT-2: learned positions, tied embeddings; Gemma-3: hybrid sliding layers,
-scaled embeddings, final soft-cap) through transformers' public API, and the
+scaled embeddings, final soft-cap; MPT: ALiBi, tied embeddings) through transformers' public API, and the
 EAGLE drafter, reading the target's embedding and output head the same way,
 drafts with it token-identical to vanilla."""
 
@@ -18,7 +18,7 @@ from verifier.engine import TargetModel, VerifierEngine
 TEXT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n\n"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "gemma3"])
+@pytest.mark.parametrize("name", ["gpt2", "gemma3", "mpt"])
 def test_trained_head_drafts_and_stays_identical(name, family_dir, tmp_path):
     target = family_dir(BY_NAME[name])
     data = tmp_path / "corpus.py"
