@@ -1,8 +1,8 @@
 """``specdec train eagle --target DIR`` trains a head for non-Llama targets
 (GPT-2: learned positions, tied embeddings; Gemma-3: hybrid sliding layers,
-scaled embeddings, final soft-cap; MPT: ALiBi, tied embeddings) through transformers' public API, and the
-EAGLE drafter, reading the target's embedding and output head the same way,
-drafts with it token-identical to vanilla."""
+scaled embeddings, final soft-cap; MPT: ALiBi) through transformers' public
+API, and the EAGLE drafter, reading the target's embedding and output head the
+same way, drafts with it token-identical to vanilla."""
 
 import pytest
 from families import BY_NAME
