@@ -62,7 +62,7 @@ def engines(name: str):
         DraftLmDrafter(model=sharpened(name, 6))
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "gemma2", "bloom"])
 def test_sampled_output_follows_the_target(name):
     target, verifier, drafter = engines(name)
     assert pvalue(verifier, drafter, exact_joint(target)) > 1e-4
