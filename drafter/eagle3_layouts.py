@@ -91,8 +91,9 @@ def feature_layers(config: dict, target_layers: int | None) -> tuple[int, ...]:
         layers = default_feature_layers(target_layers)
     if len(layers) != 3:
         raise InvalidArgument(f"an EAGLE-3 head reads 3 target layers, its config names {len(layers)}")
-    if target_layers is not None and not all(0 <= i <= target_layers for i in layers):
-        raise InvalidArgument(f"EAGLE-3 feature layers {list(layers)} outside the target's 0..{target_layers}")
+    if target_layers is not None and not all(0 <= i < target_layers for i in layers):
+        raise InvalidArgument(f"EAGLE-3 feature layers {list(layers)} (HF hidden-state indices) outside the "
+                              f"target's 0..{target_layers - 1}")
     return layers
 
 
