@@ -141,3 +141,13 @@ def test_cli_reports_a_bad_head_in_one_line(family3, tmp_path, capsys):
                  "--max-new-tokens", "4", "def "])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "missing: norm.weight" in err[0]
+
+
+def test_cli_generates_with_an_eagle3_head_as_vanilla_does(family3, capsys):
+    common = ["generate", "--local", "--target", str(family3["target"]), "--max-new-tokens", "12", "--json"]
+    assert main([*common, "--method", "vanilla", "def add(a, b):"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for head in ("eagle3", "eagle3-full"):
+        assert main([*common, "--eagle", str(family3[head]), "def add(a, b):"]) == 0
+        got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert got["token_ids"] == plain["token_ids"], head

@@ -35,31 +35,31 @@ def add_eagle3_drafter(stack: Stack, name: str, head: str = "eagle3"):
     stack.servers[name] = stack.loop.run(start_eagle3_drafter(stack.paths, head))
 
 
-class HeldDrafts:
-    """Counts a drafter's Draft calls per session; once closed, holds the calls
-    after the first ``after`` until ``open``."""
+class Held:
+    """Counts an engine method's calls per session (``draft`` of a drafter,
+    ``verify`` of a verifier); holds the calls after the first ``after`` until ``open``."""
 
-    def __init__(self, drafter, after: int | None = None):
-        self.drafter, self.original = drafter, drafter.draft
+    def __init__(self, engine, method: str, after: int | None = None):
+        self.engine, self.method, self.original = engine, method, getattr(engine, method)
         self.sessions: list[str] = []
         self.after, self.held = after, threading.Event()
         self.release = threading.Event()
 
-        def draft(sid, *args, **kw):
+        def call(sid, *args, **kw):
             self.sessions.append(sid)
             if self.after is not None and len(self.sessions) > self.after:
                 self.held.set()
                 self.release.wait(30)
             return self.original(sid, *args, **kw)
 
-        drafter.draft = draft
+        setattr(engine, method, call)
 
     def open(self) -> None:
         self.release.set()
 
     def restore(self) -> None:
         self.open()
-        self.drafter.draft = self.original
+        setattr(self.engine, self.method, self.original)
 
 
 def generate_in_background(client, results: list, **params) -> threading.Thread:
@@ -76,9 +76,17 @@ def add_orchestrator(stack: Stack, name: str, verifiers: list[str], drafters: li
         stack.paths["target"]))
 
 
-def fallbacks() -> float:
-    return sum(REGISTRY.get_sample_value("specdec_fallback_total", {"reason": r}) or 0.0
-               for r in ("drafter_error", "drafters_unavailable", "features"))
+def stop_if_running(stack: Stack, *names: str) -> None:
+    for name in names:
+        if name in stack.servers:
+            stack.stop(name)
+
+
+FALLBACK_REASONS = ("drafter_error", "drafters_unavailable", "features")
+
+
+def fallbacks(reasons=FALLBACK_REASONS) -> float:
+    return sum(REGISTRY.get_sample_value("specdec_fallback_total", {"reason": r}) or 0.0 for r in reasons)
 
 
 @pytest.fixture(scope="module")
@@ -155,21 +163,26 @@ def test_one_verifier_serves_eagle2_and_eagle3_sessions(stack, reference, verifi
 
 
 def run_losing_a_drafter(stack: Stack, names: list[str]) -> tuple[list, str, dict]:
-    """A generation through an orchestrator over ``names``; the drafter a Draft
-    is held in (after a few cycles) is stopped with it in flight. Returns the
-    completions, the victim and each drafter's counting tap."""
-    taps = {n: HeldDrafts(stack.servicer(n).drafter, after=4) for n in names}
-    add_orchestrator(stack, "of", ["v"], names)
+    return run_losing(stack, ["v"], names, {n: Held(stack.servicer(n).drafter, "draft", after=4) for n in names})
+
+
+def run_losing(stack: Stack, verifiers: list[str], drafters: list[str],
+               taps: dict[str, Held]) -> tuple[list, str, dict]:
+    """A generation through an orchestrator over ``verifiers`` and ``drafters``;
+    the server a call is held in by its tap (after a few cycles) is stopped with
+    it in flight. Returns the completions, the victim and the taps."""
+    add_orchestrator(stack, "of", verifiers, drafters)
+    names = list(taps)
     try:
         with SpecdecClient(stack.address("of"), timeout=60) as client:
             results: list = []
             thread = generate_in_background(client, results, max_new_tokens=N)
             deadline = time.monotonic() + 30
             while not any(taps[n].held.is_set() for n in names):
-                assert time.monotonic() < deadline, "no Draft was held"
+                assert time.monotonic() < deadline, "no call was held"
                 time.sleep(0.01)
             victim = next(n for n in names if taps[n].held.is_set())
-            stack.stop(victim)                    # a Draft is in flight there
+            stack.stop(victim)                    # a call is in flight there
             for tap in taps.values():
                 tap.open()
             thread.join(60)
@@ -191,7 +204,7 @@ def test_lost_eagle3_drafter_is_replaced_by_another(stack, reference):
     other = next(n for n in taps if n != victim)
     assert results and results[0].token_ids == reference
     assert taps[other].sessions and fallbacks() == before
-    stack.stop(other)
+    stop_if_running(stack, other)
 
 
 @pytest.mark.timeout(120)
@@ -201,9 +214,29 @@ def test_a_drafter_reading_other_layers_never_takes_the_session_over(stack, refe
     losing the first means plain decoding, with the same tokens."""
     add_eagle3_drafter(stack, "d3c")
     stack.add_drafter("d2c", "eagle")
-    before = fallbacks()
+    before, unavailable = fallbacks(), fallbacks(["drafters_unavailable"])
     results, victim, taps = run_losing_a_drafter(stack, ["d3c", "d2c"])
     other = next(n for n in taps if n != victim)
     assert results and results[0].token_ids == reference
-    assert not taps[other].sessions and fallbacks() == before + 1
-    stack.stop(other)
+    assert not taps[other].sessions and stack.servicer(other).stats.active == 0
+    # refused by the router for its layers, not tried and failed
+    assert fallbacks() == before + 1 and fallbacks(["drafters_unavailable"]) == unavailable + 1
+    stop_if_running(stack, other)
+
+
+@pytest.mark.timeout(120)
+def test_lost_verifier_resumes_with_the_drafters_layers(stack, reference):
+    """The verifier goes away with a Verify in flight: the session resumes on
+    another one, which must return the same layers' features from then on (the
+    drafter would refuse others and the request would fall back to plain
+    decoding)."""
+    stack.add_verifier("va")
+    stack.add_verifier("vb")
+    add_eagle3_drafter(stack, "d3v")
+    before = fallbacks()
+    taps = {n: Held(stack.servicer(n).engine, "verify", after=4) for n in ("va", "vb")}
+    results, victim, taps = run_losing(stack, ["va", "vb"], ["d3v"], taps)
+    other = next(n for n in taps if n != victim)
+    assert results and results[0].token_ids == reference
+    assert taps[other].sessions and fallbacks() == before
+    stop_if_running(stack, "va", "vb", "d3v")
