@@ -49,4 +49,3 @@ def family3(tmp_path_factory):
 
 def read_config(directory) -> dict:
     return json.loads((directory / "config.json").read_text())
-

@@ -6,10 +6,10 @@ proposals put no mass outside the draft vocabulary."""
 import pytest
 import torch
 
-import specdec.acceptance as acceptance
 from drafter import eagle3_layouts as layouts
 from drafter.eagle3 import Eagle3Drafter
 from drafter.eagle3_head import Eagle3Head, head3_config, head3_config_for
+from specdec import acceptance
 from specdec.decoding import StopCriteria
 from specdec.local import generate
 from specdec.models import ModelSpec
