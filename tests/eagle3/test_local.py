@@ -11,6 +11,7 @@ from specdec.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.models import ModelSpec
 from specdec.params import METHODS, SamplingParams, TreeParams
+from specdec.tree import tree_from_lists
 
 from conftest import DRAFT_VOCAB
 
@@ -134,3 +135,27 @@ def test_features_are_the_hf_hidden_states_of_the_drafters_layers(stacks):
     with torch.no_grad():
         states = verifier.target.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(got, torch.cat([states[i][0] for i in layers], dim=-1), rtol=1e-4, atol=1e-5)
+
+
+def test_batched_verify_gives_each_session_its_own_layers(stacks):
+    """Sessions asking for different layers (none: the final hidden state) in one
+    batched forward get exactly the features each gets verified alone."""
+    verifier = stacks["eagle3"].verifier
+    choices = [(), (2, 3, 3), (0, 5, 1), (4,)]
+    prompts = [[5, 6, 7], [20, 21, 22, 20, 21], [3] * 9, [100, 50, 25]]
+    trees, solo = [], []
+    for n, (layers, prompt) in enumerate(zip(choices, prompts)):
+        first = verifier.prefill(f"solo{n}", prompt, GREEDY, feature_layers=layers)
+        verifier.prefill(f"batch{n}", prompt, GREEDY, feature_layers=layers)
+        tree = tree_from_lists([first.token, 7, 8, 9], [-1, 0, 0, 1])
+        trees.append(tree)
+        solo.append(verifier.verify(f"solo{n}", tree))
+    batched = verifier.verify_batch([(f"batch{n}", tree) for n, tree in enumerate(trees)])
+    h = verifier.target.config.hidden_size
+    for layers, alone, together in zip(choices, solo, batched):
+        assert together.tokens == alone.tokens
+        assert together.features.shape[-1] == h * max(1, len(layers))
+        torch.testing.assert_close(together.features, alone.features, rtol=1e-4, atol=1e-5)
+    for n in range(len(choices)):
+        verifier.release(f"solo{n}")
+        verifier.release(f"batch{n}")
