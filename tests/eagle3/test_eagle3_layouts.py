@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import TARGET_LAYERS, read_config
+from eagle3_family import TARGET_LAYERS, read_config
 from drafter import eagle3_layouts as layouts
 from drafter.eagle3 import Eagle3Drafter
 from drafter.eagle3_head import load_head3

@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from conftest import DRAFT_VOCAB, TARGET_LAYERS, random_head3, read_config
+from eagle3_family import DRAFT_VOCAB, TARGET_LAYERS, random_head3, read_config
 from drafter.eagle3_head import load_head3
 from specdec import kv
 

@@ -13,7 +13,7 @@ from specdec.models import ModelSpec
 from specdec.params import METHODS, SamplingParams, TreeParams
 from specdec.tree import tree_from_lists
 
-from conftest import DRAFT_VOCAB
+from eagle3_family import DRAFT_VOCAB
 
 GREEDY = SamplingParams()
 NEW_TOKENS = 32
