@@ -61,7 +61,8 @@ class Eagle3Drafter(CachedTreeDrafter):
         if head.fc.in_features == head.config.hidden_size:
             raise InvalidArgument(f"{where}: a head {head.config.hidden_size} wide over 3 x {target_hidden} "
                                   f"features cannot tell the target's features from its own")
-        layouts.feature_layers({"eagle_aux_hidden_state_layer_ids": list(head.layers)}, depth)   # in range
+        # a head built without layers reads the reference's; either way they must exist in this target
+        layers = layouts.feature_layers({"eagle_aux_hidden_state_layer_ids": list(head.layers)}, depth)
         target_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
         if (target_ids.min() < 0 or target_ids.max() >= vocab
                 or target_ids.unique().numel() != target_ids.numel()):
@@ -71,7 +72,7 @@ class Eagle3Drafter(CachedTreeDrafter):
         self.device = torch_device(device)
         self.head = head.to(self.device)
         self.target_ids = target_ids.to(self.device)        # [Vd] draft id -> target id
-        self.feature_layers = tuple(head.layers)            # asked of the verifier (HF hidden-state indices)
+        self.feature_layers = layers                        # asked of the verifier (HF hidden-state indices)
         self.feature_size = head.fc.in_features             # 3 Ht: a feature row on the wire
         self.hidden_size = head.config.hidden_size
 

@@ -7,13 +7,14 @@ import torch
 
 from drafter.eagle import EagleDrafter
 from drafter.eagle3 import Eagle3Drafter, is_eagle3_head, load_eagle_drafter
+from drafter.eagle3_head import load_head3
 from specdec.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.models import ModelSpec
 from specdec.params import METHODS, SamplingParams, TreeParams
 from specdec.tree import tree_from_lists
 
-from eagle3_family import DRAFT_VOCAB
+from eagle3_family import DRAFT_VOCAB, TARGET_LAYERS
 
 GREEDY = SamplingParams()
 NEW_TOKENS = 32
@@ -159,3 +160,10 @@ def test_batched_verify_gives_each_session_its_own_layers(stacks):
     for n in range(len(choices)):
         verifier.release(f"solo{n}")
         verifier.release(f"batch{n}")
+
+
+def test_head_built_without_layers_reads_the_references(family3):
+    head = load_head3(family3["eagle3"])
+    head.layers = ()
+    drafter = Eagle3Drafter(None, family3["target"], head=head)
+    assert drafter.feature_layers == (2, TARGET_LAYERS // 2, TARGET_LAYERS - 3)
