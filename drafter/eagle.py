@@ -21,6 +21,7 @@ from specdec.models import torch_device
 class EagleDrafter(CachedTreeDrafter):
     needs_features = True
     name = "eagle"
+    feature_layers: tuple[int, ...] = ()     # the target's final hidden state (VerifierEngine.prefill)
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
                  max_sessions: int = 64, ttl_s: float = 600.0, head=None, target_head: TargetHead | None = None,
@@ -37,7 +38,7 @@ class EagleDrafter(CachedTreeDrafter):
                          greedy_value_temperature=read_value_temperature(head_dir))
         self.device = torch_device(device)
         self.head, self.target_head = head.to(self.device), target_head.to(self.device)
-        self.hidden_size = embed.shape[1]
+        self.hidden_size = self.feature_size = embed.shape[1]
 
     def new_cache(self):
         return kv.new_cache(self.head.config)

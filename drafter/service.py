@@ -92,8 +92,8 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         """Prefill, draft, commit, draft on a throwaway session."""
         sid = f"warm-up-{uuid.uuid4().hex}"
         tokens = [i % drafter.vocab_size for i in range(1, 6)]
-        hidden = getattr(drafter, "hidden_size", None)
-        feats = (lambda n: torch.zeros(n, hidden)) if drafter.needs_features else (lambda n: None)
+        width = getattr(drafter, "feature_size", None)
+        feats = (lambda n: torch.zeros(n, width)) if drafter.needs_features else (lambda n: None)
         try:
             drafter.prefill(sid, tokens, feats(len(tokens) - 1))
             drafter.draft(sid, self.config.default_tree)
@@ -109,10 +109,10 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         feats = tensor_wire.tensor_from_proto(msg, field)
         if not self.drafter.needs_features:
             return None
-        hidden = getattr(self.drafter, "hidden_size", None)
-        if feats is None or feats.ndim != 2 or feats.shape[0] != rows or (hidden and feats.shape[1] != hidden):
+        width = getattr(self.drafter, "feature_size", None)      # the verifier's feature row
+        if feats is None or feats.ndim != 2 or feats.shape[0] != rows or (width and feats.shape[1] != width):
             got = None if feats is None else list(feats.shape)
-            raise InvalidArgument(f"{field}.shape must be [{rows}, {hidden or 'hidden'}] for the "
+            raise InvalidArgument(f"{field}.shape must be [{rows}, {width or 'hidden'}] for the "
                                   f"{self.drafter.name} drafter, got {got}")
         return feats
 
@@ -221,7 +221,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         limits = self.config.limits
         return drafter_pb2.DrafterGetInfoResponse(
             kind=self.drafter.name, needs_features=self.drafter.needs_features, vocab_size=self.drafter.vocab_size,
-            drafts_ahead=self.drafter.drafts_ahead,
+            drafts_ahead=self.drafter.drafts_ahead, feature_layers=getattr(self.drafter, "feature_layers", ()),
             active_sessions=self.stats.active, max_sessions=self.sessions.max_sessions,
             max_tree=common_pb2.TreeParams(total_tokens=limits.total_tokens, depth=limits.depth,
                                            expand_k=limits.expand_k))

@@ -140,6 +140,7 @@ class RemoteVerifier(Backend):
         self.prompt_len = 0
         self.max_new_tokens = 0
         self.sampling = common_pb2.SamplingParams()
+        self.feature_layers: list[int] = []       # the pinned drafter's (DrafterGetInfoResponse), kept on a move
 
     @property
     def sessions(self) -> int:
@@ -155,7 +156,8 @@ class RemoteVerifier(Backend):
         self.prompt_len, self.max_new_tokens = len(prompt), max_new_tokens
         first = await self.on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling, max_new_tokens=max_new_tokens,
-            return_features=features, owner=self.leases.owner, logprobs=self.logprobs))
+            return_features=features, owner=self.leases.owner, logprobs=self.logprobs,
+            feature_layers=self.feature_layers if features else []))
         self.opened = True
         self.committed = [*prompt, first.token]
         return Committed([first.token], [], first.features, self.read_logprobs(first.logprobs))
@@ -195,7 +197,7 @@ class RemoteVerifier(Backend):
         request = verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=self.committed, sampling=self.sampling,
             max_new_tokens=max(remaining, 0), resume=True, owner=self.leases.owner, logprobs=self.logprobs,
-            prompt_tokens=self.prompt_len)
+            prompt_tokens=self.prompt_len, feature_layers=self.feature_layers)
         while True:
             try:
                 await self.call("Prefill", request)
@@ -240,6 +242,7 @@ class RemoteDrafter(Backend):
     def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
         super().__init__(pool, session_id, deadline, leases)
         self.features: FeatureLog | None = None   # every feature row, kept while an EAGLE drafter may need them
+        self.feature_layers: list[int] = []       # the target layers those rows come from
         self.committed: list[int] = []            # every token this handle was given
         self.sampling = common_pb2.SamplingParams()
         self.drafts = 0                           # trees drafted (Draft calls that answered)
@@ -261,8 +264,9 @@ class RemoteDrafter(Backend):
         (and plain decoding from now on) when there is none."""
         if first:
             accept = None
-        else:     # a drafter that needs features can only take over if they were kept
-            accept = (lambda e: self.features is not None or not e.info.needs_features)
+        else:     # a drafter that needs features can only take over if they were kept, from its layers
+            accept = (lambda e: not e.info.needs_features or (
+                self.features is not None and list(e.info.feature_layers) == self.feature_layers))
         endpoint, reason = await self.pool.acquire(frozenset(self.excluded), accept, optional=True,
                                                    timeout_s=self.probe_timeout())
         if endpoint is None:
@@ -271,6 +275,7 @@ class RemoteDrafter(Backend):
         self.endpoint = endpoint
         if first and endpoint.info.needs_features:
             self.features = FeatureLog()
+            self.feature_layers = list(endpoint.info.feature_layers)
         return True
 
     async def prefill(self, tokens: list[int], features, sampling: SamplingParams) -> None:

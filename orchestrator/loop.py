@@ -90,6 +90,8 @@ class Generation:
             await self.remote_verifier.pin()
             if self.remote_drafter is None or not await self.remote_drafter.pin(first=True):
                 return None
+            # the verifier returns the features from the layers this drafter reads
+            self.remote_verifier.feature_layers = self.remote_drafter.feature_layers
         except BaseException:
             await asyncio.shield(self.release())
             raise

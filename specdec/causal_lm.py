@@ -122,6 +122,17 @@ class CausalLm:
                         attention_mask=mask, past_key_values=cache, use_cache=True)
         return out.last_hidden_state
 
+    def hidden_and_layers(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
+                          layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``, plus the residual stream entering each of ``layers`` (HF
+        ``output_hidden_states`` indices below the layer count: 0 is the
+        embedding output), concatenated in order: [B, n, len(layers) * H]."""
+        if mask is None:
+            mask = self.causal_masks(kv.seq_len(cache), positions)
+        out = self.body(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
+                        attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        return out.last_hidden_state, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final hidden states [..., H], with the model's own processing."""
         return self.transform(self.lm_head(hidden.to(self.dtype))).float()

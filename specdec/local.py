@@ -42,10 +42,10 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     tok = load_tokenizer(tokenizer_dir or target.path)
     verifier = VerifierEngine(TargetModel(target))
     drafter = None
-    if choice.kind == "eagle":
-        from drafter.eagle import EagleDrafter
+    if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
+        from drafter.eagle3 import load_eagle_drafter
 
-        drafter = EagleDrafter(choice.path, target.path, device=target.device)
+        drafter = load_eagle_drafter(choice.path, target.path, device=target.device)
     elif choice.kind == "draft-lm":
         from drafter.draft_lm import DraftLmDrafter
 
@@ -64,10 +64,11 @@ class LocalVerifier:
 
     network_s = 0.0
 
-    def __init__(self, engine, sid: str, logprobs: int | None = None):
+    def __init__(self, engine, sid: str, logprobs: int | None = None, feature_layers: tuple[int, ...] = ()):
         self.engine = engine
         self.sid = sid
         self.logprobs = logprobs                   # top alternatives per token's logprob; None: no logprobs
+        self.feature_layers = feature_layers       # the drafter's (``VerifierEngine.prefill``)
         self.root: int | None = None               # the last committed token
 
     @property
@@ -76,7 +77,8 @@ class LocalVerifier:
 
     async def prefill(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int,
                       features: bool) -> Committed:
-        first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens, logprobs=self.logprobs)
+        first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens, logprobs=self.logprobs,
+                                    feature_layers=self.feature_layers if features else ())
         self.root = first.token
         return Committed([first.token], [], first.features, first.logprobs)
 
@@ -149,7 +151,8 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
 
     async def run() -> Decoding:
-        return await speculative_generate(LocalVerifier(verifier, sid, logprobs),
+        layers = tuple(getattr(drafter, "feature_layers", ()))
+        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers),
                                           LocalDrafter(drafter, sid) if drafter is not None else None,
                                           request, Decoding(stop, min_tau))
 

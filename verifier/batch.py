@@ -24,7 +24,7 @@ import specdec.batching
 from specdec import kv
 from specdec.errors import FailedPrecondition
 from specdec.tree import DraftTree
-from verifier.target import TargetSession, VerifyResult, check_tree
+from verifier.target import TargetSession, VerifyResult, check_tree, select_features
 
 
 @dataclass
@@ -100,7 +100,9 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
     # one copy of every prefix, padded, with room for the trees: the forward writes them in place
     batch_cache = target.new_cache()
     kv.gather_rows(batch_cache, [r.sess.cache for r in rows], prefixes, P, N)
-    hidden, logits = target.forward_batch(batch_cache, tokens, positions, mask)   # [B, N, H], [B, N, V]
+    # one forward captures every layer some session's features read (``TargetModel.run``)
+    layers = tuple(sorted({i for r in rows for i in r.sess.feature_layers}))
+    final, captured, logits = target.run(batch_cache, tokens, positions, mask, layers)   # [B, N, H], .., [B, N, V]
 
     results = []
     for b, r in enumerate(rows):
@@ -110,7 +112,9 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
         kv.append_slots(r.sess.cache, batch_cache, b, P + torch.tensor(path, device=device))   # the accepted slots
         committed = result.tokens(r.tree)
         r.sess.commit(committed)
-        results.append(VerifyResult(result.accepted, committed, hidden[b, path], logprobs))
+        features = select_features(final[b, path], None if captured is None else captured[b, path], layers,
+                                   r.sess.feature_layers)
+        results.append(VerifyResult(result.accepted, committed, features, logprobs))
     return results
 
 

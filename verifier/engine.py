@@ -51,7 +51,7 @@ class VerifierEngine:
     # -- session lifecycle ---------------------------------------------------
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
                 max_new_tokens: int = 0, resume: bool = False, logprobs: int | None = None,
-                prompt_tokens: int = 0) -> PrefillResult:
+                prompt_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> PrefillResult:
         """Run the prompt, pick the first token, open the session.
 
         ``resume``: ``prompt`` is a session's whole committed sequence, moved
@@ -60,8 +60,12 @@ class VerifierEngine:
         ``logprobs``: return each committed token's raw logprob with this many
         top alternatives (None: none). ``prompt_tokens``: how many of
         ``prompt`` are the prompt, for the penalties that count generated
-        tokens only (0: all; on resume, all but the pending root)."""
+        tokens only (0: all; on resume, all but the pending root).
+        ``feature_layers``: the session's features are the residual stream
+        entering these target layers (HF hidden-state indices, concatenated: an
+        EAGLE-3 drafter's), or the final hidden state when empty (EAGLE-1/2's)."""
         params.validate()
+        feature_layers = self.target.check_feature_layers(feature_layers)
         check_tokens(self.target, prompt, "prompt")
         if not prompt:
             raise InvalidArgument("prompt must not be empty")
@@ -79,7 +83,7 @@ class VerifierEngine:
                     f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
             generator = make_generator(params.seed)
             sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, feature_layers=feature_layers)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
         first_logprobs = None
@@ -91,13 +95,13 @@ class VerifierEngine:
                 if params.penalized:
                     sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens))
                 ids = torch.tensor(prompt[:-1], dtype=torch.long)
-                hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None)
+                hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None, feature_layers)
                 first = prompt[-1]
             else:
                 ids = torch.tensor(prompt, dtype=torch.long)
                 if params.penalized:
                     sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt))
-                hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None)
+                hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None, feature_layers)
                 counts = None if sess.history is None else sess.history.counts()
                 probs = target_probs(logits[-1], params, counts)
                 first = int(probs.argmax()) if params.greedy else sample(probs, generator)
@@ -131,7 +135,8 @@ class VerifierEngine:
             check_tree(self.target, sess, tree)
             prefix = sess.prefix_len
             mask = None if tree.size == 1 else self.target.tree_masks(tree, prefix)
-            hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask)
+            hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask,
+                                                 sess.feature_layers)
             result, logprobs = sess.decide(tree, logits)
             path = [0] + result.accepted
             kv.keep_path(sess.cache, prefix, path)

@@ -116,7 +116,8 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] or unset, got {logprobs}")
         prompt_tokens = check_count(request.prompt_tokens, "prompt_tokens", note="0 = all")
         result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
-                                                  max_new, request.resume, logprobs, prompt_tokens)
+                                                  max_new, request.resume, logprobs, prompt_tokens,
+                                                  tuple(request.feature_layers))
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds,
                                                         logprobs=wire.logprobs_to_proto(result.logprobs or ()))
@@ -165,4 +166,4 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             model=self.config.model_name or str(target.spec.path), vocab_size=target.vocab_size,
             hidden_size=int(target.config.hidden_size), max_positions=target.max_positions,
             active_sessions=self.stats.active, max_sessions=self.sessions.max_sessions,
-            kv_bytes=self.stats.kv_bytes)
+            kv_bytes=self.stats.kv_bytes, num_layers=target.num_layers)

@@ -34,6 +34,7 @@ class TargetSession:
     lock: threading.Lock = field(default_factory=threading.Lock)
     history: History | None = None  # penalty counts of `tokens` (only when a penalty is on)
     logprobs: int | None = None     # top alternatives per committed token's logprob; None: no logprobs
+    feature_layers: tuple[int, ...] = ()   # what its features are (``TargetModel.run``)
 
     @property
     def prefix_len(self) -> int:
@@ -66,7 +67,7 @@ class TargetSession:
 @dataclass(frozen=True)
 class PrefillResult:
     token: int                    # first generated token (the first root)
-    features: torch.Tensor        # [P, H] final hidden state at each prompt position
+    features: torch.Tensor        # [P, F] the session's features at each prompt position (``TargetModel.run``)
     logprobs: list[TokenLogprob] | None = None   # the first token's, when asked for (not on resume)
 
 
@@ -74,7 +75,7 @@ class PrefillResult:
 class VerifyResult:
     accepted: list[int]           # accepted node indices, root excluded
     tokens: list[int]             # committed this cycle: accepted tokens + bonus
-    features: torch.Tensor        # [len(accepted) + 1, H] at root + accepted nodes
+    features: torch.Tensor        # [len(accepted) + 1, F] at root + accepted nodes
     logprobs: list[TokenLogprob] | None = None   # one per committed token, when the session asked for them
 
 
@@ -89,6 +90,7 @@ class TargetModel:
         self.vocab_size = int(self.config.get_text_config(decoder=True).vocab_size)
         self.max_positions = int(getattr(self.config.get_text_config(decoder=True), "max_position_embeddings",
                                          None) or 1 << 30)
+        self.num_layers = int(self.config.get_text_config(decoder=True).num_hidden_layers)
         self.device = self.lm.device
         self.kv_bytes_per_token = self._measure_kv_bytes()
 
@@ -116,18 +118,56 @@ class TargetModel:
         return self.masks(tree_allowed(tree.ancestor_mask(), prefix_len)[None], positions[None], k_pos[None])
 
     @torch.inference_mode()
-    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
+                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [n]; mask from ``tree_masks`` or None (causal).
-        Returns features [n, H] and fp32 logits [n, V]; appends n slots to cache."""
-        hidden, logits = self.forward_batch(cache, tokens[None], positions[None], mask)
+        Returns features [n, F] (``run``) and fp32 logits [n, V]; appends n slots to cache."""
+        hidden, logits = self.forward_batch(cache, tokens[None], positions[None], mask, layers)
         return hidden[0], logits[0]
 
     @torch.inference_mode()
-    def forward_batch(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
-                      mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions: [B, n] -> features [B, n, H], fp32 logits [B, n, V]."""
-        hidden = self.lm.hidden(cache, tokens, positions, mask)
-        return hidden.float(), self.lm.logits(hidden)
+    def forward_batch(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
+                      layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [B, n] -> features [B, n, F], fp32 logits [B, n, V]."""
+        final, captured, logits = self.run(cache, tokens, positions, mask, layers)
+        return select_features(final, captured, layers, layers), logits
+
+    @torch.inference_mode()
+    def run(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
+            layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One forward: the final hidden state [B, n, H] (fp32: EAGLE-1/2's
+        feature), the residual stream entering each of ``layers`` (HF
+        ``output_hidden_states`` indices: EAGLE-3's features) concatenated
+        [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V]."""
+        if not layers:
+            hidden = self.lm.hidden(cache, tokens, positions, mask)
+            return hidden.float(), None, self.lm.logits(hidden)
+        hidden, captured = self.lm.hidden_and_layers(cache, tokens, positions, mask, layers)
+        return hidden.float(), captured.float(), self.lm.logits(hidden)
+
+    def check_feature_layers(self, layers) -> tuple[int, ...]:
+        layers = tuple(int(i) for i in layers)
+        if len(layers) > MAX_FEATURE_LAYERS or not all(0 <= i < self.num_layers for i in layers):
+            raise InvalidArgument(f"feature_layers must be at most {MAX_FEATURE_LAYERS} HF hidden-state indices "
+                                  f"in [0, {self.num_layers}), got {list(layers)}")
+        return layers
+
+
+MAX_FEATURE_LAYERS = 8
+
+
+def select_features(final: torch.Tensor, captured: torch.Tensor | None, captured_layers: tuple[int, ...],
+                    layers: tuple[int, ...]) -> torch.Tensor:
+    """A session's features out of one ``TargetModel.run``: ``final`` [..., H]
+    when it asked for no layers, else the chunks of ``captured`` (the layers
+    ``captured_layers``, H wide each) for its ``layers``, in its order."""
+    if not layers:
+        return final
+    if tuple(layers) == tuple(captured_layers):
+        return captured
+    width = final.shape[-1]
+    return torch.cat([captured[..., captured_layers.index(i) * width:(captured_layers.index(i) + 1) * width]
+                      for i in layers], dim=-1)
 
 
 def check_tokens(target: TargetModel, tokens: list[int], what: str) -> None:

@@ -76,10 +76,12 @@ class ReplicatedVerifier:
         return getattr(self.engine, name)(*args, **kwargs)
 
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int = 0,
-                resume: bool = False, logprobs: int | None = None, prompt_tokens: int = 0):
+                resume: bool = False, logprobs: int | None = None, prompt_tokens: int = 0,
+                feature_layers: tuple[int, ...] = ()):
         if params.seed is None:               # every rank must draw the same random numbers
             params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
-        return self._call("prefill", sid, prompt, params, max_new_tokens, resume, logprobs, prompt_tokens)
+        return self._call("prefill", sid, prompt, params, max_new_tokens, resume, logprobs, prompt_tokens,
+                          tuple(feature_layers))
 
     def verify(self, sid, tree):
         return self._call("verify", sid, tree)

@@ -44,12 +44,13 @@ SPECULATIVE = {
     "ngram": ("ngram", "eagle2"),
     "sps": ("draft-lm", "chain"),          # classic speculative sampling with the draft LM (opt-in)
     "eagle2-top": ("eagle", "eagle2"),     # eagle2 with top-k proposals also when sampling (opt-in)
+    "eagle3": ("eagle3", "eagle2"),        # EAGLE-2 dynamic trees drafted by an EAGLE-3 head (opt-in: --eagle3)
 }
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
-ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top")
+ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3")
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
@@ -271,6 +272,7 @@ class BenchConfig:
     target: str
     eagle: str | None = None
     draft_lm: str | None = None
+    eagle3: str | None = None       # EAGLE-3 head directory (method eagle3)
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_new_tokens: int = 128
     temperature: float = 0.0

@@ -57,8 +57,9 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     tree = cfg.tree
     limits = ["--max-total-tokens", str(max(64, tree.total_tokens)), "--max-depth", str(max(8, tree.depth)),
               "--max-expand-k", str(max(10, tree.expand_k))]
-    if kind == "eagle":
-        return ["--eagle", cfg.eagle, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
+    if kind in ("eagle", "eagle3"):                  # `serve drafter --eagle` tells the head's version
+        head = cfg.eagle if kind == "eagle" else cfg.eagle3
+        return ["--eagle", head, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":

@@ -21,6 +21,7 @@ from specdec.bench.services import grpc_methods
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.params import TreeParams
+from drafter.eagle3 import Eagle3Drafter
 from verifier.engine import TargetModel, VerifierEngine
 
 
@@ -66,6 +67,9 @@ class Models:
 
                 self._drafters[kind] = EagleDrafter(self._need(self.cfg.eagle, "EAGLE head"), self.cfg.target,
                                                     device=self.cfg.device)
+            elif kind == "eagle3":
+                self._drafters[kind] = Eagle3Drafter(self._need(self.cfg.eagle3, "EAGLE-3 head"), self.cfg.target,
+                                                     device=self.cfg.device)
             elif kind == "ngram":
                 from drafter.ngram import NgramDrafter
 
@@ -135,7 +139,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "methods": summarize(totals, greedy=cfg.params.greedy),
         "tree": {"total_tokens": cfg.tree.total_tokens, "depth": cfg.tree.depth, "expand_k": cfg.tree.expand_k,
                  "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
-        "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm},
+        "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3},
         "repeats": cfg.repeats,
         "openai_url": cfg.openai_url,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},

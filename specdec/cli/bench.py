@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
     g = p.add_argument_group("models (default: the bundled demo family)")
     g.add_argument("--target", help="target model directory (HF causal LM with its tokenizer)")
     g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
+    g.add_argument("--eagle3", help="EAGLE-3 head directory (eagle3; default: the bundled demo's)")
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
@@ -131,9 +132,10 @@ def config_from(args, sweep: bool):
     kinds = {SPECULATIVE[m][0] for m in methods if m in SPECULATIVE}
     target = model_dir(args.target, "target", "target model", "--target")
     eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle") if "eagle" in kinds else args.eagle
+    eagle3 = model_dir(args.eagle3, "eagle3", "EAGLE-3 head", "--eagle3") if "eagle3" in kinds else args.eagle3
     needs_lm = "draft-lm" in kinds or "hf-assisted" in methods
     draft_lm = model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm") if needs_lm else args.draft_lm
-    return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
+    return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, eagle3=eagle3, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
                        device=args.device, verify_token_budget=args.verify_token_budget,

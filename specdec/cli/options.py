@@ -52,7 +52,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the bundled demo family)")
     g.add_argument("--target", help="target model directory (HF causal LM)")
     d = g.add_mutually_exclusive_group()
-    d.add_argument("--eagle", help="EAGLE-1/2 head directory (EAGLE checkpoint layout)")
+    d.add_argument("--eagle", help="EAGLE head directory: EAGLE-1/2, or EAGLE-3 in the reference or speculators layout")
     d.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")

@@ -131,7 +131,7 @@ def add_parsers(sub) -> None:
     p = d.add_subparsers(dest="drafter_command", required=True).add_parser(
         "serve", help="serve DrafterService over gRPC (default: the bundled demo EAGLE head)")
     kind = p.add_mutually_exclusive_group()
-    kind.add_argument("--eagle", help="EAGLE-1/2 head directory (needs --target for embeddings / lm_head)")
+    kind.add_argument("--eagle", help="EAGLE head directory, EAGLE-1/2 or EAGLE-3 (needs --target for embeddings / lm_head)")
     kind.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
     kind.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; n-gram: vocab size)")
@@ -246,9 +246,9 @@ def _drafter_builder(args):
     dtype = torch_dtype(args.dtype)
 
     def build():
-        from drafter.eagle import EagleDrafter
+        from drafter.eagle3 import load_eagle_drafter
 
-        return EagleDrafter(head, target, dtype=dtype, device=args.device, **sessions)
+        return load_eagle_drafter(head, target, dtype=dtype, device=args.device, **sessions)
     return build
 
 

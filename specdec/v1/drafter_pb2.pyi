@@ -124,7 +124,7 @@ class DrafterGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterGetInfoResponse(_message.Message):
-    __slots__ = ("kind", "needs_features", "vocab_size", "active_sessions", "max_sessions", "max_tree", "drafts_ahead")
+    __slots__ = ("kind", "needs_features", "vocab_size", "active_sessions", "max_sessions", "max_tree", "drafts_ahead", "feature_layers")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class DrafterGetInfoResponse(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     needs_features: bool
     vocab_size: int
@@ -139,7 +140,8 @@ class DrafterGetInfoResponse(_message.Message):
     max_sessions: int
     max_tree: _common_pb2.TreeParams
     drafts_ahead: bool
-    def __init__(self, kind: _Optional[str] = ..., needs_features: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafts_ahead: _Optional[bool] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., needs_features: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., drafts_ahead: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DrafterRenewRequest(_message.Message):
     __slots__ = ("owner", "session_ids")

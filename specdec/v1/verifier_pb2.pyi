@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "max_new_tokens", "return_features", "resume", "owner", "logprobs", "prompt_tokens")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "max_new_tokens", "return_features", "resume", "owner", "logprobs", "prompt_tokens", "feature_layers")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class VerifierPrefillRequest(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -27,7 +28,8 @@ class VerifierPrefillRequest(_message.Message):
     owner: str
     logprobs: int
     prompt_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., return_features: _Optional[bool] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., return_features: _Optional[bool] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("token", "features", "compute_s", "logprobs")
@@ -94,7 +96,7 @@ class VerifierGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierGetInfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "hidden_size", "max_positions", "active_sessions", "max_sessions", "kv_bytes")
+    __slots__ = ("model", "vocab_size", "hidden_size", "max_positions", "active_sessions", "max_sessions", "kv_bytes", "num_layers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class VerifierGetInfoResponse(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     hidden_size: int
@@ -109,7 +112,8 @@ class VerifierGetInfoResponse(_message.Message):
     active_sessions: int
     max_sessions: int
     kv_bytes: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_positions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class VerifierRenewRequest(_message.Message):
     __slots__ = ("owner", "session_ids")
