@@ -91,7 +91,7 @@ class EagleHead(nn.Module):
         return set(self.state_dict().keys())
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
@@ -111,7 +111,7 @@ def load_head(directory: str | Path, dtype=torch.float32) -> EagleHead:
         raise InvalidArgument(f"EAGLE head directory {directory} has no config.json")
     config_dict = json.loads(cfg_path.read_text())
     head = EagleHead(head_config(config_dict), bias=bool(config_dict.get("bias", True)))
-    state = {k: v for k, v in _read_weights(directory).items() if k not in OPTIONAL_KEYS}
+    state = {k: v for k, v in read_weights(directory).items() if k not in OPTIONAL_KEYS}
     expected = head.expected_keys()
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
