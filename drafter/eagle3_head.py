@@ -4,7 +4,6 @@ Reference: Li et al., EAGLE-3 (arXiv:2503.01840); layout of the EAGLE authors'
 ``cnets.py`` ``Model`` (H: the head's width, Ht: the target's, V: the target
 vocabulary, Vd: the draft vocabulary, A/K: query/key-value heads of width d):
 
-  embed_tokens.weight [V, H]     optional on disk: the target's table when absent
   fc.weight [H, 3 Ht]            no bias: 3 target features -> one H-wide feature
   midlayer.input_layernorm.weight [H]        normalises the token embedding
   midlayer.hidden_norm.weight [H]            normalises the feature
@@ -16,6 +15,10 @@ vocabulary, Vd: the draft vocabulary, A/K: query/key-value heads of width d):
   lm_head.weight [Vd, H]         logits over the draft vocabulary
   d2t [Vd] int64                 draft id d is target id d + d2t[d]
   t2d [V] bool                   target ids inside the draft vocabulary
+The token embedding [V, H] is the target's, as in the reference; a checkpoint
+may carry its own ``embed_tokens.weight`` (needed when H differs from the
+target's width), which is then used. It is a non-persistent buffer here, so
+``state_dict()`` holds exactly the tensors above.
 
 Target features (layer-index convention): the three inputs are HF
 ``output_hidden_states`` indices, i.e. index i is the un-normed residual
@@ -45,7 +48,7 @@ from drafter.eagle_head import head_config_for, read_weights
 from specdec import attention, kv, masks
 from specdec.errors import InvalidArgument
 
-OPTIONAL_KEYS = ("embed_tokens.weight",)
+EMBED_KEY = "embed_tokens.weight"       # optional on disk (module doc)
 
 
 def head3_config(fields: dict) -> LlamaConfig:
@@ -113,7 +116,7 @@ class Eagle3Head(nn.Module):
         draft_vocab = int(getattr(config, "draft_vocab_size", None) or vocab)
         target_hidden = int(getattr(config, "target_hidden_size", None) or hidden)
         self.layers = tuple(layers)
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.register_buffer("embedding", None, persistent=False)     # [V, H], see set_embedding
         self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
@@ -125,6 +128,19 @@ class Eagle3Head(nn.Module):
     @property
     def draft_vocab_size(self) -> int:
         return self.lm_head.out_features
+
+    def set_embedding(self, table: torch.Tensor) -> None:
+        """The token embedding table [V, H] (the target's, or the checkpoint's own)."""
+        want = (self.t2d.numel(), self.config.hidden_size)
+        if tuple(table.shape) != want:
+            raise InvalidArgument(f"an embedding table of shape {tuple(table.shape)} does not fit the head's {want}")
+        self.embedding = table.detach().to(self.fc.weight.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [...] (target ids) -> their embedding rows [..., H]."""
+        if self.embedding is None:
+            raise RuntimeError("the EAGLE-3 head has no embedding table: call set_embedding first")
+        return torch.nn.functional.embedding(tokens, self.embedding)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., 3 Ht] (the target's three layers, concatenated low to high) -> [..., H]."""
@@ -168,7 +184,7 @@ def load_head3(directory: str | Path, dtype=torch.float32, target_layers: int | 
                target_embed: torch.Tensor | None = None) -> Eagle3Head:
     """Load an EAGLE-3 head in the reference or the speculators layout.
     ``target_layers``: the target's depth, for configs that name no layers;
-    ``target_embed`` [V, H]: the table used when the checkpoint carries none."""
+    ``target_embed`` [V, H]: the embedding table, unless the checkpoint carries its own."""
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
@@ -176,19 +192,21 @@ def load_head3(directory: str | Path, dtype=torch.float32, target_layers: int | 
     config = json.loads(cfg_path.read_text())
     head = Eagle3Head(head3_config(layouts.llama_fields(config)), layouts.feature_layers(config, target_layers))
     state = layouts.canonical_keys(read_weights(directory))
-    layouts.check_state(state, head.expected_shapes(), OPTIONAL_KEYS, directory)
-    if "embed_tokens.weight" not in state:
-        if target_embed is None or tuple(target_embed.shape) != tuple(head.embed_tokens.weight.shape):
-            raise InvalidArgument(f"{directory}: no embed_tokens.weight and the target's embedding table "
-                                  f"does not fit {tuple(head.embed_tokens.weight.shape)}")
-        state["embed_tokens.weight"] = target_embed
-    head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()})
-    return head.to(dtype).eval()
+    embed = state.pop(EMBED_KEY, None)
+    expected = head.expected_shapes() | {EMBED_KEY: (head.t2d.numel(), head.config.hidden_size)}
+    layouts.check_state(state | ({} if embed is None else {EMBED_KEY: embed}), expected, (EMBED_KEY,), directory)
+    own = head.state_dict()
+    head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
+    head = head.to(dtype).eval()
+    if embed is not None or target_embed is not None:
+        head.set_embedding(embed if embed is not None else target_embed)
+    return head
 
 
-def save_head(head: Eagle3Head, directory: str | Path, dtype=torch.float16, with_embedding: bool = True) -> None:
+def save_head(head: Eagle3Head, directory: str | Path, dtype=torch.float16, with_embedding: bool = False) -> None:
     """Write config.json + model.safetensors in the reference layout (float
-    tensors in ``dtype``; d2t/t2d keep their integer/bool types)."""
+    tensors in ``dtype``; d2t/t2d keep their integer/bool types); ``with_embedding``
+    also writes the head's embedding table as ``embed_tokens.weight``."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -203,6 +221,8 @@ def save_head(head: Eagle3Head, directory: str | Path, dtype=torch.float16, with
     if head.layers:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layouts.reference_layer_ids(head.layers)}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
-             for k, v in head.state_dict().items() if with_embedding or k != "embed_tokens.weight"}
+    state = dict(head.state_dict())
+    if with_embedding:
+        state[EMBED_KEY] = head.embedding
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous() for k, v in state.items()}
     save_file(state, directory / "model.safetensors")

@@ -12,7 +12,6 @@ from specdec import kv
 def reference_shapes(hidden, heads, kv_heads, head_dim, inter, vocab, draft_vocab, target_hidden):
     """The state dict of the EAGLE authors' EAGLE-3 ``Model`` (cnets.py), written out by hand."""
     shapes = {
-        "embed_tokens.weight": (vocab, hidden),
         "lm_head.weight": (draft_vocab, hidden),
         "fc.weight": (hidden, 3 * target_hidden),
         "norm.weight": (hidden,),
@@ -72,6 +71,7 @@ def test_forward_unrolls_from_projected_features(family3):
     feats = torch.randn(1, 5, 3 * h)
     tokens = torch.tensor([[3, 4, 5, 6, 7]])
     positions = torch.arange(5)[None]
+    head.set_embedding(torch.randn(head.t2d.numel(), h))
     out = head(head.embed_tokens(tokens), head.project(feats), positions)
     assert out.shape == (1, 5, h)
     assert head.draft_logits(out).shape == (1, 5, head.draft_vocab_size)
