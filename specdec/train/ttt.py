@@ -75,31 +75,40 @@ def step_weights(steps: int) -> list[float]:
     return [STEP_DECAY ** k for k in range(steps)]
 
 
-def unrolled_losses(head, embed_tokens, batch: TttBatch, steps: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """The weighted training-time-test loss of ``head`` on ``batch`` and, per
-    step k, its loss ``loss_k`` and top-1 agreement ``top1_k`` with the target
-    (over positions with a target whose argmax the draft vocabulary holds).
+def unrolled_hidden(head, embed_tokens, batch: TttBatch, steps: int):
+    """Yield the head's output hidden states [B, S, H] at steps 0..steps-1
+    (module doc); step k at t stands for the draft of x_{t+2+k}.
 
-    head: has ``project(features)``, ``forward(embeds, hidden, positions, mask, cache)``
-    and ``draft_logits(hidden)``; embed_tokens: ids [B, S] -> [B, S, H]."""
+    head: has ``project(features)`` and ``forward(embeds, hidden, positions, mask, cache)``;
+    embed_tokens: ids [B, n] -> [B, n, H]."""
     bsz, seq_len = batch.features.shape[:2]
     hidden = head.project(batch.features)                                    # [B, S, H]
-    target_p = torch.softmax(batch.target.float(), -1)                      # [B, S, N]
-    target_top = batch.target.argmax(-1)                                    # [B, S]
     cache = DynamicCache()
-    total = hidden.new_zeros(())
-    metrics: dict[str, float] = {}
-    for k, weight in enumerate(step_weights(steps)):
+    for k in range(steps):
         embeds = embed_tokens(batch.tokens[:, 1 + k: 1 + k + seq_len])      # x_{t+1+k}, [B, S-k, H]
         embeds = torch.cat([embeds, embeds.new_zeros(bsz, seq_len - embeds.shape[1], embeds.shape[2])], 1)
         positions = (torch.arange(seq_len) + k)[None].expand(bsz, -1)
         hidden = head(embeds, hidden, positions, ttt_mask(seq_len, k, hidden.dtype), cache)
+        yield hidden
+
+
+def unrolled_losses(head, embed_tokens, batch: TttBatch, steps: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted training-time-test loss of ``head`` on ``batch`` and, per
+    step k, its loss ``loss_k`` and top-1 agreement ``top1_k`` with the target
+    (over positions with a target whose argmax the draft vocabulary holds).
+    ``head`` also has ``draft_logits(hidden)``."""
+    target_p = torch.softmax(batch.target.float(), -1)                      # [B, S, N]
+    target_top = batch.target.argmax(-1)                                    # [B, S]
+    total = target_p.new_zeros(())
+    metrics: dict[str, float] = {}
+    weights = step_weights(steps)
+    for k, hidden in enumerate(unrolled_hidden(head, embed_tokens, batch, steps)):
         logp = torch.log_softmax(head.draft_logits(hidden).float(), -1)    # [B, S, N]
-        # The target at t+1+k: shift the step-0 targets left by k.
+        # The target at t+1+k: the step-0 targets shifted left by k; none past the window.
         p_k, top_k = shifted(target_p, k), shifted(target_top, k)
-        valid = shifted(batch.in_draft, k, False)                          # no target past the window
+        valid = shifted(batch.in_draft, k, False)                          # [B, S]
         loss_k = -(valid.float() * (p_k * logp).sum(-1)).mean()
-        total = total + weight * loss_k
+        total = total + weights[k] * loss_k
         hits = (logp.argmax(-1) == top_k) & valid
         metrics[f"loss_{k}"] = float(loss_k.detach())
         metrics[f"top1_{k}"] = float(hits.sum()) / max(1, int(valid.sum()))
