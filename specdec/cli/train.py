@@ -192,17 +192,27 @@ def run_calibrate(args) -> int:
 
     import torch
 
+    from drafter.eagle3_layouts import is_eagle3_config
     from drafter.eagle_head import load_head
     from specdec.models import ModelSpec, load_causal_lm, load_tokenizer, require_model_dir
     from specdec.train.data import tokenize_stream
     from specdec.train.eagle import calibrate_head
 
     require_model_dir(args.target, "target")
-    require_model_dir(args.eagle, "EAGLE head")
+    eagle = require_model_dir(args.eagle, "EAGLE head")
     _, heldout = _corpus(args)
     target = load_causal_lm(ModelSpec(args.target))
     stream = tokenize_stream(heldout, load_tokenizer(args.target))
-    result = calibrate_head(load_head(args.eagle, torch.float32), target, stream, Path(args.eagle), args.seq_len)
+    if is_eagle3_config(json.loads((Path(eagle) / "config.json").read_text())):
+        from drafter.eagle3_head import load_head3
+        from specdec.train.eagle3 import calibrate_head3
+
+        text = target.config.get_text_config(decoder=True)
+        head = load_head3(eagle, torch.float32, int(text.num_hidden_layers),
+                          target.get_input_embeddings().weight.float())
+        result = calibrate_head3(head, target, stream, Path(eagle), args.seq_len)
+    else:
+        result = calibrate_head(load_head(eagle, torch.float32), target, stream, Path(eagle), args.seq_len)
     print(json.dumps(result))
     return 0
 

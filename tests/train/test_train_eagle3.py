@@ -172,8 +172,15 @@ def test_interrupted_run_resumes_to_the_same_head(family, tmp_path):
     assert log["evals"][-1]["step"] == 12 and "heldout_loss_2" in log["evals"][-1]
 
 
-def test_saved_head_has_the_reference_keys_and_loads(family, tmp_path):
-    assert main(train_args(family, tmp_path / "out", tmp_path / "wd")) == 0
+@pytest.fixture(scope="module")
+def trained3(family, tmp_path_factory):
+    root = tmp_path_factory.mktemp("e3trained")
+    assert main(train_args(family, root / "out", root / "wd")) == 0
+    return root
+
+
+def test_saved_head_has_the_reference_keys_and_loads(trained3):
+    tmp_path = trained3
     state = load_file(tmp_path / "out" / "model.safetensors")
     assert set(state) == REFERENCE_KEYS
     head = load_head3(tmp_path / "out", target_layers=2)
@@ -188,6 +195,18 @@ def test_saved_head_has_the_reference_keys_and_loads(family, tmp_path):
     assert 0 < calibration["target_argmax_in_draft_vocab"] <= 1
     summary = json.loads((tmp_path / "out" / "training_log.json").read_text())
     assert summary["ttt_steps"] == 3 and summary["draft_vocab"] == DRAFT_VOCAB
+
+
+def test_calibrate_refits_an_eagle3_head_to_the_same_temperature(family, trained3, capsys):
+    written = json.loads((trained3 / "out" / "calibration.json").read_text())
+    (trained3 / "out" / "calibration.json").unlink()
+    assert main(["train", "calibrate", "--target", str(family["target"]), "--eagle", str(trained3 / "out"),
+                 "--data", *family["data"], "--seq-len", "24"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads((trained3 / "out" / "calibration.json").read_text())
+    # the head as saved (fp16) and as trained (fp32), the same held-out windows: the same fit
+    assert printed["greedy_value_temperature"] == written["greedy_value_temperature"]
+    assert printed["target_argmax_in_draft_vocab"] == written["target_argmax_in_draft_vocab"]
 
 
 @pytest.mark.parametrize("flags, needle", [(["--version", "3", "--w-reg", "2"], "--w-reg"),
