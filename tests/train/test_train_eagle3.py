@@ -1,5 +1,6 @@
 """`specdec train eagle --version 3`: draft vocabulary, training-time test, resume, the saved head."""
 
+import itertools
 import json
 
 import pytest
@@ -10,8 +11,7 @@ from drafter.base import read_value_temperature
 from drafter.eagle3_head import load_head3
 from specdec.cli.main import main
 from specdec.train.draft_vocab import choose_draft_vocab, draft_target_ids, token_counts
-from specdec.train.eagle3 import (corpus_draft_vocab, eagle3_losses, new_head, target_batch,
-                                  training_feature_layers)
+from specdec.train.eagle3 import corpus_draft_vocab, eagle3_losses, new_head, target_batch, training_feature_layers
 from specdec.train.ttt import shifted, step_weights, ttt_allowed, unrolled_hidden, unrolled_losses
 from tiny import CORPUS, build_family
 
@@ -150,12 +150,12 @@ def test_loss_falls_on_a_repeated_batch(family, target):
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(25):
-        loss, metrics = eagle3_losses(head, target, windows, 3)
+        loss, _ = eagle3_losses(head, target, windows, 3)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    assert all(b < a for a, b in zip(losses, losses[1:]))
+    assert all(b < a for a, b in itertools.pairwise(losses))
     assert losses[-1] - floor < 0.5 * (losses[0] - floor)
 
 
