@@ -14,10 +14,11 @@ through transformers' public API (``output_hidden_states``, input and output
 embeddings), so any family trains a head.
 
 Unlike the reference, whose head starts from random weights, the head's
-final norm and lm_head start from the target's final norm and the draft
-vocabulary's rows of the target's output head, and the MLP from the target's
-last layer where the tensors have the same shapes: on a small CPU budget that
-start is worth many steps. Nothing else differs.
+final norm and lm_head start from the target's final norm (when it computes
+what a Llama RMSNorm with its weight computes) and the draft vocabulary's rows
+of the target's output head, and the MLP from the target's last layer where
+the tensors have the same shapes: on a small CPU budget the head starts in
+the target's own output space. Nothing else differs.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def new_head(target, vocab: DraftVocab, layers: tuple[int, ...]) -> Eagle3Head:
         if norm is not None and getattr(norm, "weight", None) is not None \
                 and norm.weight.shape == head.norm.weight.shape:
             head.norm.weight.copy_(norm.weight)
+            if not computes_the_same(norm, head.norm, head.config.hidden_size):
+                head.norm.weight.fill_(1.0)          # another norm (Gemma's 1 + w, a LayerNorm): start plain
         layers_of_target = getattr(decoder, "layers", None)
         if layers_of_target is not None:
             own = head.midlayer.state_dict()
@@ -84,6 +87,12 @@ def new_head(target, vocab: DraftVocab, layers: tuple[int, ...]) -> Eagle3Head:
     head = head.float()
     head.set_embedding(io.embed.float())
     return head
+
+
+def computes_the_same(a: torch.nn.Module, b: torch.nn.Module, width: int) -> bool:
+    """Whether two modules agree on random inputs [4, width]."""
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(0))
+    return torch.allclose(a(x.to(next(a.parameters()).dtype)).float(), b(x).float(), rtol=1e-3, atol=1e-4)
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from drafter.base import read_value_temperature
 from drafter.eagle3_head import load_head3
 from specdec.cli.main import main
 from specdec.train.draft_vocab import choose_draft_vocab, draft_target_ids, token_counts
-from specdec.train.eagle3 import corpus_draft_vocab, eagle3_losses, new_head, target_batch, training_feature_layers
+from specdec.train.eagle3 import computes_the_same, corpus_draft_vocab, eagle3_losses, new_head, target_batch, training_feature_layers
 from specdec.train.ttt import shifted, step_weights, ttt_allowed, unrolled_hidden, unrolled_losses
 from tiny import CORPUS, build_family
 
@@ -85,6 +85,24 @@ def test_corpus_draft_vocab_covers_the_commonest_tokens_of_the_stream():
                                               (4, (1, 2, 2)), (2, (0, 1, 1))])
 def test_feature_layers_are_the_references_clamped_to_the_layer_inputs(layers, expected):
     assert training_feature_layers(layers) == expected
+
+
+def test_new_head_starts_from_the_targets_output_head_and_norm(target):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    size = target.config.vocab_size
+    vocab = corpus_draft_vocab(torch.arange(size), size, DRAFT_VOCAB, 0)
+    head = new_head(target, vocab, training_feature_layers(2))
+    assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[vocab.target_ids])
+    assert torch.equal(head.norm.weight, target.get_decoder().norm.weight)
+    assert torch.equal(head.embedding, target.get_input_embeddings().weight)
+    assert torch.equal(head.to_target_ids(torch.arange(DRAFT_VOCAB)), vocab.target_ids)
+    llama, gemma = LlamaRMSNorm(8), GemmaRMSNorm(8)
+    with torch.no_grad():
+        llama.weight.uniform_(0.5, 1.5)
+        gemma.weight.copy_(llama.weight)
+    assert computes_the_same(llama, llama, 8) and not computes_the_same(gemma, llama, 8)
 
 
 def test_ttt_mask_is_causal_context_plus_the_positions_own_chain():
