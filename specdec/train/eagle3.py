@@ -135,8 +135,12 @@ def calibrate_head3(head: Eagle3Head, target, heldout_stream: torch.Tensor, out_
     heads, and write ``out_dir/calibration.json``."""
     logits, labels, in_draft = heldout_draft_logits(head.eval(), target,
                                                     eval_windows(heldout_stream, seq_len, max_windows=windows))
-    record = calibration_record(logits, labels)
-    record["fitted_on"] += " (positions whose target argmax is in the draft vocabulary)"
+    if labels.numel() == 0:         # nothing to fit: the drafter's default
+        record = {"greedy_value_temperature": 1.0,
+                  "fitted_on": "nothing: no held-out target argmax is in the draft vocabulary"}
+    else:
+        record = calibration_record(logits, labels)
+        record["fitted_on"] += " (positions whose target argmax is in the draft vocabulary)"
     record["target_argmax_in_draft_vocab"] = round(in_draft, 4)
     return write_calibration(record, out_dir)
 

@@ -228,6 +228,19 @@ def test_calibrate_refits_an_eagle3_head_to_the_same_temperature(family, trained
     assert printed["target_argmax_in_draft_vocab"] == written["target_argmax_in_draft_vocab"]
 
 
+def test_calibration_without_a_single_draftable_position_keeps_temperature_one(family, target, tmp_path):
+    from specdec.train.eagle3 import calibrate_head3
+
+    size = target.config.vocab_size
+    windows = torch.randint(1, size, (2, 13), generator=torch.Generator().manual_seed(6))
+    predicted = set(target(input_ids=windows).logits[:, 1:].argmax(-1).flatten().tolist())
+    unused = [i for i in range(size) if i not in predicted][:4]
+    head = new_head(target, choose_draft_vocab(torch.zeros(size), 4, keep=tuple(unused)), training_feature_layers(2))
+    record = calibrate_head3(head, target, windows.flatten(), tmp_path, seq_len=12, windows=2)
+    assert record["greedy_value_temperature"] == 1.0
+    assert read_value_temperature(tmp_path) == 1.0
+
+
 @pytest.mark.parametrize("flags, needle", [(["--version", "3", "--w-reg", "2"], "--w-reg"),
                                            (["--draft-vocab", "10"], "--draft-vocab"),
                                            (["--version", "3", "--ttt-steps", "0"], "--ttt-steps")])
