@@ -98,8 +98,11 @@ def feature_layers(config: dict, target_layers: int | None) -> tuple[int, ...]:
 
 
 def default_feature_layers(target_layers: int) -> tuple[int, int, int]:
-    """The reference's low, middle and high layers for a target of ``target_layers`` layers."""
-    return (2, target_layers // 2, target_layers - 3)
+    """The reference's low, middle and high layers (2, L // 2, L - 3) for a target
+    of ``target_layers`` layers, clamped to the un-normed layer inputs 0..L-1
+    (index L is after the final norm) and sorted, so a shallow target still gets three."""
+    picked = (min(max(i, 0), target_layers - 1) for i in (2, target_layers // 2, target_layers - 3))
+    return tuple(sorted(picked))
 
 
 def reference_layer_ids(layers) -> list[int]:

@@ -1,4 +1,4 @@
-"""``specdec train tokenizer|target|draft-lm|eagle``.
+"""``specdec train tokenizer|target|draft-lm|eagle [--version 3]|calibrate|card``.
 
 Each command is resumable: it checkpoints into ``--workdir`` every
 ``--ckpt-every`` steps and on SIGTERM/Ctrl-C, and a rerun with the same flags
@@ -17,6 +17,7 @@ from specdec.models import demo_path
 # The demo family's shapes (the bundled models were trained with these).
 TARGET_SHAPE = dict(hidden=192, layers=20, heads=4, kv_heads=2, intermediate=512)
 DRAFT_LM_SHAPE = dict(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=384)
+EAGLE_VERSIONS = (1, 2, 3)      # 1 and 2 share one head format and one trainer
 
 
 def _corpus(args) -> tuple[list[str], list[str]]:
@@ -88,12 +89,20 @@ def add_parser(sub) -> None:
     t.add_argument("--seq-len", type=int, default=256)
     t.set_defaults(run=run_calibrate, name="calibrate")
 
-    t = tsub.add_parser("eagle", help="EAGLE-1/2 head for any local Llama-family target")
+    t = tsub.add_parser("eagle", help="EAGLE-1/2 or EAGLE-3 head for any local causal-LM target")
     t.add_argument("--target", default=str(demo_path("target")))
-    t.add_argument("--out", default=str(demo_path("eagle")))
-    t.add_argument("--w-reg", type=float, default=1.0)
-    t.add_argument("--w-cls", type=float, default=0.1)
-    t.add_argument("--noise", type=float, default=0.2)
+    t.add_argument("--version", type=int, choices=EAGLE_VERSIONS, default=2,
+                   help="2: an EAGLE-1/2 head (one format); 3: an EAGLE-3 head (reference layout)")
+    t.add_argument("--out", help="head directory (default: the bundled eagle/ or eagle3/)")
+    v2 = t.add_argument_group("EAGLE-1/2 (--version 2)")
+    v2.add_argument("--w-reg", type=float, default=None, help="feature regression weight (default 1.0)")
+    v2.add_argument("--w-cls", type=float, default=None, help="soft cross-entropy weight (default 0.1)")
+    v2.add_argument("--noise", type=float, default=None, help="uniform input-feature noise (default 0.2)")
+    v3 = t.add_argument_group("EAGLE-3 (--version 3)")
+    v3.add_argument("--draft-vocab", type=int, default=None,
+                    help="draft vocabulary size: the corpus's most frequent tokens (default V/4, at most 32000)")
+    v3.add_argument("--ttt-steps", type=int, default=None,
+                    help="training-time-test steps the head is unrolled for (default 7)")
     _common(t, steps=800, batch=16, lr=1e-3)
     t.set_defaults(run=run_eagle, name="eagle")
 
@@ -137,13 +146,44 @@ def run_lm(args) -> int:
 
 def run_eagle(args) -> int:
     from specdec.models import require_model_dir
-    from specdec.train.eagle import EagleLoss, train_eagle
 
     require_model_dir(args.target, "target")
+    other = ("w_reg", "w_cls", "noise") if args.version == 3 else ("draft_vocab", "ttt_steps")
+    given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} do not apply to --version {args.version}")
+    if args.version == 3:
+        return _run_eagle3(args)
+    from specdec.train.eagle import EagleLoss, train_eagle
+
+    d = EagleLoss()
+    loss = EagleLoss(w_reg=d.w_reg if args.w_reg is None else args.w_reg,
+                     w_cls=d.w_cls if args.w_cls is None else args.w_cls,
+                     noise=d.noise if args.noise is None else args.noise)
+    out = args.out or str(demo_path("eagle"))
     train_texts, heldout = _corpus(args)
-    log = train_eagle(Path(args.target), train_texts, heldout, Path(args.out), _workdir(args), _config(args),
-                      EagleLoss(args.w_reg, args.w_cls, args.noise), progress=not args.no_progress)
-    _report(log, args.out)
+    log = train_eagle(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
+                      loss, progress=not args.no_progress)
+    _report(log, out)
+    return 0
+
+
+def _run_eagle3(args) -> int:
+    from specdec.train.eagle3 import Eagle3Options, train_eagle3
+
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise UsageError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
+    if args.ttt_steps is not None and args.ttt_steps < 1:
+        raise UsageError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    defaults = Eagle3Options()
+    opts = Eagle3Options(draft_vocab=args.draft_vocab or defaults.draft_vocab,
+                         ttt_steps=args.ttt_steps or defaults.ttt_steps)
+    args.name = "eagle3"
+    out = args.out or str(demo_path("eagle3"))
+    train_texts, heldout = _corpus(args)
+    log = train_eagle3(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args), opts,
+                       progress=not args.no_progress)
+    _report(log, out)
     return 0
 
 
@@ -152,17 +192,27 @@ def run_calibrate(args) -> int:
 
     import torch
 
+    from drafter.eagle3_layouts import is_eagle3_config
     from drafter.eagle_head import load_head
     from specdec.models import ModelSpec, load_causal_lm, load_tokenizer, require_model_dir
     from specdec.train.data import tokenize_stream
     from specdec.train.eagle import calibrate_head
 
     require_model_dir(args.target, "target")
-    require_model_dir(args.eagle, "EAGLE head")
+    eagle = require_model_dir(args.eagle, "EAGLE head")
     _, heldout = _corpus(args)
     target = load_causal_lm(ModelSpec(args.target))
     stream = tokenize_stream(heldout, load_tokenizer(args.target))
-    result = calibrate_head(load_head(args.eagle, torch.float32), target, stream, Path(args.eagle), args.seq_len)
+    if is_eagle3_config(json.loads((Path(eagle) / "config.json").read_text())):
+        from drafter.eagle3_head import load_head3
+        from specdec.train.eagle3 import calibrate_head3
+
+        text = target.config.get_text_config(decoder=True)
+        head = load_head3(eagle, torch.float32, int(text.num_hidden_layers),
+                          target.get_input_embeddings().weight.float())
+        result = calibrate_head3(head, target, stream, Path(eagle), args.seq_len)
+    else:
+        result = calibrate_head(load_head(eagle, torch.float32), target, stream, Path(eagle), args.seq_len)
     print(json.dumps(result))
     return 0
 

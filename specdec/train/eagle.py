@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from drafter.base import CALIBRATION_FILE
 from drafter.eagle_head import EagleHead, TargetHead, head_config, head_config_for, save_head
 from specdec.train.data import eval_windows, sample_batch, tokenize_stream
 from specdec.train.loop import TrainConfig, train
@@ -100,23 +101,32 @@ def fit_value_temperature(logits: torch.Tensor, labels: torch.Tensor,
     return min(nll, key=nll.get), nll
 
 
+def calibration_record(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """The fitted greedy value temperature of head ``logits`` [N, V'] against the
+    target's argmax ``labels`` [N] (ids in the head's own vocabulary), with the
+    numbers that justify it: what ``calibration.json`` holds."""
+    t, nll = fit_value_temperature(logits, labels)
+    top = torch.softmax(logits / t, -1).max(-1).values.mean()
+    return {"greedy_value_temperature": t,
+            "fitted_on": f"{labels.numel()} held-out positions: NLL of the target's argmax",
+            "heldout_nll": {"1.0": round(nll[1.0], 4), str(t): round(nll[t], 4)},
+            "top1_agreement": round(float((logits.argmax(-1) == labels).float().mean()), 4),
+            "mean_top1_confidence": {"1.0": round(float(torch.softmax(logits, -1).max(-1).values.mean()), 4),
+                                     str(t): round(float(top), 4)}}
+
+
+def write_calibration(record: dict, out_dir: Path) -> dict:
+    """Write ``record`` to ``out_dir/calibration.json`` (read by the drafter)."""
+    Path(out_dir, CALIBRATION_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def calibrate_head(head: EagleHead, target, heldout_stream: torch.Tensor, out_dir: Path,
                    seq_len: int = 256, windows: int = 8) -> dict:
     """Fit the head's greedy value temperature on held-out text and write it to
     ``out_dir/calibration.json`` (read by the drafter)."""
-    from drafter.base import CALIBRATION_FILE
-
     logits, labels = heldout_head_logits(head, target, eval_windows(heldout_stream, seq_len, max_windows=windows))
-    t, nll = fit_value_temperature(logits, labels)
-    top = torch.softmax(logits / t, -1).max(-1).values.mean()
-    result = {"greedy_value_temperature": t,
-              "fitted_on": f"{labels.numel()} held-out positions: NLL of the target's argmax",
-              "heldout_nll": {"1.0": round(nll[1.0], 4), str(t): round(nll[t], 4)},
-              "top1_agreement": round(float((logits.argmax(-1) == labels).float().mean()), 4),
-              "mean_top1_confidence": {"1.0": round(float(torch.softmax(logits, -1).max(-1).values.mean()), 4),
-                                       str(t): round(float(top), 4)}}
-    Path(out_dir, CALIBRATION_FILE).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return write_calibration(calibration_record(logits, labels), out_dir)
 
 
 def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,

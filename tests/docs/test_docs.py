@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Pages written by hand; the benchmark reports under docs/bench/ are generated
 # and only have their links checked.
 GUIDES = [REPO / "README.md", REPO / "docs" / "serving.md", REPO / "docs" / "algorithms.md",
-          REPO / "docs" / "bench" / "history.md"]
+          REPO / "docs" / "training.md", REPO / "docs" / "bench" / "history.md"]
 LINKED_PAGES = sorted({REPO / "README.md", REPO / "deploy" / "README.md", *(REPO / "docs").rglob("*.md")})
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")
