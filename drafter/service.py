@@ -16,6 +16,10 @@ the verifier checks the session's tree: it commits the last cycle's tokens and
 drafts the trees the next cycle would use for the likeliest outcomes, so that
 on a hit the orchestrator skips the next Draft round trip. It uses a drafter
 that would otherwise sit idle, so with other sessions open it only commits.
+
+``Session`` carries one session's steps (Prefill then Draft / DraftAhead) on one bidirectional
+stream, each handled as its unary RPC; the session is released when the
+stream ends (``specdec.engine_servicer.EngineServicer.serve_session``).
 """
 
 from __future__ import annotations
@@ -189,6 +193,12 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return drafter_pb2.DraftAheadResponse(
             trees=[drafter_pb2.AheadTree(commit_tokens=commit, tree=tensor_wire.tree_to_proto(tree)) for commit, tree in trees],
             compute_s=seconds)
+
+    async def Session(self, request_iterator, context):
+        steps = {"prefill": self.Prefill, "draft": self.Draft, "draft_ahead": self.DraftAhead}
+        async for response in self.serve_session(request_iterator, context, steps,
+                                                 drafter_pb2.DrafterSessionResponse):
+            yield response
 
     async def Commit(self, request, context):
         self.check()

@@ -129,10 +129,12 @@ class RemoteVerifier(Backend):
     another verifier when it loses its own."""
 
     role = "verifier"
+    stream_steps = {"Prefill": "prefill", "Verify": "verify"}
+    session_request = verifier_pb2.VerifierSessionRequest
 
     def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases,
-                 logprobs: int | None = None):
-        super().__init__(pool, session_id, deadline, leases)
+                 logprobs: int | None = None, streams: bool = True):
+        super().__init__(pool, session_id, deadline, leases, streams)
         self.logprobs = logprobs                 # top alternatives per token's logprob; None: no logprobs
         self.opened = False                      # the pinned verifier answered the session's Prefill
         self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
@@ -236,9 +238,11 @@ class RemoteDrafter(Backend):
     another drafter when it loses its own, or none ("no drafter": plain decoding)."""
 
     role = "drafter"
+    stream_steps = {"Prefill": "prefill", "Draft": "draft", "DraftAhead": "draft_ahead"}
+    session_request = drafter_pb2.DrafterSessionRequest
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
-        super().__init__(pool, session_id, deadline, leases)
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases, streams: bool = True):
+        super().__init__(pool, session_id, deadline, leases, streams)
         self.features: FeatureLog | None = None   # every feature row, kept while an EAGLE drafter may need them
         self.committed: list[int] = []            # every token this handle was given
         self.sampling = common_pb2.SamplingParams()
@@ -391,6 +395,7 @@ class RemoteDrafter(Backend):
             self.pool.unpin(self.endpoint)
             self.abandoned.append(self.endpoint)
             self.endpoint, self.sent_prefill = None, False
+            self.close_stream()
         self.fall_back(reason, error)
 
     def fall_back(self, reason: str, error: str) -> None:

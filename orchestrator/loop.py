@@ -14,6 +14,9 @@ Per request (a session, the same id on both services):
      drafter drafts the next round (DraftAhead) while the verifier verifies;
   2. Release on both services, whatever happened (shielded from cancellation).
 
+Each backend's per-cycle steps travel on one session stream
+(``orchestrator.backend``; ``streams=False``: a unary call per step).
+
 The verifier and drafter are ``orchestrator.failover``'s handles: losing a
 backend costs a re-prefill, never a token. Features travel from verifier to
 drafter as the verifier's ``Tensor`` message, untouched.
@@ -62,7 +65,8 @@ class Generation:
     """Runs one Job on the backends the router gives it, feeding a Decoding and a TextStream."""
 
     def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
-                 verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False):
+                 verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False,
+                 streams: bool = True):
         self.job = job
         self.dec = decoding
         self.text = text
@@ -70,8 +74,8 @@ class Generation:
         self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
         self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases,
-                                              job.logprobs)
-        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases)
+                                              job.logprobs, streams)
+        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams)
                                if job.tree is not None
                                else None)
         self.emit: Callable[[Delta], Awaitable[None]] | None = None

@@ -78,6 +78,8 @@ class OrchestratorConfig:
     # greedy sessions: accepted paths the drafter drafts the next round for while
     # the verifier checks the current tree (0 = off; ``Drafter.draft_ahead``)
     lookahead: int = 0
+    # per-cycle backend steps on one bidirectional stream per session (False: unary calls)
+    session_streams: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -300,7 +302,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                       "method": tree.method if tree else VANILLA})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
-                          gate_by_kind=self.config.min_tau is None)
+                          gate_by_kind=self.config.min_tau is None, streams=self.config.session_streams)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: given, or the text (rendered chat messages) encoded."""

@@ -93,6 +93,9 @@ def add_orchestrator_parser(sub) -> None:
                         "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
     t.add_argument("--max-new-tokens-limit", type=int, default=2048, help="larger requests: INVALID_ARGUMENT")
     b = p.add_argument_group("calls to the backends")
+    b.add_argument("--unary-steps", action="store_true",
+                   help="send each per-cycle step as a unary call instead of on one stream per session "
+                        "(slower; for comparison)")
     b.add_argument("--backend-ca", default=env("SPECDEC_BACKEND_CA"), help="CA of the backends' certificates (TLS)")
     b.add_argument("--backend-cert", default=env("SPECDEC_BACKEND_CERT"), help="client certificate (mutual TLS)")
     b.add_argument("--backend-key", default=env("SPECDEC_BACKEND_KEY"), help="client key (mutual TLS)")
@@ -130,7 +133,8 @@ def orchestrator_config(args):
                               default_max_new_tokens=args.max_new_tokens,
                               max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
                               backend_token=args.backend_token, verify_token_budget=args.verify_token_budget,
-                              min_tau=args.min_tau, lookahead=args.lookahead)
+                              min_tau=args.min_tau, lookahead=args.lookahead,
+                              session_streams=not args.unary_steps)
 
 
 def run_orchestrator(args) -> int:

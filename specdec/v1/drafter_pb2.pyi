@@ -156,3 +156,23 @@ class DrafterRenewResponse(_message.Message):
     renewed: int
     lease_s: float
     def __init__(self, renewed: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class DrafterSessionRequest(_message.Message):
+    __slots__ = ("prefill", "draft", "draft_ahead")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    prefill: DrafterPrefillRequest
+    draft: DraftRequest
+    draft_ahead: DraftAheadRequest
+    def __init__(self, prefill: _Optional[_Union[DrafterPrefillRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., draft_ahead: _Optional[_Union[DraftAheadRequest, _Mapping]] = ...) -> None: ...
+
+class DrafterSessionResponse(_message.Message):
+    __slots__ = ("prefill", "draft", "draft_ahead")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    prefill: DrafterPrefillResponse
+    draft: DraftResponse
+    draft_ahead: DraftAheadResponse
+    def __init__(self, prefill: _Optional[_Union[DrafterPrefillResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., draft_ahead: _Optional[_Union[DraftAheadResponse, _Mapping]] = ...) -> None: ...
