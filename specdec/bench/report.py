@@ -68,6 +68,17 @@ def results_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cycle_table(result: dict) -> str:
+    """Milliseconds per draft/verify cycle, split (prefills spread over the cycles)."""
+    rows = {n: m["time_split"]["per_cycle_ms"] for n, m in result["methods"].items()
+            if m["time_split"].get("per_cycle_ms")}
+    lines = ["| method | wall | draft | verify | network | other |", "|---|---:|---:|---:|---:|---:|"]
+    for name, ms in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{ms[k]:.2f}" for k in ("wall", "draft", "verify", "network",
+                                                                           "other")) + " |")
+    return "\n".join(lines)
+
+
 def acceptance_table(result: dict) -> str:
     rows = {n: m["accepted_per_position"] for n, m in result["methods"].items() if m["accepted_per_position"]}
     if not rows:
@@ -104,12 +115,21 @@ def markdown(result: dict) -> str:
         "- τ = tokens committed per draft/verify cycle, **bonus token included** (vanilla: 1.00); "
         "– where a peer does not expose its cycles",
         "- methods interleaved per prompt (order rotated), one warm-up per method excluded",
+        *(["- pinned: verifier and drafter processes on one core each, one torch thread each; in-process "
+           "methods on the verifier's core"] if result.get("pinned") else []),
         "",
         "## Speed and acceptance length",
         "",
         results_table(result),
         "",
         "![speedup](speedup.png)",
+        "",
+        "## Time per cycle (ms)",
+        "",
+        "Network: each backend call's wall time minus the compute its backend reports "
+        "(transport, serialization, queueing).",
+        "",
+        cycle_table(result),
         "",
         "## Acceptance per draft position",
         "",

@@ -52,6 +52,7 @@ DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
 ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top")
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
+UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
 SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
 SWEEP_DEPTHS = (2, 3, 4, 5, 6, 7, 8)           # and depths at the configured total_tokens
 OPENAI_METHOD = "openai"         # with --openai-url: that OpenAI-compatible server (bench.openai_peer)
@@ -123,6 +124,22 @@ class LocalMethod:
                       verify_s=ts["prefill"] + ts["verify"], network_s=0.0)
 
 
+class PinnedMethod:
+    """``method`` run with the calling thread (which runs a one-thread torch
+    forward itself) allowed only on ``cores``; as before afterwards."""
+
+    def __init__(self, method: Method, cores: frozenset[int]):
+        self.method, self.cores = method, cores
+
+    def run(self, prompt: Prompt, seed: int | None) -> Sample:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cores)
+        try:
+            return self.method.run(prompt, seed)
+        finally:
+            os.sched_setaffinity(0, before)
+
+
 # -- aggregation -------------------------------------------------------------------
 @dataclass
 class Totals:
@@ -177,6 +194,10 @@ class Totals:
         out["wall_s"] = _round(wall, 6)
         out.update({f"{k}_frac": _round(v / wall if wall > 0 else None, 4) if v is not None else None
                     for k, v in parts.items()})
+        cycles = sum(s.cycles or 0 for s in self.samples.values())
+        if cycles and parts["other"] is not None:
+            # one cycle's time (prefills spread over the cycles), the per-cycle RPC cost among it
+            out["per_cycle_ms"] = {k: round(v * 1e3 / cycles, 3) for k, v in (*parts.items(), ("wall", wall))}
         return out
 
     def outputs(self) -> dict[tuple[int, int], list[int]]:
@@ -284,6 +305,8 @@ class BenchConfig:
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)
     lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
+    compare_unary: bool = False      # an extra orchestrator with unary steps: METHOD@grpc-unary
+    pin: bool = False                # verifier and drafter on a core each, in-process methods on the verifier's
     openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)
     openai_model: str | None = None  # its model id (None: the first it lists)
     openai_key: str | None = None    # its bearer token
