@@ -14,6 +14,7 @@ import json
 import math
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -184,7 +185,7 @@ class Drafter(ABC):
             return self.draft_session(sess, self.session_config(sess, cfg))
 
     def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeParams,
-                    count: int, tokens_left: int = 0) -> list[tuple[list[int], DraftTree]]:
+                    count: int, tokens_left: int = 0, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
         """Draft the next round while the verifier checks the session's current tree.
 
         The current tree is the last one ``draft(ahead=True)`` returned, or, when
@@ -197,9 +198,12 @@ class Drafter(ABC):
         left as it was). Returns [(the outcome's commit tokens, its tree)], none
         when the current tree is unknown. ``tokens_left``: tokens the request
         still wants before the current tree's outcome (0: no limit); no tree
-        drafted ahead reaches past it.
-        Which trees come back depends only on the tokens, so a request drafts the
-        same trees however its calls are timed."""
+        drafted ahead reaches past it. ``budget_s`` (0: no limit): the seconds
+        the verify being hidden is expected to take; the paths are drafted
+        likeliest first and none is started that would end past the budget
+        (the first always is). Without a budget, which trees come back depends
+        only on the tokens; with one, also on the drafter's speed (the output
+        never does: a tree drafted ahead is used only for its exact outcome)."""
         sess = self.sessions.get(sid)
         with sess.lock:
             current = sess.ahead.get(tuple(int(t) for t in tokens)) if tokens else sess.record
@@ -208,7 +212,7 @@ class Drafter(ABC):
                 self._append(sess, tokens, features, first=False)
             if current is None or count <= 0 or int(current.tree.tokens[0]) != sess.tokens[-1]:
                 return []
-            return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left)
+            return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left, budget_s)
 
     def session_config(self, sess: DraftSession, cfg: TreeParams) -> TreeParams:
         """``cfg`` with the value temperature this session drafts with and its
@@ -234,7 +238,7 @@ class Drafter(ABC):
         return self.draft_session(sess, cfg), None
 
     def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
-                     tokens_left: int) -> list[tuple[list[int], DraftTree]]:
+                     tokens_left: int, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
         return []
 
     def _inputs_for(self, n_tokens: int) -> int:
@@ -283,12 +287,14 @@ class CachedTreeDrafter(Drafter):
 
     @torch.inference_mode()
     def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
-                     tokens_left: int) -> list[tuple[list[int], DraftTree]]:
-        """For each likely accepted path: a tree rooted at its last node, one level
-        deeper and twice the size, whose first level holds candidates for the bonus
-        token (never a child the current tree already had there: the verifier
-        would have accepted it); under each candidate b, the subtree is the tree
-        for the outcome (path, b)."""
+                     tokens_left: int, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
+        """For each likely accepted path (likeliest first, while the budget lasts):
+        a tree rooted at its last node, one level deeper and twice the size,
+        whose first level holds candidates for the bonus token (never a child
+        the current tree already had there: the verifier would have accepted
+        it); under each candidate b, the subtree is the tree for the outcome
+        (path, b)."""
+        start = time.perf_counter()
         if sess.cache is None:
             sess.cache = self.new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
@@ -296,7 +302,10 @@ class CachedTreeDrafter(Drafter):
         root_hidden = sess.root_out[0]
         kids = current.tree.children()
         out = []
-        for path in likely_stops(current, count):
+        for drafted, path in enumerate(likely_stops(current, count)):
+            spent = time.perf_counter() - start
+            if drafted and budget_s and spent + spent / drafted > budget_s:
+                break                   # the next path would end after the verify it hides behind
             accepted = current.tree.tokens[path[1:]].tolist()
             left = tokens_left - len(accepted) - 1 if tokens_left else 0   # wanted after (path, bonus)
             if tokens_left and left <= 1:

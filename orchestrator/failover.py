@@ -40,6 +40,8 @@ Pinning, calls under the request's deadline, transport time and release are
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 import grpc
 from prometheus_client import Counter
@@ -139,6 +141,7 @@ class RemoteVerifier(Backend):
         self.opened = False                      # the pinned verifier answered the session's Prefill
         self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
         self.committed: list[int] = []           # prompt + every token committed
+        self.verify_wall_s = 0.0                 # the last Verify's wall time (what drafting ahead hides behind)
         self.prompt_len = 0
         self.max_new_tokens = 0
         self.sampling = common_pb2.SamplingParams()
@@ -164,8 +167,10 @@ class RemoteVerifier(Backend):
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
+        start = time.perf_counter()
         result = await self.on_verifier("Verify", verifier_pb2.VerifyRequest(
             session_id=self.session_id, tree=tree, return_features=features))
+        self.verify_wall_s = time.perf_counter() - start
         self.committed.extend(result.tokens)
         return Committed(list(result.tokens), list(result.accepted_nodes), result.features,
                          self.read_logprobs(result.logprobs))
@@ -247,6 +252,8 @@ class RemoteDrafter(Backend):
         self.committed: list[int] = []            # every token this handle was given
         self.sampling = common_pb2.SamplingParams()
         self.drafts = 0                           # trees drafted (Draft calls that answered)
+        # seconds a DraftAhead may take (the verify it hides behind); None: no limit
+        self.ahead_budget: Callable[[], float] | None = None
 
     @property
     def kind(self) -> str:
@@ -311,7 +318,8 @@ class RemoteDrafter(Backend):
             return {}
         request = drafter_pb2.DraftAheadRequest(
             session_id=self.session_id, commit_tokens=tokens, tree=self.fit(tree), count=count,
-            tokens_left=tokens_left, commit_features=features.tensor() if tokens else None)
+            tokens_left=tokens_left, commit_features=features.tensor() if tokens else None,
+            budget_s=self.ahead_budget() if self.ahead_budget is not None else 0.0)
         try:
             response = await self.call("DraftAhead", request, account=False)
         except BackendError as exc:

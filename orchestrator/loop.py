@@ -47,6 +47,10 @@ from specdec.speculative import Request, speculative_generate
 
 __all__ = ["Deadline", "Generation", "Job"]
 
+# Drafting ahead may take this share of the last verify's wall time: the trees
+# come back before the verify does (the drafter answers once it is past it).
+AHEAD_BUDGET_SHARE = 0.9
+
 
 @dataclass(frozen=True)
 class Job:
@@ -66,7 +70,7 @@ class Generation:
 
     def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
                  verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False,
-                 streams: bool = True):
+                 streams: bool = True, ahead_budget: bool = True):
         self.job = job
         self.dec = decoding
         self.text = text
@@ -78,6 +82,9 @@ class Generation:
         self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams)
                                if job.tree is not None
                                else None)
+        if self.remote_drafter is not None and ahead_budget:
+            # drafting ahead fits in about the last verify's time (0: the first cycle, no limit)
+            self.remote_drafter.ahead_budget = lambda: AHEAD_BUDGET_SHARE * self.remote_verifier.verify_wall_s
         self.emit: Callable[[Delta], Awaitable[None]] | None = None
         self.first_token_seen = False
         self.last_emit: float | None = None

@@ -80,6 +80,8 @@ class OrchestratorConfig:
     lookahead: int = 0
     # per-cycle backend steps on one bidirectional stream per session (False: unary calls)
     session_streams: bool = True
+    # drafting ahead stops starting paths past the last verify's time (False: all `lookahead` paths)
+    lookahead_budget: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -302,7 +304,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                       "method": tree.method if tree else VANILLA})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
-                          gate_by_kind=self.config.min_tau is None, streams=self.config.session_streams)
+                          gate_by_kind=self.config.min_tau is None, streams=self.config.session_streams,
+                          ahead_budget=self.config.lookahead_budget)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: given, or the text (rendered chat messages) encoded."""

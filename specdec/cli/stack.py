@@ -88,6 +88,9 @@ def add_orchestrator_parser(sub) -> None:
                    help="greedy sessions: while the verifier checks a tree, the drafter drafts the next round "
                         "for the N likeliest accepted paths, and a hit skips the next Draft round trip "
                         "(0 = off; at most 8; env SPECDEC_LOOKAHEAD)")
+    t.add_argument("--lookahead-unbudgeted", action="store_true",
+                   help="draft ahead for all N paths even past the time of the verify it hides behind "
+                        "(by default the likeliest paths that fit in it)")
     t.add_argument("--verify-token-budget", type=int, metavar="N", default=env("SPECDEC_VERIFY_TOKEN_BUDGET", 0),
                    help="tree nodes per verifier step over all its sessions: each session's tree is cut to "
                         "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
@@ -134,7 +137,8 @@ def orchestrator_config(args):
                               max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
                               backend_token=args.backend_token, verify_token_budget=args.verify_token_budget,
                               min_tau=args.min_tau, lookahead=args.lookahead,
-                              session_streams=not args.unary_steps)
+                              session_streams=not args.unary_steps,
+                              lookahead_budget=not args.lookahead_unbudgeted)
 
 
 def run_orchestrator(args) -> int:

@@ -2,12 +2,15 @@
 orchestrator verifies a tree while the drafter drafts the next round, and uses
 a tree drafted ahead when the verifier commits its outcome. Greedy output is
 unchanged, hits are counted (stats and metric), sampled sessions never look
-ahead, and the DraftAhead RPC rejects bad input with a status."""
+ahead, the DraftAhead RPC rejects bad input with a status, hits are exactly
+the cycles that skipped a Draft, and a drafting budget keeps the likeliest
+paths first."""
 
 import grpc
 import pytest
 
 from running_stack import Stack
+from test_routing import Tap
 from services.helpers import drafter_builder, rpc_error, verifier_builder
 from specdec.client import SpecdecClient
 from specdec.metrics import REGISTRY
@@ -27,7 +30,7 @@ def stack(tiny_family):
     s.add_orchestrator("plain")
     for kind in ("oracle", "eagle"):
         s.add_drafter(kind, kind)
-        s.add_orchestrator(f"{kind}-ahead", drafter=kind, lookahead=3)
+        s.add_orchestrator(f"{kind}-ahead", drafter=kind, lookahead=3, lookahead_budget=False)
     yield s
     s.close()
 
@@ -110,3 +113,46 @@ def _zeros(rows: int, stack) -> common_pb2.Tensor:
 
     hidden = stack.servicer("eagle").drafter.hidden_size
     return tensor_wire.tensor_to_proto(torch.zeros(rows, hidden), "float32")
+
+
+# -- hit accounting and the budget ---------------------------------------------------------------------
+def test_hits_are_the_cycles_that_skipped_a_draft(stack, monkeypatch):
+    """Every cycle with a tree either used one drafted ahead (a hit) or asked
+    the drafter for one: hits = cycles - root-only cycles - Draft steps, and
+    the metric counts the same hits."""
+    tap = Tap(stack.servicer("oracle").drafter, "draft")
+    engine = stack.servicer("verifier").engine
+    verify, sizes = engine.verify, []
+    monkeypatch.setattr(engine, "verify", lambda sid, tree, *a, **kw: sizes.append(tree.size) or verify(sid, tree,
+                                                                                                         *a, **kw))
+    before = hits_metric("hit")
+    try:
+        with SpecdecClient(stack.address("oracle-ahead")) as client:
+            got = client.complete(PROMPT, max_new_tokens=N, method="eagle2", total_tokens=8, depth=3)
+    finally:
+        tap.restore()
+    s = got.stats
+    assert len(sizes) == s.cycles > 1 and s.ahead_hits > 0 and tap.sessions
+    assert s.ahead_hits == s.cycles - sizes.count(1) - len(tap.sessions)
+    assert hits_metric("hit") == before + s.ahead_hits
+
+
+def test_budget_drafts_the_likeliest_paths_first(tiny_family):
+    """A budget too small for a second path keeps the first path's trees, the
+    same ones an unlimited call drafts first; no budget drafts every path."""
+    import torch
+
+    from specdec.params import TreeParams
+
+    drafter = drafter_builder(tiny_family, "eagle")()
+    cfg = TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=2)
+    hidden = drafter.hidden_size
+    trees = {}
+    for sid, budget in (("all", 0.0), ("tight", 1e-9)):
+        drafter.prefill(sid, [1, 2, 3, 4], torch.zeros(3, hidden), greedy=True)
+        drafter.draft(sid, cfg, ahead=True)
+        trees[sid] = [(commit, tree.tokens.tolist(), tree.parents.tolist())
+                      for commit, tree in drafter.draft_ahead(sid, [], None, cfg, count=4, budget_s=budget)]
+    paths = {key: [tuple(commit[:-1]) for commit, _, _ in trees[key]] for key in trees}
+    assert len(set(paths["all"])) > 1 and len(set(paths["tight"])) == 1
+    assert trees["tight"] == trees["all"][:len(trees["tight"])]
