@@ -252,6 +252,7 @@ class RemoteDrafter(Backend):
         self.committed: list[int] = []            # every token this handle was given
         self.sampling = common_pb2.SamplingParams()
         self.drafts = 0                           # trees drafted (Draft calls that answered)
+        self.ahead_s = 0.0                        # drafter compute of the DraftAhead calls
         # seconds a DraftAhead may take (the verify it hides behind); None: no limit
         self.ahead_budget: Callable[[], float] | None = None
 
@@ -326,6 +327,7 @@ class RemoteDrafter(Backend):
             if await self.leave(exc, opening=False):
                 await self.open()
             return {}
+        self.ahead_s += response.compute_s
         return {tuple(t.commit_tokens): Draft(t.tree, len(t.tree.tokens)) for t in response.trees}
 
     def release_request(self):

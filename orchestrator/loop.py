@@ -149,6 +149,16 @@ class Generation:
         return self.remote_drafter.drafts if self.remote_drafter is not None else 0
 
     @property
+    def wire_bytes(self) -> int:
+        """Serialized bytes of this request's backend calls, requests and answers."""
+        return sum(h.wire_bytes for h in (self.remote_verifier, self.remote_drafter) if h is not None)
+
+    @property
+    def ahead_draft_s(self) -> float:
+        """Drafter compute this request spent drafting one round ahead."""
+        return self.remote_drafter.ahead_s if self.remote_drafter is not None else 0.0
+
+    @property
     def moves(self) -> dict[str, int]:
         return {"verifier": self.remote_verifier.moves,
                 "drafter": self.remote_drafter.moves if self.remote_drafter is not None else 0}

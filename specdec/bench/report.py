@@ -69,13 +69,17 @@ def results_table(result: dict) -> str:
 
 
 def cycle_table(result: dict) -> str:
-    """Milliseconds per draft/verify cycle, split (prefills spread over the cycles)."""
-    rows = {n: m["time_split"]["per_cycle_ms"] for n, m in result["methods"].items()
-            if m["time_split"].get("per_cycle_ms")}
-    lines = ["| method | wall | draft | verify | network | other |", "|---|---:|---:|---:|---:|---:|"]
-    for name, ms in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{ms[k]:.2f}" for k in ("wall", "draft", "verify", "network",
-                                                                           "other")) + " |")
+    """Milliseconds per draft/verify cycle, split (prefills spread over the
+    cycles); through the services also the bytes on the wire and, drafting
+    ahead, the drafter's time spent on it, per cycle."""
+    rows = {n: m for n, m in result["methods"].items() if m["time_split"].get("per_cycle_ms")}
+    lines = ["| method | wall | draft | verify | network | other | bytes | drafting ahead |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, m in rows.items():
+        ms = m["time_split"]["per_cycle_ms"]
+        cells = [f"{ms[k]:.2f}" for k in ("wall", "draft", "verify", "network", "other")]
+        cells += [_fmt(m.get("wire_bytes_per_cycle"), ".0f"), _fmt(m.get("ahead_draft_ms_per_cycle"), ".2f")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -127,7 +131,8 @@ def markdown(result: dict) -> str:
         "## Time per cycle (ms)",
         "",
         "Network: each backend call's wall time minus the compute its backend reports "
-        "(transport, serialization, queueing).",
+        "(transport, serialization, queueing); bytes: the orchestrator's backend calls, serialized, "
+        "requests and answers; drafting ahead: the drafter's compute on it (hidden behind the verify).",
         "",
         cycle_table(result),
         "",

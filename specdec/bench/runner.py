@@ -78,6 +78,8 @@ class Sample:
     verify_s: float | None = None
     network_s: float | None = None
     ahead_hits: int = 0                    # cycles whose tree was drafted one round ahead (services)
+    wire_bytes: int = 0                    # bytes of the orchestrator's backend calls (services)
+    ahead_draft_s: float = 0.0             # drafter compute drafting ahead (services)
 
 
 class Method(Protocol):
@@ -182,6 +184,11 @@ class Totals:
         cycles = sum(s.cycles or 0 for s in self.samples.values())
         return sum(s.ahead_hits for s in self.samples.values()) / cycles if cycles else None
 
+    def per_cycle(self, attr: str) -> float | None:
+        """A Sample figure summed over the samples, per cycle; None without cycles."""
+        cycles = sum(s.cycles or 0 for s in self.samples.values())
+        return sum(getattr(s, attr) for s in self.samples.values()) / cycles if cycles else None
+
     def time_split(self) -> dict:
         wall = self.wall_s
         parts = {}
@@ -233,8 +240,11 @@ def summarize(totals: dict[str, Totals], greedy: bool) -> dict[str, dict]:
             "matches_vanilla": matches(tot.outputs(), reference) if greedy and reference else None,
             "time_split": tot.time_split(),
         }
+        if GRPC_SUFFIX in name and tau is not None:
+            out[name]["wire_bytes_per_cycle"] = _round(tot.per_cycle("wire_bytes"), 1)
         if GRPC_SUFFIX + AHEAD_SUFFIX in name and tau is not None:
             out[name]["ahead_hit_rate"] = _round(tot.ahead_hit_rate(), 4)
+            out[name]["ahead_draft_ms_per_cycle"] = _round(1e3 * tot.per_cycle("ahead_draft_s"), 3)
     return out
 
 

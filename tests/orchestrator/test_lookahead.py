@@ -51,6 +51,7 @@ def test_greedy_output_unchanged_and_trees_ready(stack):
     assert s.tau > 5.0
     assert s.ahead_hits == s.cycles - 1, s
     assert hits_metric("hit") == before + s.ahead_hits
+    assert 0 < s.ahead_draft_s < s.wall_s
     with SpecdecClient(stack.address("eagle-ahead")) as client:
         for method in ("eagle2", "static"):
             assert client.complete(PROMPT, max_new_tokens=N, method=method).token_ids == plain.token_ids

@@ -66,6 +66,8 @@ def test_greedy_over_streams_is_plain_decoding_and_no_step_is_unary(stack, refer
         done = client.complete(PROMPT, max_new_tokens=N, method="eagle2")
     assert done.token_ids == reference
     assert done.stats.cycles < N and done.stats.draft_tokens > 0          # it drafted
+    # a Verify answer carries at least its committed tokens packed, and every Draft a tree
+    assert done.stats.wire_bytes > done.stats.cycles * 8
     assert (served(VERIFIER, "Session"), served(DRAFTER, "Session")) == (sessions[0] + 1, sessions[1] + 1)
     assert {k: served(*k) for k in unary} == unary
     assert stack.wait_sessions_closed("verifier", "drafter") == {"verifier": 0, "drafter": 0}
