@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.ahead import draft_forest, path_to, stop_scores
 from specdec import kv
 from specdec.errors import InvalidArgument
 from specdec.params import SamplingParams, TreeParams
@@ -43,6 +44,7 @@ class DraftSession:
     seed: int = 0                          # of the session's proposal draws
     record: TreeRecord | None = None       # the tree handed out by the last draft (drafting ahead)
     ahead: dict = field(default_factory=dict)   # commit tokens -> TreeRecord of a tree drafted ahead
+    ahead_s_per_end: float = 0.0           # the last forest drafted ahead took this long per accepted path
 
 
 @dataclass(frozen=True)
@@ -62,21 +64,8 @@ def likely_stops(rec: TreeRecord, count: int) -> list[list[int]]:
     probabilities along it, at the value temperature); the verifier stops there
     when the target's next token is none of i's children:
     P(stop at i) ~ exp(value_i) * (1 - sum over children c of exp(value_c - value_i))."""
-    tree = rec.tree
-    stay = torch.ones(tree.size)
-    for i, kids in enumerate(tree.children()):
-        if kids:
-            stay[i] = (1.0 - (tree.values[kids] - tree.values[i]).exp().sum()).clamp(min=1e-12)
-    score = tree.values + stay.log()
-    best = torch.sort(score, descending=True, stable=True).indices[:count].tolist()
-    parents = tree.parents.tolist()
-    out = []
-    for node in best:
-        path = [node]
-        while path[-1] != 0:
-            path.append(parents[path[-1]])
-        out.append(path[::-1])
-    return out
+    best = torch.sort(stop_scores(rec.tree), descending=True, stable=True).indices[:count].tolist()
+    return [path_to(rec.tree, node) for node in best]
 
 
 CALIBRATION_FILE = "calibration.json"
@@ -299,6 +288,8 @@ class CachedTreeDrafter(Drafter):
             sess.cache = self.new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
             sess.root_out = self.feed_pending(sess)     # the real commit stays fed
+        if cfg.method == "eagle2":
+            return self._draft_forest(sess, current, cfg, count, tokens_left, budget_s)
         root_hidden = sess.root_out[0]
         kids = current.tree.children()
         out = []
@@ -324,6 +315,35 @@ class CachedTreeDrafter(Drafter):
                 sess.ahead[tuple(commit)] = sub_rec
                 out.append((commit, sub))
         return out
+
+    def _draft_forest(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
+                      tokens_left: int, budget_s: float) -> list[tuple[list[int], DraftTree]]:
+        """EAGLE-2 trees drafted ahead together (``drafter.ahead``) for the likeliest
+        accepted paths: ``count`` of them, fewer when the last forest's time per
+        path says more would not fit in ``budget_s``."""
+        if budget_s and sess.ahead_s_per_end:
+            count = max(1, min(count, int(budget_s / sess.ahead_s_per_end)))
+        scores = stop_scores(current.tree)
+        ends = []
+        for node in torch.sort(scores, descending=True, stable=True).indices.tolist():
+            if len(ends) == count:
+                break
+            left = tokens_left - int(current.tree.depths[node]) - 1 if tokens_left else 0   # after the bonus
+            if tokens_left and left <= 1:
+                continue
+            ends.append((node, float(scores[node]), cfg.depth if not tokens_left else min(cfg.depth, left - 1)))
+        if not ends:
+            return []
+        start, committed = time.perf_counter(), kv.seq_len(sess.cache)
+        try:
+            outcomes = draft_forest(lambda *args: self.step(sess, *args), current.tree, current.hidden, sess.root_out,
+                                    committed, ends, cfg.total_tokens, cfg.expand_k, cfg.value_temperature or 1.0)
+        finally:
+            kv.truncate(sess.cache, committed)
+        sess.ahead_s_per_end = (time.perf_counter() - start) / len(ends)
+        for o in outcomes:
+            sess.ahead[tuple(o.commit)] = TreeRecord(o.tree, o.hidden)
+        return [(o.commit, o.tree) for o in outcomes]
 
     def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeParams, exclude: list[int]):
         """Draft (recorded) as if ``accepted`` had been committed, with ``exclude``

@@ -139,8 +139,9 @@ def test_hits_are_the_cycles_that_skipped_a_draft(stack, monkeypatch):
 
 
 def test_budget_drafts_the_likeliest_paths_first(tiny_family):
-    """A budget too small for a second path keeps the first path's trees, the
-    same ones an unlimited call drafts first; no budget drafts every path."""
+    """No budget drafts ahead for every path asked for, likeliest first; once a
+    forest's time per path is known, a budget too small for two keeps the
+    likeliest path alone. Every tree is rooted at its outcome's bonus token."""
     import torch
 
     from specdec.params import TreeParams
@@ -148,12 +149,35 @@ def test_budget_drafts_the_likeliest_paths_first(tiny_family):
     drafter = drafter_builder(tiny_family, "eagle")()
     cfg = TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=2)
     hidden = drafter.hidden_size
-    trees = {}
+    paths = {}
     for sid, budget in (("all", 0.0), ("tight", 1e-9)):
         drafter.prefill(sid, [1, 2, 3, 4], torch.zeros(3, hidden), greedy=True)
         drafter.draft(sid, cfg, ahead=True)
-        trees[sid] = [(commit, tree.tokens.tolist(), tree.parents.tolist())
-                      for commit, tree in drafter.draft_ahead(sid, [], None, cfg, count=4, budget_s=budget)]
-    paths = {key: [tuple(commit[:-1]) for commit, _, _ in trees[key]] for key in trees}
-    assert len(set(paths["all"])) > 1 and len(set(paths["tight"])) == 1
-    assert trees["tight"] == trees["all"][:len(trees["tight"])]
+        drafter.sessions.get(sid).ahead_s_per_end = 0.01 if budget else 0.0
+        trees = drafter.draft_ahead(sid, [], None, cfg, count=4, budget_s=budget)
+        assert all(tree.tokens[0] == commit[-1] and tree.size > 1 for commit, tree in trees)
+        paths[sid] = list(dict.fromkeys(tuple(commit[:-1]) for commit, _ in trees))
+    assert len(paths["all"]) > 1 and paths["tight"] == paths["all"][:1]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "oracle"])
+def test_forest_drafted_ahead_is_lossless_and_hits(tiny_family, kind):
+    """In-process, EAGLE-2 trees drafted ahead together (``drafter.ahead``):
+    greedy output is plain decoding's; a drafter that is the target itself has
+    the next tree ready in most cycles."""
+    from specdec.decoding import StopCriteria
+    from specdec.local import generate
+    from specdec.models import load_tokenizer
+    from specdec.params import SamplingParams
+    from specdec.params import TreeParams
+
+    tok = load_tokenizer(tiny_family["target"])
+    ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
+    stop = StopCriteria(max_new_tokens=N, eos_ids=frozenset([tok.eos_token_id]))
+    verifier = verifier_builder(tiny_family)()
+    plain = generate(verifier, None, ids, SamplingParams(), stop, None)
+    tree = TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=2)
+    got = generate(verifier, drafter_builder(tiny_family, kind)(), ids, SamplingParams(), stop, tree, lookahead=4)
+    assert got.tokens == plain.tokens
+    if kind == "oracle":
+        assert got.stats.ahead_hits >= 0.7 * (got.stats.cycles - 1), got.stats
