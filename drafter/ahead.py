@@ -23,8 +23,8 @@ target's feature). Their ends' next-token distributions give the bonus
 candidates (level 1); then each level expands the nodes of highest value
 over all outcomes (EAGLE-2's frontier, ``expand_k`` for every two ends) in
 one forward, so likelier outcomes get deeper trees and one forward per level
-serves them all (half the drafter time of drafting each path's trees on its
-own, measured with 4 and 8 ends). Each outcome's tree is then its bonus and the
+serves them all (a third of the drafter time of drafting each path's trees
+on its own, measured with 4 and 8 ends). Each outcome's tree is then its bonus and the
 ``total_tokens - 1`` descendants of highest value within its depth limit (a
 child's value never exceeds its parent's and ties go to the earlier node, so
 the kept nodes stay connected), values relative to the bonus. The draft KV
@@ -75,6 +75,18 @@ def path_to(tree: DraftTree, node: int) -> list[int]:
     while path[-1] != 0:
         path.append(parents[path[-1]])
     return path[::-1]
+
+
+def likely_stops(tree: DraftTree, count: int) -> list[list[int]]:
+    """The ``count`` accepted paths (tree nodes, root first) the drafter thinks
+    most likely to be what verifying ``tree`` accepts, best first.
+
+    Node i's value estimates P(path to i accepted) (the product of the draft
+    probabilities along it, at the value temperature); the verifier stops there
+    when the target's next token is none of i's children:
+    P(stop at i) ~ exp(value_i) * (1 - sum over children c of exp(value_c - value_i))."""
+    best = torch.sort(stop_scores(tree), descending=True, stable=True).indices[:count].tolist()
+    return [path_to(tree, node) for node in best]
 
 
 def tempered_top(logp: torch.Tensor, k: int, temperature: float,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.ahead import draft_forest, path_to, stop_scores
+from drafter.ahead import draft_forest, likely_stops, stop_scores
 from specdec import kv
 from specdec.errors import InvalidArgument
 from specdec.params import SamplingParams, TreeParams
@@ -54,18 +54,6 @@ class TreeRecord:
 
     tree: DraftTree
     hidden: torch.Tensor   # [n, H] model output at each node with children (row 0: the root); zeros elsewhere
-
-
-def likely_stops(rec: TreeRecord, count: int) -> list[list[int]]:
-    """The ``count`` accepted paths (tree nodes, root first) the drafter thinks
-    most likely to be what verifying ``rec.tree`` accepts, best first.
-
-    Node i's value estimates P(path to i accepted) (the product of the draft
-    probabilities along it, at the value temperature); the verifier stops there
-    when the target's next token is none of i's children:
-    P(stop at i) ~ exp(value_i) * (1 - sum over children c of exp(value_c - value_i))."""
-    best = torch.sort(stop_scores(rec.tree), descending=True, stable=True).indices[:count].tolist()
-    return [path_to(rec.tree, node) for node in best]
 
 
 CALIBRATION_FILE = "calibration.json"
@@ -293,7 +281,7 @@ class CachedTreeDrafter(Drafter):
         root_hidden = sess.root_out[0]
         kids = current.tree.children()
         out = []
-        for drafted, path in enumerate(likely_stops(current, count)):
+        for drafted, path in enumerate(likely_stops(current.tree, count)):
             spent = time.perf_counter() - start
             if drafted and budget_s and spent + spent / drafted > budget_s:
                 break                   # the next path would end after the verify it hides behind

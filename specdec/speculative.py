@@ -180,6 +180,10 @@ class SpeculativeLoop:
                 result = await self.verify(draft, tree)
                 await self.commit(draft, result)
             await self.delivered()
+        except Exception:
+            if self.delivering is not None:     # what was committed reaches the listener before the error
+                await asyncio.gather(self.delivering, return_exceptions=True)
+            raise
         finally:
             if self.delivering is not None and not self.delivering.done():
                 self.delivering.cancel()
