@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specdec.cli.options import add_tree_flags, model_dir, read_prompts, resolved_min_tau
 from specdec.errors import UsageError
+from specdec.procs import pinned_cores
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency
@@ -128,7 +129,6 @@ def config_from(args, sweep: bool):
     if args.pin and args.threads not in (None, 1):
         raise UsageError(f"--pin runs one torch thread per process, got --threads {args.threads}")
     if args.pin:
-        from specdec.procs import pinned_cores
         try:
             pinned_cores()
         except ValueError as exc:

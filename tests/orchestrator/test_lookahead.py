@@ -8,12 +8,17 @@ paths first."""
 
 import grpc
 import pytest
+import torch
 
 from running_stack import Stack
 from test_routing import Tap
 from services.helpers import drafter_builder, rpc_error, verifier_builder
 from specdec.client import SpecdecClient
+from specdec.decoding import StopCriteria
+from specdec.local import generate
 from specdec.metrics import REGISTRY
+from specdec.models import load_tokenizer
+from specdec.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import DraftAheadRequest, DrafterPrefillRequest, DraftRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
@@ -142,10 +147,6 @@ def test_budget_drafts_the_likeliest_paths_first(tiny_family):
     """No budget drafts ahead for every path asked for, likeliest first; once a
     forest's time per path is known, a budget too small for two keeps the
     likeliest path alone. Every tree is rooted at its outcome's bonus token."""
-    import torch
-
-    from specdec.params import TreeParams
-
     drafter = drafter_builder(tiny_family, "eagle")()
     cfg = TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=2)
     hidden = drafter.hidden_size
@@ -165,12 +166,6 @@ def test_forest_drafted_ahead_is_lossless_and_hits(tiny_family, kind):
     """In-process, EAGLE-2 trees drafted ahead together (``drafter.ahead``):
     greedy output is plain decoding's; a drafter that is the target itself has
     the next tree ready in most cycles."""
-    from specdec.decoding import StopCriteria
-    from specdec.local import generate
-    from specdec.models import load_tokenizer
-    from specdec.params import SamplingParams
-    from specdec.params import TreeParams
-
     tok = load_tokenizer(tiny_family["target"])
     ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
     stop = StopCriteria(max_new_tokens=N, eos_ids=frozenset([tok.eos_token_id]))
