@@ -14,12 +14,14 @@ import json
 import math
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from drafter.ahead import draft_forest, likely_stops, stop_scores
 from specdec import kv
 from specdec.errors import InvalidArgument
 from specdec.params import SamplingParams, TreeParams
@@ -42,6 +44,7 @@ class DraftSession:
     seed: int = 0                          # of the session's proposal draws
     record: TreeRecord | None = None       # the tree handed out by the last draft (drafting ahead)
     ahead: dict = field(default_factory=dict)   # commit tokens -> TreeRecord of a tree drafted ahead
+    ahead_s_per_end: float = 0.0           # the last forest drafted ahead took this long per accepted path
 
 
 @dataclass(frozen=True)
@@ -51,31 +54,6 @@ class TreeRecord:
 
     tree: DraftTree
     hidden: torch.Tensor   # [n, H] model output at each node with children (row 0: the root); zeros elsewhere
-
-
-def likely_stops(rec: TreeRecord, count: int) -> list[list[int]]:
-    """The ``count`` accepted paths (tree nodes, root first) the drafter thinks
-    most likely to be what verifying ``rec.tree`` accepts, best first.
-
-    Node i's value estimates P(path to i accepted) (the product of the draft
-    probabilities along it, at the value temperature); the verifier stops there
-    when the target's next token is none of i's children:
-    P(stop at i) ~ exp(value_i) * (1 - sum over children c of exp(value_c - value_i))."""
-    tree = rec.tree
-    stay = torch.ones(tree.size)
-    for i, kids in enumerate(tree.children()):
-        if kids:
-            stay[i] = (1.0 - (tree.values[kids] - tree.values[i]).exp().sum()).clamp(min=1e-12)
-    score = tree.values + stay.log()
-    best = torch.sort(score, descending=True, stable=True).indices[:count].tolist()
-    parents = tree.parents.tolist()
-    out = []
-    for node in best:
-        path = [node]
-        while path[-1] != 0:
-            path.append(parents[path[-1]])
-        out.append(path[::-1])
-    return out
 
 
 CALIBRATION_FILE = "calibration.json"
@@ -184,7 +162,7 @@ class Drafter(ABC):
             return self.draft_session(sess, self.session_config(sess, cfg))
 
     def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeParams,
-                    count: int, tokens_left: int = 0) -> list[tuple[list[int], DraftTree]]:
+                    count: int, tokens_left: int = 0, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
         """Draft the next round while the verifier checks the session's current tree.
 
         The current tree is the last one ``draft(ahead=True)`` returned, or, when
@@ -197,9 +175,12 @@ class Drafter(ABC):
         left as it was). Returns [(the outcome's commit tokens, its tree)], none
         when the current tree is unknown. ``tokens_left``: tokens the request
         still wants before the current tree's outcome (0: no limit); no tree
-        drafted ahead reaches past it.
-        Which trees come back depends only on the tokens, so a request drafts the
-        same trees however its calls are timed."""
+        drafted ahead reaches past it. ``budget_s`` (0: no limit): the seconds
+        the verify being hidden is expected to take; the paths are drafted
+        likeliest first and none is started that would end past the budget
+        (the first always is). Without a budget, which trees come back depends
+        only on the tokens; with one, also on the drafter's speed (the output
+        never does: a tree drafted ahead is used only for its exact outcome)."""
         sess = self.sessions.get(sid)
         with sess.lock:
             current = sess.ahead.get(tuple(int(t) for t in tokens)) if tokens else sess.record
@@ -208,7 +189,7 @@ class Drafter(ABC):
                 self._append(sess, tokens, features, first=False)
             if current is None or count <= 0 or int(current.tree.tokens[0]) != sess.tokens[-1]:
                 return []
-            return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left)
+            return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left, budget_s)
 
     def session_config(self, sess: DraftSession, cfg: TreeParams) -> TreeParams:
         """``cfg`` with the value temperature this session drafts with and its
@@ -234,7 +215,7 @@ class Drafter(ABC):
         return self.draft_session(sess, cfg), None
 
     def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
-                     tokens_left: int) -> list[tuple[list[int], DraftTree]]:
+                     tokens_left: int, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
         return []
 
     def _inputs_for(self, n_tokens: int) -> int:
@@ -283,20 +264,27 @@ class CachedTreeDrafter(Drafter):
 
     @torch.inference_mode()
     def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
-                     tokens_left: int) -> list[tuple[list[int], DraftTree]]:
-        """For each likely accepted path: a tree rooted at its last node, one level
-        deeper and twice the size, whose first level holds candidates for the bonus
-        token (never a child the current tree already had there: the verifier
-        would have accepted it); under each candidate b, the subtree is the tree
-        for the outcome (path, b)."""
+                     tokens_left: int, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
+        """For each likely accepted path (likeliest first, while the budget lasts):
+        a tree rooted at its last node, one level deeper and twice the size,
+        whose first level holds candidates for the bonus token (never a child
+        the current tree already had there: the verifier would have accepted
+        it); under each candidate b, the subtree is the tree for the outcome
+        (path, b)."""
+        start = time.perf_counter()
         if sess.cache is None:
             sess.cache = self.new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
             sess.root_out = self.feed_pending(sess)     # the real commit stays fed
+        if cfg.method == "eagle2":
+            return self._draft_forest(sess, current, cfg, count, tokens_left, budget_s)
         root_hidden = sess.root_out[0]
         kids = current.tree.children()
         out = []
-        for path in likely_stops(current, count):
+        for drafted, path in enumerate(likely_stops(current.tree, count)):
+            spent = time.perf_counter() - start
+            if drafted and budget_s and spent + spent / drafted > budget_s:
+                break                   # the next path would end after the verify it hides behind
             accepted = current.tree.tokens[path[1:]].tolist()
             left = tokens_left - len(accepted) - 1 if tokens_left else 0   # wanted after (path, bonus)
             if tokens_left and left <= 1:
@@ -315,6 +303,35 @@ class CachedTreeDrafter(Drafter):
                 sess.ahead[tuple(commit)] = sub_rec
                 out.append((commit, sub))
         return out
+
+    def _draft_forest(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
+                      tokens_left: int, budget_s: float) -> list[tuple[list[int], DraftTree]]:
+        """EAGLE-2 trees drafted ahead together (``drafter.ahead``) for the likeliest
+        accepted paths: ``count`` of them, fewer when the last forest's time per
+        path says more would not fit in ``budget_s``."""
+        if budget_s and sess.ahead_s_per_end:
+            count = max(1, min(count, int(budget_s / sess.ahead_s_per_end)))
+        scores = stop_scores(current.tree)
+        ends = []
+        for node in torch.sort(scores, descending=True, stable=True).indices.tolist():
+            if len(ends) == count:
+                break
+            left = tokens_left - int(current.tree.depths[node]) - 1 if tokens_left else 0   # after the bonus
+            if tokens_left and left <= 1:
+                continue
+            ends.append((node, float(scores[node]), cfg.depth if not tokens_left else min(cfg.depth, left - 1)))
+        if not ends:
+            return []
+        start, committed = time.perf_counter(), kv.seq_len(sess.cache)
+        try:
+            outcomes = draft_forest(lambda *args: self.step(sess, *args), current.tree, current.hidden, sess.root_out,
+                                    committed, ends, cfg.total_tokens, cfg.expand_k, cfg.value_temperature or 1.0)
+        finally:
+            kv.truncate(sess.cache, committed)
+        sess.ahead_s_per_end = (time.perf_counter() - start) / len(ends)
+        for o in outcomes:
+            sess.ahead[tuple(o.commit)] = TreeRecord(o.tree, o.hidden)
+        return [(o.commit, o.tree) for o in outcomes]
 
     def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeParams, exclude: list[int]):
         """Draft (recorded) as if ``accepted`` had been committed, with ``exclude``

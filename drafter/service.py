@@ -16,6 +16,10 @@ the verifier checks the session's tree: it commits the last cycle's tokens and
 drafts the trees the next cycle would use for the likeliest outcomes, so that
 on a hit the orchestrator skips the next Draft round trip. It uses a drafter
 that would otherwise sit idle, so with other sessions open it only commits.
+
+``Session`` carries one session's steps (Prefill then Draft / DraftAhead) on one bidirectional
+stream, each handled as its unary RPC; the session is released when the
+stream ends (``specdec.engine_servicer.EngineServicer.serve_session``).
 """
 
 from __future__ import annotations
@@ -136,11 +140,12 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             return tree_from_lists([self.drafter.sessions.get(sid).tokens[-1]], [-1])
         return self.drafter.draft(sid, cfg, ahead=True) if ahead else self.drafter.draft(sid, cfg)
 
-    def _draft_ahead(self, sid: str, tokens: list[int], feats, cfg: TreeParams, count: int, tokens_left: int):
+    def _draft_ahead(self, sid: str, tokens: list[int], feats, cfg: TreeParams, count: int, tokens_left: int,
+                     budget_s: float):
         # another session's work comes first: drafting ahead uses a drafter that would sit idle
         if len(self.sessions) > 1:
             count = 0
-        return self.drafter.draft_ahead(sid, tokens, feats, cfg, count, tokens_left)
+        return self.drafter.draft_ahead(sid, tokens, feats, cfg, count, tokens_left, budget_s)
 
     async def aclose(self) -> None:
         if self.scheduler is not None:
@@ -184,11 +189,20 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         cfg = self._tree_config(request.tree)
         if cfg is None:
             raise InvalidArgument("tree: DraftAhead needs tree knobs (method VANILLA drafts nothing)")
-        trees, seconds = await self.run(self._draft_ahead, sid, tokens, feats, cfg, count, tokens_left)
+        if not request.budget_s >= 0:
+            raise InvalidArgument(f"budget_s must be >= 0 (0 = no limit), got {request.budget_s}")
+        trees, seconds = await self.run(self._draft_ahead, sid, tokens, feats, cfg, count, tokens_left,
+                                        request.budget_s)
         metrics.DRAFT_AHEAD_DURATION.observe(seconds)
         return drafter_pb2.DraftAheadResponse(
             trees=[drafter_pb2.AheadTree(commit_tokens=commit, tree=tensor_wire.tree_to_proto(tree)) for commit, tree in trees],
-            compute_s=seconds)
+            compute_s=seconds, paths=len({tuple(commit[:-1]) for commit, _ in trees}))
+
+    async def Session(self, request_iterator, context):
+        steps = {"prefill": self.Prefill, "draft": self.Draft, "draft_ahead": self.DraftAhead}
+        async for response in self.serve_session(request_iterator, context, steps,
+                                                 drafter_pb2.DrafterSessionResponse):
+            yield response
 
     async def Commit(self, request, context):
         self.check()

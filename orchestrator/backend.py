@@ -11,6 +11,18 @@ ends (client deadline, cancel) lands before the Release that follows it. A
 held session is under this orchestrator's lease (``orchestrator.lease``)
 until it is released, once, on the endpoint that holds it and on every
 endpoint it was moved away from (a lost backend may still hold it).
+
+Session streams (``streams``, the default): the per-cycle steps (Prefill,
+Verify; Prefill, Draft, DraftAhead) travel on one long-lived bidirectional
+stream per session and endpoint (the role's Session RPC, under the request's
+deadline), opened by the Prefill; a message and its answer cost about half a
+unary call here. A broken stream is a failed call: its status becomes the
+``BackendError`` the failover path already handles, and the next Prefill (on
+the endpoint pinned in its place) opens a new stream. Release half-closes
+the stream, and the backend releases the session as the stream ends; a
+stream cut mid-step (the request cancelled) is cancelled, which releases the
+session there too once the step in flight lands, and a unary Release
+follows. Other calls stay unary.
 """
 
 from __future__ import annotations
@@ -51,11 +63,11 @@ class Deadline:
 class BackendError(SpecdecError):
     """A verifier or drafter call failed; keeps its status code."""
 
-    def __init__(self, backend: str, method: str, exc: grpc.aio.AioRpcError, address: str = ""):
-        self.status = exc.code()
+    def __init__(self, backend: str, method: str, status: grpc.StatusCode, details: str = "", address: str = ""):
+        self.status = status
         self.code = self.status.name
         where = f"{backend} {address}" if address else backend
-        super().__init__(f"{where} {method}: {exc.details() or self.code}")
+        super().__init__(f"{where} {method}: {details or self.code}")
 
 
 class Backend(ABC):
@@ -63,8 +75,10 @@ class Backend(ABC):
     gave up (released at the end too), and its calls under the request's deadline."""
 
     role: str                                   # "verifier" | "drafter"
+    stream_steps: dict[str, str]                # call name -> its step in the role's Session messages
+    session_request: type                       # the role's Session request message
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases, streams: bool = True):
         self.pool = pool
         self.session_id = session_id
         self.deadline = deadline
@@ -76,6 +90,10 @@ class Backend(ABC):
         self.abandoned: list[Endpoint] = []     # may still hold the session
         self.network_s = 0.0
         self.released = False
+        self.streams = streams                  # per-cycle steps on a session stream (else unary calls)
+        self.stream: grpc.aio.StreamStreamCall | None = None   # open on the pinned endpoint
+        self.stepping = False                   # a step's answer is awaited on ``stream``
+        self.wire_bytes = 0                     # serialized bytes of the calls' requests and answers
 
     def probe_timeout(self) -> float:
         """How long a probe made on behalf of this request may take."""
@@ -90,20 +108,48 @@ class Backend(ABC):
             self.leases.hold(self.endpoint, self.session_id)
         start = time.perf_counter()
         try:
-            response = await getattr(self.endpoint.stub, name)(request, timeout=self.deadline.remaining())
+            if self.streams and name in self.stream_steps:
+                response = await self.step(name, request)
+            else:
+                response = await getattr(self.endpoint.stub, name)(request, timeout=self.deadline.remaining())
         except grpc.aio.AioRpcError as exc:
             if account:
                 self.network_s += time.perf_counter() - start
-            raise BackendError(self.role, name, exc, self.endpoint.address) from None
+            raise BackendError(self.role, name, exc.code(), exc.details(), self.endpoint.address) from None
         if account:
             wall = time.perf_counter() - start
             self.network_s += wall - min(getattr(response, "compute_s", wall), wall)
+        self.wire_bytes += request.ByteSize() + response.ByteSize()
         return response
+
+    async def step(self, name: str, request):
+        """One step on the session stream (a Prefill opens a new one); the stream
+        ending without an answer is UNAVAILABLE."""
+        if name == "Prefill" or self.stream is None:
+            self.close_stream()
+            self.stream = self.endpoint.stub.Session(timeout=self.deadline.remaining())
+        field = self.stream_steps[name]
+        self.stepping = True
+        await self.stream.write(self.session_request(**{field: request}))
+        answer = await self.stream.read()
+        self.stepping = False
+        if answer == grpc.aio.EOF or answer.WhichOneof("step") != field:
+            self.close_stream()
+            raise BackendError(self.role, name, grpc.StatusCode.UNAVAILABLE, "the session stream ended unanswered",
+                               self.endpoint.address)
+        return getattr(answer, field)
+
+    def close_stream(self) -> None:
+        """Drop the session stream, cancelling it if still open (the backend then releases the session)."""
+        stream, self.stream, self.stepping = self.stream, None, False
+        if stream is not None and not stream.done():
+            stream.cancel()
 
     def unpin(self, exc: BackendError) -> None:
         """Stop using the pinned endpoint for this session after ``exc``."""
         endpoint, self.endpoint = self.endpoint, None
         self.sent_prefill = False
+        self.close_stream()
         self.pool.unpin(endpoint)
         if exc.status == grpc.StatusCode.UNAVAILABLE:
             self.pool.failed(endpoint, str(exc))
@@ -132,6 +178,8 @@ class Backend(ABC):
 
         async def release(endpoint: Endpoint) -> None:
             try:
+                if endpoint in current and await self.end_stream():
+                    return
                 await endpoint.stub.Release(self.release_request(), timeout=RELEASE_TIMEOUT_S)
             except Exception as exc:      # a lost backend's failure is expected, the others' worth a line
                 if endpoint in current:   # (its lease lapses there in seconds)
@@ -141,3 +189,25 @@ class Backend(ABC):
                 self.leases.drop(endpoint, self.session_id)
 
         await asyncio.gather(*(release(e) for e in current + self.abandoned))
+        self.close_stream()
+
+    async def end_stream(self) -> bool:
+        """Release by half-closing an idle session stream and waiting for its end;
+        False when there is none (or it is mid-step: it is cancelled) and a
+        Release call must do it."""
+        stream = self.stream
+        if stream is None or stream.done() or self.stepping:
+            self.close_stream()
+            return False
+        try:
+            ended = await asyncio.wait_for(self.finish(stream), RELEASE_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            ended = False
+        self.close_stream()
+        return ended
+
+    @staticmethod
+    async def finish(stream: grpc.aio.StreamStreamCall) -> bool:
+        """Half-close ``stream`` and wait for its end; whether it ended OK."""
+        await stream.done_writing()
+        return await stream.code() == grpc.StatusCode.OK

@@ -40,6 +40,8 @@ Pinning, calls under the request's deadline, transport time and release are
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 import grpc
 from prometheus_client import Counter
@@ -129,14 +131,17 @@ class RemoteVerifier(Backend):
     another verifier when it loses its own."""
 
     role = "verifier"
+    stream_steps = {"Prefill": "prefill", "Verify": "verify"}
+    session_request = verifier_pb2.VerifierSessionRequest
 
     def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases,
-                 logprobs: int | None = None):
-        super().__init__(pool, session_id, deadline, leases)
+                 logprobs: int | None = None, streams: bool = True):
+        super().__init__(pool, session_id, deadline, leases, streams)
         self.logprobs = logprobs                 # top alternatives per token's logprob; None: no logprobs
         self.opened = False                      # the pinned verifier answered the session's Prefill
         self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
         self.committed: list[int] = []           # prompt + every token committed
+        self.verify_wall_s = 0.0                 # the last Verify's wall time (what drafting ahead hides behind)
         self.prompt_len = 0
         self.max_new_tokens = 0
         self.sampling = common_pb2.SamplingParams()
@@ -164,8 +169,10 @@ class RemoteVerifier(Backend):
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
+        start = time.perf_counter()
         result = await self.on_verifier("Verify", verifier_pb2.VerifyRequest(
             session_id=self.session_id, tree=tree, return_features=features))
+        self.verify_wall_s = time.perf_counter() - start
         self.committed.extend(result.tokens)
         return Committed(list(result.tokens), list(result.accepted_nodes), result.features,
                          self.read_logprobs(result.logprobs))
@@ -238,14 +245,19 @@ class RemoteDrafter(Backend):
     another drafter when it loses its own, or none ("no drafter": plain decoding)."""
 
     role = "drafter"
+    stream_steps = {"Prefill": "prefill", "Draft": "draft", "DraftAhead": "draft_ahead"}
+    session_request = drafter_pb2.DrafterSessionRequest
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases):
-        super().__init__(pool, session_id, deadline, leases)
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases, streams: bool = True):
+        super().__init__(pool, session_id, deadline, leases, streams)
         self.features: FeatureLog | None = None   # every feature row, kept while an EAGLE drafter may need them
         self.feature_layers: list[int] = []       # the target layers those rows come from
         self.committed: list[int] = []            # every token this handle was given
         self.sampling = common_pb2.SamplingParams()
         self.drafts = 0                           # trees drafted (Draft calls that answered)
+        self.ahead_s = 0.0                        # drafter compute of the DraftAhead calls
+        # seconds a DraftAhead may take (the verify it hides behind); None: no limit
+        self.ahead_budget: Callable[[], float] | None = None
 
     @property
     def kind(self) -> str:
@@ -312,13 +324,15 @@ class RemoteDrafter(Backend):
             return {}
         request = drafter_pb2.DraftAheadRequest(
             session_id=self.session_id, commit_tokens=tokens, tree=self.fit(tree), count=count,
-            tokens_left=tokens_left, commit_features=features.tensor() if tokens else None)
+            tokens_left=tokens_left, commit_features=features.tensor() if tokens else None,
+            budget_s=self.ahead_budget() if self.ahead_budget is not None else 0.0)
         try:
             response = await self.call("DraftAhead", request, account=False)
         except BackendError as exc:
             if await self.leave(exc, opening=False):
                 await self.open()
             return {}
+        self.ahead_s += response.compute_s
         return {tuple(t.commit_tokens): Draft(t.tree, len(t.tree.tokens)) for t in response.trees}
 
     def release_request(self):
@@ -396,6 +410,7 @@ class RemoteDrafter(Backend):
             self.pool.unpin(self.endpoint)
             self.abandoned.append(self.endpoint)
             self.endpoint, self.sent_prefill = None, False
+            self.close_stream()
         self.fall_back(reason, error)
 
     def fall_back(self, reason: str, error: str) -> None:

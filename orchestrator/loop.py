@@ -14,6 +14,9 @@ Per request (a session, the same id on both services):
      drafter drafts the next round (DraftAhead) while the verifier verifies;
   2. Release on both services, whatever happened (shielded from cancellation).
 
+Each backend's per-cycle steps travel on one session stream
+(``orchestrator.backend``; ``streams=False``: a unary call per step).
+
 The verifier and drafter are ``orchestrator.failover``'s handles: losing a
 backend costs a re-prefill, never a token. Features travel from verifier to
 drafter as the verifier's ``Tensor`` message, untouched.
@@ -44,6 +47,10 @@ from specdec.speculative import Request, speculative_generate
 
 __all__ = ["Deadline", "Generation", "Job"]
 
+# Drafting ahead may take this share of the last verify's wall time: the trees
+# come back before the verify does (the drafter answers once it is past it).
+AHEAD_BUDGET_SHARE = 0.9
+
 
 @dataclass(frozen=True)
 class Job:
@@ -62,7 +69,8 @@ class Generation:
     """Runs one Job on the backends the router gives it, feeding a Decoding and a TextStream."""
 
     def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
-                 verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False):
+                 verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False,
+                 streams: bool = True, ahead_budget: bool = True):
         self.job = job
         self.dec = decoding
         self.text = text
@@ -70,10 +78,13 @@ class Generation:
         self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
         self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases,
-                                              job.logprobs)
-        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases)
+                                              job.logprobs, streams)
+        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams)
                                if job.tree is not None
                                else None)
+        if self.remote_drafter is not None and ahead_budget:
+            # drafting ahead fits in about the last verify's time (0: the first cycle, no limit)
+            self.remote_drafter.ahead_budget = lambda: AHEAD_BUDGET_SHARE * self.remote_verifier.verify_wall_s
         self.emit: Callable[[Delta], Awaitable[None]] | None = None
         self.first_token_seen = False
         self.last_emit: float | None = None
@@ -138,6 +149,16 @@ class Generation:
     def drafts(self) -> int:
         """Cycles that asked the drafter for a tree."""
         return self.remote_drafter.drafts if self.remote_drafter is not None else 0
+
+    @property
+    def wire_bytes(self) -> int:
+        """Serialized bytes of this request's backend calls, requests and answers."""
+        return sum(h.wire_bytes for h in (self.remote_verifier, self.remote_drafter) if h is not None)
+
+    @property
+    def ahead_draft_s(self) -> float:
+        """Drafter compute this request spent drafting one round ahead."""
+        return self.remote_drafter.ahead_s if self.remote_drafter is not None else 0.0
 
     @property
     def moves(self) -> dict[str, int]:

@@ -78,6 +78,10 @@ class OrchestratorConfig:
     # greedy sessions: accepted paths the drafter drafts the next round for while
     # the verifier checks the current tree (0 = off; ``Drafter.draft_ahead``)
     lookahead: int = 0
+    # per-cycle backend steps on one bidirectional stream per session (False: unary calls)
+    session_streams: bool = True
+    # drafting ahead stops starting paths past the last verify's time (False: all `lookahead` paths)
+    lookahead_budget: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -300,7 +304,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                       "method": tree.method if tree else VANILLA})
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
-                          gate_by_kind=self.config.min_tau is None)
+                          gate_by_kind=self.config.min_tau is None, streams=self.config.session_streams,
+                          ahead_budget=self.config.lookahead_budget)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: given, or the text (rendered chat messages) encoded."""
@@ -336,7 +341,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             tau=s.tau, accepted_per_position=s.accepted_per_position, draft_tokens=s.drafted,
             accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s, ahead_hits=s.ahead_hits,
             finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), index=index,
-            **gen.timing())
+            wire_bytes=gen.wire_bytes, ahead_draft_s=gen.ahead_draft_s, **gen.timing())
 
     @staticmethod
     def _count(gen: Generation, status: str) -> None:

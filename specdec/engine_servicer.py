@@ -18,6 +18,15 @@ released as soon as it lands. A session opened with an owner is put under
 that owner's lease (``specdec.sessions``), renewed by ``renew`` (the Renew
 RPC); the sweep evicts lapsed leases as well as idle sessions, at least every
 quarter of a lease.
+
+Session streams (``serve_session``, the Session RPC of both services): one
+session's per-cycle steps on one long-lived bidirectional stream, each step
+handled exactly as its unary RPC (same checks, same engine call, same
+statuses) and answered in order. The first step opens the session; the
+session is released when the stream ends, however it ends: the client
+half-closing it (its release), cancelling it, or the connection breaking (a
+lost orchestrator frees its sessions at once rather than when its lease
+lapses). An error ends the stream with the error's status.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import contextvars
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from specdec import metrics
 from specdec.errors import InvalidArgument, Unavailable
@@ -121,6 +130,41 @@ class EngineServicer:
         except RuntimeError:                    # shut down: the sessions go with the process
             return
         log.info("released a session opened after its request ended", extra={"role": self.role, "session": sid})
+
+    async def serve_session(self, requests: AsyncIterator, context, steps: dict[str, Callable[..., Awaitable]],
+                            response_type) -> AsyncIterator:
+        """The Session RPC: each message's ``step`` (a oneof: "prefill" first,
+        then any other of ``steps``) answered by ``steps[step](message, context)``
+        in a ``response_type`` with the same oneof; releases the session when the
+        stream ends."""
+        sid: str | None = None
+        try:
+            async for message in requests:
+                step = message.WhichOneof("step")
+                if step is None or step not in steps:
+                    raise InvalidArgument(f"a session stream message needs one of {', '.join(steps)}, got {step}")
+                request = getattr(message, step)
+                if (step == "prefill") != (sid is None):
+                    raise InvalidArgument(f"a session stream opens with one prefill and has no other, got "
+                                          f"{step} {'first' if sid is None else 'later'}")
+                if step == "prefill":
+                    opening = check_session_id(request.session_id)
+                    answer = await steps[step](request, context)
+                    sid = opening
+                else:
+                    if not request.session_id:
+                        request.session_id = sid
+                    elif request.session_id != sid:
+                        raise InvalidArgument(f"session_id {shown(request.session_id)} on the stream of "
+                                              f"session {shown(sid)}")
+                    answer = await steps[step](request, context)
+                yield response_type(**{step: answer})
+        finally:
+            if sid is not None and self.loaded:
+                try:
+                    await self.run(self.release_session, sid, shield=True)
+                except RuntimeError:            # shut down: the sessions go with the process
+                    pass
 
     def renew(self, owner: str, session_ids) -> int:
         """The Renew RPC: renew ``owner``'s lease on ``session_ids`` -> how many it holds here.

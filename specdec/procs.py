@@ -10,7 +10,10 @@ ignoring a repeated Ctrl-C or SIGTERM meanwhile.
 
 The cores of the host are split among the torch processes
 (``threads_per_process``); a lone verifier may take them all while one
-session alternates between drafter and verifier (``solo_threads``).
+session alternates between drafter and verifier (``solo_threads``). A
+pinned run (``specdec bench --grpc --pin``) gives the verifier and the
+drafter one core each (``pinned_cores``, ``spawn(cores=...)``), as on
+devices of their own.
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ class Child:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+
+def pinned_cores() -> tuple[int, int]:
+    """(the verifier's core, the drafter's core) of a pinned run: the first two
+    CPUs this process may use; ValueError when it may use fewer."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"pinning the verifier and the drafter to cores of their own needs 2 CPUs, "
+                         f"this process may use {len(cores)}")
+    return cores[0], cores[1]
 
 
 def threads_per_process(torch_processes: int) -> int:
@@ -82,9 +95,10 @@ def solo_env() -> dict[str, str]:
 
 
 def spawn(name: str, argv: list[str], module: str = "specdec.cli.main", threads: int | None = None,
-          env_defaults: dict[str, str] | None = None) -> Child:
+          env_defaults: dict[str, str] | None = None, cores: frozenset[int] | None = None) -> Child:
     """Start ``python -m module *argv``; ``threads``: its OMP_NUM_THREADS unless
-    the user set one; ``env_defaults``: variables it gets unless already set."""
+    the user set one; ``env_defaults``: variables it gets unless already set;
+    ``cores``: the only CPUs it (and every thread it starts) may run on."""
     cmd = [sys.executable, "-m", module, *argv]
     env = dict(os.environ)
     if threads is not None and "OMP_NUM_THREADS" not in os.environ:   # the user's setting wins
@@ -92,8 +106,9 @@ def spawn(name: str, argv: list[str], module: str = "specdec.cli.main", threads:
     for key, value in (env_defaults or {}).items():
         env.setdefault(key, value)                                    # here too
     # A session of its own: Ctrl-C reaches `up`, which stops the children in order.
+    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, preexec_fn=pin)
     child = Child(name, proc)
     threading.Thread(target=read_stdout, args=(child,), daemon=True).start()
     return child

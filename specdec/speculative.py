@@ -17,7 +17,8 @@ Per request:
         round for the tree's likeliest outcomes;
      d. commit: the new tokens into the ``Decoding`` (EOS, max_new_tokens, stop
         strings), the gate and the statistics; they wait, with their features,
-        for the drafter's next draft;
+        for the drafter's next draft; the listener hears them while the next
+        call is in flight (streaming is off the critical path);
   3. release both sessions, whatever happened (shielded from cancellation).
 
 The loop is torch-free (the orchestrator runs it): it sees token ids, a tree
@@ -168,6 +169,7 @@ class SpeculativeLoop:
         self.pending: list[Committed] = []                  # committed, not yet given to the drafter
         self.ahead: dict[tuple[int, ...], Draft] = {}       # outcome tokens -> tree drafted for it
         self.last: tuple[int, ...] = ()                     # what the last cycle committed
+        self.delivering: asyncio.Future | None = None       # the listener hearing the last commit
 
     async def run(self) -> Decoding:
         try:
@@ -177,7 +179,14 @@ class SpeculativeLoop:
                 draft = await self.draft(tree)
                 result = await self.verify(draft, tree)
                 await self.commit(draft, result)
+            await self.delivered()
+        except Exception:
+            if self.delivering is not None:     # what was committed reaches the listener before the error
+                await asyncio.gather(self.delivering, return_exceptions=True)
+            raise
         finally:
+            if self.delivering is not None and not self.delivering.done():
+                self.delivering.cancel()
             await asyncio.shield(self.release())
         self.dec.finish()
         return self.dec
@@ -275,9 +284,20 @@ class SpeculativeLoop:
         return pending
 
     async def add(self, tokens: list[int], logprobs: list | None = None) -> None:
+        """Commit ``tokens`` to the decoding (stop conditions); the listener hears
+        them off the critical path: while the next step's call is in flight,
+        after it has heard the commits before (in order; its errors surface at
+        the next commit or the end)."""
         final = self.dec.add(tokens, logprobs)
         if self.listener is not None:
-            await self.listener.committed(final)
+            await self.delivered()
+            self.delivering = asyncio.ensure_future(self.listener.committed(final))
+
+    async def delivered(self) -> None:
+        """Until the listener has heard every commit so far."""
+        if self.delivering is not None:
+            delivering, self.delivering = self.delivering, None
+            await delivering
 
     async def timed(self, bucket: str, session: Verifier | Drafter, call: Awaitable):
         """Await ``call`` on ``session``; its time goes to ``bucket``, but for what

@@ -9,6 +9,10 @@ RESOURCE_EXHAUSTED, a tree whose root is not the last committed token
 FAILED_PRECONDITION, loading or draining UNAVAILABLE. ``Prefill`` with
 ``resume`` reopens a session moved from a lost verifier (the orchestrator's
 failover): its committed tokens are recomputed and nothing is sampled.
+
+``Session`` carries one session's steps (Prefill then Verify) on one bidirectional
+stream, each handled as its unary RPC; the session is released when the
+stream ends (``specdec.engine_servicer.EngineServicer.serve_session``).
 """
 
 from __future__ import annotations
@@ -140,6 +144,12 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))
         return response
+
+    async def Session(self, request_iterator, context):
+        steps = {"prefill": self.Prefill, "verify": self.Verify}
+        async for response in self.serve_session(request_iterator, context, steps,
+                                                 verifier_pb2.VerifierSessionResponse):
+            yield response
 
     async def Rollback(self, request, context):
         self.check()

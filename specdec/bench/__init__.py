@@ -17,10 +17,18 @@ JSON record of a run::
      "methods": {NAME: {"tokens_per_s": float, "speedup_vs_vanilla": float, "speedup_vs_hf_generate": float,
                         "tau": float | null, "accepted_per_position": [float], "matches_vanilla": bool | null,
                         "time_split": {"draft_s", "verify_s", "network_s", "other_s", "wall_s",
-                                       "draft_frac", "verify_frac", "network_frac", "other_frac"}}},
+                                       "draft_frac", "verify_frac", "network_frac", "other_frac",
+                                       "per_cycle_ms": {"draft", "verify", "network", "other", "wall"}},
+                        METHOD@grpc*: "wire_bytes_per_cycle": float,
+                        METHOD@grpc-aheadN: "ahead_hit_rate": float, "ahead_draft_ms_per_cycle": float}},
+     "pinned": bool,
      ...extra keys: tree, models, repeats, generated_tokens, peers, notes, calibration}
 
 tau counts the bonus token; accepted_per_position[j] is the fraction of cycles
 that accepted at least j+1 draft tokens; matches_vanilla is null at T > 0;
-time-split entries are null where a method does not expose them (HF peers).
+time-split entries are null where a method does not expose them (HF peers);
+per_cycle_ms only for methods with cycles. ``--pin`` runs the services'
+verifier and drafter on one core each and the in-process methods on the
+verifier's core (one torch thread each); ``--compare-unary`` adds
+METHOD@grpc-unary, through an orchestrator without session streams.
 """

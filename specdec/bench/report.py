@@ -68,6 +68,21 @@ def results_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cycle_table(result: dict) -> str:
+    """Milliseconds per draft/verify cycle, split (prefills spread over the
+    cycles); through the services also the bytes on the wire and, drafting
+    ahead, the drafter's time spent on it, per cycle."""
+    rows = {n: m for n, m in result["methods"].items() if m["time_split"].get("per_cycle_ms")}
+    lines = ["| method | wall | draft | verify | network | other | bytes | drafting ahead |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, m in rows.items():
+        ms = m["time_split"]["per_cycle_ms"]
+        cells = [f"{ms[k]:.2f}" for k in ("wall", "draft", "verify", "network", "other")]
+        cells += [_fmt(m.get("wire_bytes_per_cycle"), ".0f"), _fmt(m.get("ahead_draft_ms_per_cycle"), ".2f")]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def acceptance_table(result: dict) -> str:
     rows = {n: m["accepted_per_position"] for n, m in result["methods"].items() if m["accepted_per_position"]}
     if not rows:
@@ -104,12 +119,22 @@ def markdown(result: dict) -> str:
         "- τ = tokens committed per draft/verify cycle, **bonus token included** (vanilla: 1.00); "
         "– where a peer does not expose its cycles",
         "- methods interleaved per prompt (order rotated), one warm-up per method excluded",
+        *(["- pinned: verifier and drafter processes on one core each, one torch thread each; in-process "
+           "methods on the verifier's core"] if result.get("pinned") else []),
         "",
         "## Speed and acceptance length",
         "",
         results_table(result),
         "",
         "![speedup](speedup.png)",
+        "",
+        "## Time per cycle (ms)",
+        "",
+        "Network: each backend call's wall time minus the compute its backend reports "
+        "(transport, serialization, queueing); bytes: the orchestrator's backend calls, serialized, "
+        "requests and answers; drafting ahead: the drafter's compute on it (hidden behind the verify).",
+        "",
+        cycle_table(result),
         "",
         "## Acceptance per draft position",
         "",

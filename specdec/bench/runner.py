@@ -53,6 +53,7 @@ DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
 ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3")
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
+UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
 SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
 SWEEP_DEPTHS = (2, 3, 4, 5, 6, 7, 8)           # and depths at the configured total_tokens
 OPENAI_METHOD = "openai"         # with --openai-url: that OpenAI-compatible server (bench.openai_peer)
@@ -78,6 +79,8 @@ class Sample:
     verify_s: float | None = None
     network_s: float | None = None
     ahead_hits: int = 0                    # cycles whose tree was drafted one round ahead (services)
+    wire_bytes: int = 0                    # bytes of the orchestrator's backend calls (services)
+    ahead_draft_s: float = 0.0             # drafter compute drafting ahead (services)
 
 
 class Method(Protocol):
@@ -124,6 +127,22 @@ class LocalMethod:
                       verify_s=ts["prefill"] + ts["verify"], network_s=0.0)
 
 
+class PinnedMethod:
+    """``method`` run with the calling thread (which runs a one-thread torch
+    forward itself) allowed only on ``cores``; as before afterwards."""
+
+    def __init__(self, method: Method, cores: frozenset[int]):
+        self.method, self.cores = method, cores
+
+    def run(self, prompt: Prompt, seed: int | None) -> Sample:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cores)
+        try:
+            return self.method.run(prompt, seed)
+        finally:
+            os.sched_setaffinity(0, before)
+
+
 # -- aggregation -------------------------------------------------------------------
 @dataclass
 class Totals:
@@ -166,6 +185,11 @@ class Totals:
         cycles = sum(s.cycles or 0 for s in self.samples.values())
         return sum(s.ahead_hits for s in self.samples.values()) / cycles if cycles else None
 
+    def per_cycle(self, attr: str) -> float | None:
+        """A Sample figure summed over the samples, per cycle; None without cycles."""
+        cycles = sum(s.cycles or 0 for s in self.samples.values())
+        return sum(getattr(s, attr) for s in self.samples.values()) / cycles if cycles else None
+
     def time_split(self) -> dict:
         wall = self.wall_s
         parts = {}
@@ -178,6 +202,10 @@ class Totals:
         out["wall_s"] = _round(wall, 6)
         out.update({f"{k}_frac": _round(v / wall if wall > 0 else None, 4) if v is not None else None
                     for k, v in parts.items()})
+        cycles = sum(s.cycles or 0 for s in self.samples.values())
+        if cycles and parts["other"] is not None:
+            # one cycle's time (prefills spread over the cycles), the per-cycle RPC cost among it
+            out["per_cycle_ms"] = {k: round(v * 1e3 / cycles, 3) for k, v in (*parts.items(), ("wall", wall))}
         return out
 
     def outputs(self) -> dict[tuple[int, int], list[int]]:
@@ -213,8 +241,11 @@ def summarize(totals: dict[str, Totals], greedy: bool) -> dict[str, dict]:
             "matches_vanilla": matches(tot.outputs(), reference) if greedy and reference else None,
             "time_split": tot.time_split(),
         }
+        if GRPC_SUFFIX in name and tau is not None:
+            out[name]["wire_bytes_per_cycle"] = _round(tot.per_cycle("wire_bytes"), 1)
         if GRPC_SUFFIX + AHEAD_SUFFIX in name and tau is not None:
             out[name]["ahead_hit_rate"] = _round(tot.ahead_hit_rate(), 4)
+            out[name]["ahead_draft_ms_per_cycle"] = _round(1e3 * tot.per_cycle("ahead_draft_s"), 3)
     return out
 
 
@@ -286,6 +317,8 @@ class BenchConfig:
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)
     lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
+    compare_unary: bool = False      # an extra orchestrator with unary steps: METHOD@grpc-unary
+    pin: bool = False                # verifier and drafter on a core each, in-process methods on the verifier's
     openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)
     openai_model: str | None = None  # its model id (None: the first it lists)
     openai_key: str | None = None    # its bearer token

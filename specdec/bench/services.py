@@ -10,7 +10,13 @@ With ``--lookahead N,...`` each stack also gets one orchestrator per N that
 drafts one round ahead, over the same verifier and drafter, and each model
 method runs through it as ``M@grpc-aheadN``.
 The services use the bench's torch thread count, so in-process and gRPC
-methods get the same compute.
+methods get the same compute. With ``--pin`` (``cfg.pin``) the verifier runs
+on one core and the drafter on the other, one torch thread each, as on
+devices of their own (the orchestrators and the bench's client float), and
+the in-process methods run on the verifier's core (``bench.suite``). With
+``--compare-unary`` each stack also gets an orchestrator that sends every
+step as a unary call (``METHOD@grpc-unary``): the session streams' gain,
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from specdec import procs
-from specdec.bench.runner import AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, BenchConfig, Prompt, Sample, method_tree
+from specdec.bench.runner import (AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, UNARY_SUFFIX, BenchConfig, Prompt, Sample,
+                                  method_tree)
 from specdec.client import SpecdecClient, SpecdecClientError
 from specdec.errors import UsageError
 
@@ -50,7 +57,8 @@ class GrpcMethod:
         s = done.stats
         return Sample(tokens=list(done.token_ids), wall_s=wall, cycles=s.cycles, committed=round(s.tau * s.cycles),
                       accepted_counts=list(s.accepted_per_position), draft_s=s.draft_s, verify_s=s.verify_s,
-                      network_s=s.network_s, ahead_hits=s.ahead_hits)
+                      network_s=s.network_s, ahead_hits=s.ahead_hits, wire_bytes=s.wire_bytes,
+                      ahead_draft_s=s.ahead_draft_s)
 
 
 def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
@@ -81,11 +89,23 @@ def _threads_env(threads: int) -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = old
 
 
-def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
+def orchestrator_variants(cfg: BenchConfig) -> dict[str, list[str]]:
+    """{method-name suffix: extra orchestrator flags}: the plain orchestrator
+    (suffix ""), one per ``cfg.lookahead`` value and, with ``cfg.compare_unary``,
+    one with unary steps."""
+    variants = {"": []}
+    for lookahead in cfg.lookahead:
+        variants[f"{AHEAD_SUFFIX}{lookahead}"] = ["--lookahead", str(lookahead)]
+    if cfg.compare_unary:
+        variants[UNARY_SUFFIX] = ["--unary-steps"]
+    return variants
+
+
+def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
     """Start verifier, drafter and orchestrators (appended to children as they
-    start, so the caller stops them whatever happens): one orchestrator without
-    lookahead and one per ``cfg.lookahead`` value, all over the same verifier
-    and drafter; return {lookahead: orchestrator address}."""
+    start, so the caller stops them whatever happens): one orchestrator per
+    ``orchestrator_variants``, all over the same verifier and drafter; return
+    {suffix: orchestrator address}."""
     import torch        # here, not at the top: the `specdec bench` parser imports this module, torch-free
 
     internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "off", "--drain-s", "1",
@@ -96,31 +116,34 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[int, str]:
     # torch processes (oversubscribed OpenMP threads spin on each other); the
     # verifier takes the whole budget while one session is open, when the two
     # alternate (procs.solo_threads), unless an orchestrator drafts ahead:
-    # then the drafter computes during verifies.
+    # then the drafter computes during verifies. Pinned: one core each.
     budget = torch.get_num_threads()
-    share = max(1, budget // 2)
-    solo = ["--solo-threads", str(budget)] if share < budget and not cfg.lookahead else []
+    share = 1 if cfg.pin else max(1, budget // 2)
+    solo = ["--solo-threads", str(budget)] if share < budget and not cfg.lookahead and not cfg.pin else []
+    verifier_core, drafter_core = procs.pinned_cores() if cfg.pin else (None, None)
     with _threads_env(share):
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                      "--dtype", cfg.dtype, "--device", cfg.device,
                                                      *solo, *internal],
-                                env_defaults=procs.solo_env() if solo else None))
-        mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal]))
+                                env_defaults=procs.solo_env() if solo else None,
+                                cores=None if verifier_core is None else frozenset([verifier_core])))
+        mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal],
+                                cores=None if drafter_core is None else frozenset([drafter_core])))
         children.extend(mine)
         procs.wait_listening(mine, deadline)
         verifier, drafter = mine
         orchestrators = {}
-        for lookahead in (0, *cfg.lookahead):
-            orchestrators[lookahead] = procs.spawn(f"{kind} orchestrator", [
+        for suffix, flags in orchestrator_variants(cfg).items():
+            orchestrators[suffix] = procs.spawn(f"{kind} orchestrator", [
                 "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
                 "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
                 "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.gate(kind)),
-                "--lookahead", str(lookahead), *internal])
+                *flags, *internal])
     mine.extend(orchestrators.values())
     children.extend(orchestrators.values())
     procs.wait_listening(mine, deadline)
     procs.wait_serving(mine, deadline)
-    return {lookahead: child.address for lookahead, child in orchestrators.items()}
+    return {suffix: child.address for suffix, child in orchestrators.items()}
 
 
 @contextmanager
@@ -148,19 +171,19 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
                 addresses = start_stack(cfg, kind, children)
             except procs.ChildDied as exc:
                 raise UsageError(f"--grpc: {exc}") from None
-            for lookahead, address in addresses.items():
-                clients[kind, lookahead] = SpecdecClient(address, timeout=REQUEST_TIMEOUT_S)
+            for suffix, address in addresses.items():
+                clients[kind, suffix] = SpecdecClient(address, timeout=REQUEST_TIMEOUT_S)
         methods = {}
         if kinds and "vanilla" in names:
-            methods["vanilla" + GRPC_SUFFIX] = GrpcMethod(clients[kinds[0], 0], "vanilla", cfg)
+            methods["vanilla" + GRPC_SUFFIX] = GrpcMethod(clients[kinds[0], ""], "vanilla", cfg)
         for name in speculative:
             kind = SPECULATIVE[name][0]
             tree = method_tree(name, cfg.tree)
-            methods[name + GRPC_SUFFIX] = GrpcMethod(clients[kind, 0], tree.method, cfg, tree.proposals)
-            if kind != "ngram":            # the n-gram drafter has no model to draft ahead with
-                for lookahead in cfg.lookahead:
-                    methods[f"{name}{GRPC_SUFFIX}{AHEAD_SUFFIX}{lookahead}"] = GrpcMethod(
-                        clients[kind, lookahead], tree.method, cfg, tree.proposals)
+            for suffix in orchestrator_variants(cfg):
+                # the n-gram drafter has no model to draft ahead with
+                if not (kind == "ngram" and suffix.startswith(AHEAD_SUFFIX)):
+                    methods[name + GRPC_SUFFIX + suffix] = GrpcMethod(clients[kind, suffix], tree.method, cfg,
+                                                                      tree.proposals)
         yield methods
     finally:
         for client in clients.values():

@@ -16,8 +16,10 @@ from dataclasses import replace
 from specdec.bench.calibration import TreeRecorder, calibration_bins
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
 from specdec.bench.runner import (CALIBRATED, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod,
-                                  Method, Prompt, device_name, measure, method_tree, summarize, with_references)
+                                  Method, PinnedMethod, Prompt, device_name, measure, method_tree, summarize,
+                                  with_references)
 from specdec.bench.services import grpc_methods
+from specdec.procs import pinned_cores
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.params import TreeParams
@@ -118,6 +120,9 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
             methods[name] = models.peer(name)
         else:
             methods[name] = models.local(name, verifier=recorder if name == CALIBRATED else None)
+    if cfg.pin:             # in-process: the target's one core (the services' verifier core)
+        core = frozenset([pinned_cores()[0]])
+        methods = {name: PinnedMethod(method, core) for name, method in methods.items()}
     with ExitStack() as stack:
         if cfg.grpc:
             methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))
@@ -139,6 +144,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "methods": summarize(totals, greedy=cfg.params.greedy),
         "tree": {"total_tokens": cfg.tree.total_tokens, "depth": cfg.tree.depth, "expand_k": cfg.tree.expand_k,
                  "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
+        "pinned": cfg.pin,
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3},
         "repeats": cfg.repeats,
         "openai_url": cfg.openai_url,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from specdec.cli.options import add_tree_flags, model_dir, read_prompts, resolved_min_tau
 from specdec.errors import UsageError
+from specdec.procs import pinned_cores
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency
@@ -84,6 +85,13 @@ def add_parser(sub) -> None:
                    help="with --grpc, e.g. 1,2: also run each speculative method through an orchestrator "
                         "that drafts one round ahead for the N likeliest accepted paths (greedy sessions), "
                         "as METHOD@grpc-aheadN, over the same verifier and drafter")
+    p.add_argument("--pin", action="store_true",
+                   help="with --grpc: run the verifier and the drafter processes on one core each (as on devices "
+                        "of their own, one torch thread each) and the in-process methods on the verifier's core "
+                        "(needs 2 CPUs; implies --threads 1)")
+    p.add_argument("--compare-unary", action="store_true",
+                   help="with --grpc: also run each speculative method through an orchestrator that sends every "
+                        "per-cycle step as a unary call instead of on the session streams, as METHOD@grpc-unary")
     s = p.add_argument_group("sweep")
     s.add_argument("--sweep-totals", type=_int_list, default=SWEEP_TOTALS,
                    help=f"total_tokens values (default {','.join(map(str, SWEEP_TOTALS))}), at --depth")
@@ -117,6 +125,15 @@ def config_from(args, sweep: bool):
         raise UsageError(f"--lookahead values must be in [1, 8], got {','.join(map(str, args.lookahead))}")
     if args.lookahead and not args.grpc:
         raise UsageError("--lookahead needs --grpc (in-process methods have no round trip to hide)")
+    if (args.pin or args.compare_unary) and not args.grpc:
+        raise UsageError(f"{'--pin' if args.pin else '--compare-unary'} needs --grpc")
+    if args.pin and args.threads not in (None, 1):
+        raise UsageError(f"--pin runs one torch thread per process, got --threads {args.threads}")
+    if args.pin:
+        try:
+            pinned_cores()
+        except ValueError as exc:
+            raise UsageError(f"--pin: {exc}") from None
     from specdec.params import TreeParams
 
     tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
@@ -140,7 +157,8 @@ def config_from(args, sweep: bool):
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
                        device=args.device, verify_token_budget=args.verify_token_budget,
                        min_tau=resolved_min_tau(args.min_tau),
-                       lookahead=tuple(dict.fromkeys(args.lookahead)), openai_url=args.openai_url,
+                       lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
+                       pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,
                        openai_model=args.openai_model, openai_key=args.openai_key)
 
 
@@ -169,6 +187,8 @@ def run(args) -> int:
     plan = concurrency_plan(args) if args.concurrency else None
     cfg = config_from(args, sweep)
     prompts = load_prompts(args.prompts, args.limit_prompts)
+    if args.pin:
+        args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     progress = None if args.quiet else stderr_progress("bench sweep" if sweep else "bench")

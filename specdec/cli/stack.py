@@ -88,11 +88,17 @@ def add_orchestrator_parser(sub) -> None:
                    help="greedy sessions: while the verifier checks a tree, the drafter drafts the next round "
                         "for the N likeliest accepted paths, and a hit skips the next Draft round trip "
                         "(0 = off; at most 8; env SPECDEC_LOOKAHEAD)")
+    t.add_argument("--lookahead-unbudgeted", action="store_true",
+                   help="draft ahead for all N paths even past the time of the verify it hides behind "
+                        "(by default the likeliest paths that fit in it)")
     t.add_argument("--verify-token-budget", type=int, metavar="N", default=env("SPECDEC_VERIFY_TOKEN_BUDGET", 0),
                    help="tree nodes per verifier step over all its sessions: each session's tree is cut to "
                         "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
     t.add_argument("--max-new-tokens-limit", type=int, default=2048, help="larger requests: INVALID_ARGUMENT")
     b = p.add_argument_group("calls to the backends")
+    b.add_argument("--unary-steps", action="store_true",
+                   help="send each per-cycle step as a unary call instead of on one stream per session "
+                        "(slower; for comparison)")
     b.add_argument("--backend-ca", default=env("SPECDEC_BACKEND_CA"), help="CA of the backends' certificates (TLS)")
     b.add_argument("--backend-cert", default=env("SPECDEC_BACKEND_CERT"), help="client certificate (mutual TLS)")
     b.add_argument("--backend-key", default=env("SPECDEC_BACKEND_KEY"), help="client key (mutual TLS)")
@@ -130,7 +136,9 @@ def orchestrator_config(args):
                               default_max_new_tokens=args.max_new_tokens,
                               max_new_tokens_limit=args.max_new_tokens_limit, backend_tls=tls,
                               backend_token=args.backend_token, verify_token_budget=args.verify_token_budget,
-                              min_tau=args.min_tau, lookahead=args.lookahead)
+                              min_tau=args.min_tau, lookahead=args.lookahead,
+                              session_streams=not args.unary_steps,
+                              lookahead_budget=not args.lookahead_unbudgeted)
 
 
 def run_orchestrator(args) -> int:

@@ -42,6 +42,8 @@ class GenerationStats:
     request_id: str = ""
     ahead_hits: int = 0                  # cycles whose tree was drafted one round ahead
     index: int = 0                       # the choice these stats are of (n > 1)
+    wire_bytes: int = 0                  # serialized bytes of the orchestrator's backend calls
+    ahead_draft_s: float = 0.0           # drafter compute spent drafting one round ahead
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.GenerationStats) -> GenerationStats:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb1\x01\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05owner\x18\x06 \x01(\t\"\x18\n\x16\x44rafterPrefillResponse\"\x9b\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x61head\x18\x05 \x01(\x08\"G\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xb5\x01\n\x11\x44raftAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x63ount\x18\x05 \x01(\x05\x12\x13\n\x0btokens_left\x18\x06 \x01(\x05\"G\n\tAheadTree\x12\x15\n\rcommit_tokens\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"M\n\x12\x44raftAheadResponse\x12$\n\x05trees\x18\x01 \x03(\x0b\x32\x15.specdec.v1.AheadTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"c\n\x14\x44rafterCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x17\n\x15\x44rafterCommitResponse\"<\n\x16\x44rafterRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x19\n\x17\x44rafterRollbackResponse\"+\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16\x44rafterReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15\x44rafterGetInfoRequest\"\xd9\x01\n\x16\x44rafterGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0eneeds_features\x18\x02 \x01(\x08\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12(\n\x08max_tree\x18\x06 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x14\n\x0c\x64rafts_ahead\x18\x07 \x01(\x08\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x03(\x05\"9\n\x13\x44rafterRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\"8\n\x14\x44rafterRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x32\x81\x05\n\x0e\x44rafterService\x12P\n\x07Prefill\x12!.specdec.v1.DrafterPrefillRequest\x1a\".specdec.v1.DrafterPrefillResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nDraftAhead\x12\x1d.specdec.v1.DraftAheadRequest\x1a\x1e.specdec.v1.DraftAheadResponse\x12M\n\x06\x43ommit\x12 .specdec.v1.DrafterCommitRequest\x1a!.specdec.v1.DrafterCommitResponse\x12S\n\x08Rollback\x12\".specdec.v1.DrafterRollbackRequest\x1a#.specdec.v1.DrafterRollbackResponse\x12P\n\x07Release\x12!.specdec.v1.DrafterReleaseRequest\x1a\".specdec.v1.DrafterReleaseResponse\x12P\n\x07GetInfo\x12!.specdec.v1.DrafterGetInfoRequest\x1a\".specdec.v1.DrafterGetInfoResponse\x12J\n\x05Renew\x12\x1f.specdec.v1.DrafterRenewRequest\x1a .specdec.v1.DrafterRenewResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb1\x01\n\x15\x44rafterPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06greedy\x18\x04 \x01(\x08\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05owner\x18\x06 \x01(\t\"\x18\n\x16\x44rafterPrefillResponse\"\x9b\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x61head\x18\x05 \x01(\x08\"G\n\rDraftResponse\x12#\n\x04tree\x18\x01 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xc7\x01\n\x11\x44raftAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\x05\x12+\n\x0f\x63ommit_features\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12$\n\x04tree\x18\x04 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\r\n\x05\x63ount\x18\x05 \x01(\x05\x12\x13\n\x0btokens_left\x18\x06 \x01(\x05\x12\x10\n\x08\x62udget_s\x18\x07 \x01(\x01\"G\n\tAheadTree\x12\x15\n\rcommit_tokens\x18\x01 \x03(\x05\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\"\\\n\x12\x44raftAheadResponse\x12$\n\x05trees\x18\x01 \x03(\x0b\x32\x15.specdec.v1.AheadTree\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\r\n\x05paths\x18\x03 \x01(\x05\"c\n\x14\x44rafterCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\"\x17\n\x15\x44rafterCommitResponse\"<\n\x16\x44rafterRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x19\n\x17\x44rafterRollbackResponse\"+\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"*\n\x16\x44rafterReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x17\n\x15\x44rafterGetInfoRequest\"\xd9\x01\n\x16\x44rafterGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0eneeds_features\x18\x02 \x01(\x08\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x04 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\x05\x12(\n\x08max_tree\x18\x06 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x14\n\x0c\x64rafts_ahead\x18\x07 \x01(\x08\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x03(\x05\"9\n\x13\x44rafterRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\"8\n\x14\x44rafterRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\xb6\x01\n\x15\x44rafterSessionRequest\x12\x34\n\x07prefill\x18\x01 \x01(\x0b\x32!.specdec.v1.DrafterPrefillRequestH\x00\x12)\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x18.specdec.v1.DraftRequestH\x00\x12\x34\n\x0b\x64raft_ahead\x18\x03 \x01(\x0b\x32\x1d.specdec.v1.DraftAheadRequestH\x00\x42\x06\n\x04step\"\xba\x01\n\x16\x44rafterSessionResponse\x12\x35\n\x07prefill\x18\x01 \x01(\x0b\x32\".specdec.v1.DrafterPrefillResponseH\x00\x12*\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.specdec.v1.DraftResponseH\x00\x12\x35\n\x0b\x64raft_ahead\x18\x03 \x01(\x0b\x32\x1e.specdec.v1.DraftAheadResponseH\x00\x42\x06\n\x04step2\xd7\x05\n\x0e\x44rafterService\x12P\n\x07Prefill\x12!.specdec.v1.DrafterPrefillRequest\x1a\".specdec.v1.DrafterPrefillResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12K\n\nDraftAhead\x12\x1d.specdec.v1.DraftAheadRequest\x1a\x1e.specdec.v1.DraftAheadResponse\x12M\n\x06\x43ommit\x12 .specdec.v1.DrafterCommitRequest\x1a!.specdec.v1.DrafterCommitResponse\x12S\n\x08Rollback\x12\".specdec.v1.DrafterRollbackRequest\x1a#.specdec.v1.DrafterRollbackResponse\x12P\n\x07Release\x12!.specdec.v1.DrafterReleaseRequest\x1a\".specdec.v1.DrafterReleaseResponse\x12P\n\x07GetInfo\x12!.specdec.v1.DrafterGetInfoRequest\x1a\".specdec.v1.DrafterGetInfoResponse\x12J\n\x05Renew\x12\x1f.specdec.v1.DrafterRenewRequest\x1a .specdec.v1.DrafterRenewResponse\x12T\n\x07Session\x12!.specdec.v1.DrafterSessionRequest\x1a\".specdec.v1.DrafterSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTRESPONSE']._serialized_start=429
   _globals['_DRAFTRESPONSE']._serialized_end=500
   _globals['_DRAFTAHEADREQUEST']._serialized_start=503
-  _globals['_DRAFTAHEADREQUEST']._serialized_end=684
-  _globals['_AHEADTREE']._serialized_start=686
-  _globals['_AHEADTREE']._serialized_end=757
-  _globals['_DRAFTAHEADRESPONSE']._serialized_start=759
-  _globals['_DRAFTAHEADRESPONSE']._serialized_end=836
-  _globals['_DRAFTERCOMMITREQUEST']._serialized_start=838
-  _globals['_DRAFTERCOMMITREQUEST']._serialized_end=937
-  _globals['_DRAFTERCOMMITRESPONSE']._serialized_start=939
-  _globals['_DRAFTERCOMMITRESPONSE']._serialized_end=962
-  _globals['_DRAFTERROLLBACKREQUEST']._serialized_start=964
-  _globals['_DRAFTERROLLBACKREQUEST']._serialized_end=1024
-  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_start=1026
-  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_end=1051
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=1053
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1096
-  _globals['_DRAFTERRELEASERESPONSE']._serialized_start=1098
-  _globals['_DRAFTERRELEASERESPONSE']._serialized_end=1140
-  _globals['_DRAFTERGETINFOREQUEST']._serialized_start=1142
-  _globals['_DRAFTERGETINFOREQUEST']._serialized_end=1165
-  _globals['_DRAFTERGETINFORESPONSE']._serialized_start=1168
-  _globals['_DRAFTERGETINFORESPONSE']._serialized_end=1385
-  _globals['_DRAFTERRENEWREQUEST']._serialized_start=1387
-  _globals['_DRAFTERRENEWREQUEST']._serialized_end=1444
-  _globals['_DRAFTERRENEWRESPONSE']._serialized_start=1446
-  _globals['_DRAFTERRENEWRESPONSE']._serialized_end=1502
-  _globals['_DRAFTERSERVICE']._serialized_start=1505
-  _globals['_DRAFTERSERVICE']._serialized_end=2146
+  _globals['_DRAFTAHEADREQUEST']._serialized_end=702
+  _globals['_AHEADTREE']._serialized_start=704
+  _globals['_AHEADTREE']._serialized_end=775
+  _globals['_DRAFTAHEADRESPONSE']._serialized_start=777
+  _globals['_DRAFTAHEADRESPONSE']._serialized_end=869
+  _globals['_DRAFTERCOMMITREQUEST']._serialized_start=871
+  _globals['_DRAFTERCOMMITREQUEST']._serialized_end=970
+  _globals['_DRAFTERCOMMITRESPONSE']._serialized_start=972
+  _globals['_DRAFTERCOMMITRESPONSE']._serialized_end=995
+  _globals['_DRAFTERROLLBACKREQUEST']._serialized_start=997
+  _globals['_DRAFTERROLLBACKREQUEST']._serialized_end=1057
+  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_start=1059
+  _globals['_DRAFTERROLLBACKRESPONSE']._serialized_end=1084
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=1086
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1129
+  _globals['_DRAFTERRELEASERESPONSE']._serialized_start=1131
+  _globals['_DRAFTERRELEASERESPONSE']._serialized_end=1173
+  _globals['_DRAFTERGETINFOREQUEST']._serialized_start=1175
+  _globals['_DRAFTERGETINFOREQUEST']._serialized_end=1198
+  _globals['_DRAFTERGETINFORESPONSE']._serialized_start=1201
+  _globals['_DRAFTERGETINFORESPONSE']._serialized_end=1418
+  _globals['_DRAFTERRENEWREQUEST']._serialized_start=1420
+  _globals['_DRAFTERRENEWREQUEST']._serialized_end=1477
+  _globals['_DRAFTERRENEWRESPONSE']._serialized_start=1479
+  _globals['_DRAFTERRENEWRESPONSE']._serialized_end=1535
+  _globals['_DRAFTERSESSIONREQUEST']._serialized_start=1538
+  _globals['_DRAFTERSESSIONREQUEST']._serialized_end=1720
+  _globals['_DRAFTERSESSIONRESPONSE']._serialized_start=1723
+  _globals['_DRAFTERSESSIONRESPONSE']._serialized_end=1909
+  _globals['_DRAFTERSERVICE']._serialized_start=1912
+  _globals['_DRAFTERSERVICE']._serialized_end=2639
 # @@protoc_insertion_point(module_scope)

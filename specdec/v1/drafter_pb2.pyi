@@ -50,20 +50,22 @@ class DraftResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class DraftAheadRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "commit_features", "tree", "count", "tokens_left")
+    __slots__ = ("session_id", "commit_tokens", "commit_features", "tree", "count", "tokens_left", "budget_s")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     commit_features: _common_pb2.Tensor
     tree: _common_pb2.TreeParams
     count: int
     tokens_left: int
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., commit_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., count: _Optional[int] = ..., tokens_left: _Optional[int] = ...) -> None: ...
+    budget_s: float
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., commit_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., count: _Optional[int] = ..., tokens_left: _Optional[int] = ..., budget_s: _Optional[float] = ...) -> None: ...
 
 class AheadTree(_message.Message):
     __slots__ = ("commit_tokens", "tree")
@@ -74,12 +76,14 @@ class AheadTree(_message.Message):
     def __init__(self, commit_tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
 
 class DraftAheadResponse(_message.Message):
-    __slots__ = ("trees", "compute_s")
+    __slots__ = ("trees", "compute_s", "paths")
     TREES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[AheadTree]
     compute_s: float
-    def __init__(self, trees: _Optional[_Iterable[_Union[AheadTree, _Mapping]]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    paths: int
+    def __init__(self, trees: _Optional[_Iterable[_Union[AheadTree, _Mapping]]] = ..., compute_s: _Optional[float] = ..., paths: _Optional[int] = ...) -> None: ...
 
 class DrafterCommitRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "features")
@@ -158,3 +162,23 @@ class DrafterRenewResponse(_message.Message):
     renewed: int
     lease_s: float
     def __init__(self, renewed: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class DrafterSessionRequest(_message.Message):
+    __slots__ = ("prefill", "draft", "draft_ahead")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    prefill: DrafterPrefillRequest
+    draft: DraftRequest
+    draft_ahead: DraftAheadRequest
+    def __init__(self, prefill: _Optional[_Union[DrafterPrefillRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., draft_ahead: _Optional[_Union[DraftAheadRequest, _Mapping]] = ...) -> None: ...
+
+class DrafterSessionResponse(_message.Message):
+    __slots__ = ("prefill", "draft", "draft_ahead")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    prefill: DrafterPrefillResponse
+    draft: DraftResponse
+    draft_ahead: DraftAheadResponse
+    def __init__(self, prefill: _Optional[_Union[DrafterPrefillResponse, _Mapping]] = ..., draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., draft_ahead: _Optional[_Union[DraftAheadResponse, _Mapping]] = ...) -> None: ...

@@ -75,6 +75,11 @@ class DrafterServiceStub:
                 request_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/specdec.v1.DrafterService/Session',
+                request_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterSessionRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterSessionResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -135,6 +140,16 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One session's per-cycle traffic on one long-lived stream: a Prefill opens
+        it, then Draft / DraftAhead steps, each answered in order. The client
+        half-closing the stream releases the session; the stream ending any other
+        way (cancelled, broken) releases it too. An error ends the stream with its status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +192,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterRenewResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=specdec_dot_v1_dot_drafter__pb2.DrafterSessionRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_drafter__pb2.DrafterSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +416,33 @@ class DrafterService:
             '/specdec.v1.DrafterService/Renew',
             specdec_dot_v1_dot_drafter__pb2.DrafterRenewRequest.SerializeToString,
             specdec_dot_v1_dot_drafter__pb2.DrafterRenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DrafterService/Session',
+            specdec_dot_v1_dot_drafter__pb2.DrafterSessionRequest.SerializeToString,
+            specdec_dot_v1_dot_drafter__pb2.DrafterSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -130,3 +130,19 @@ class VerifierRenewResponse(_message.Message):
     renewed: int
     lease_s: float
     def __init__(self, renewed: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class VerifierSessionRequest(_message.Message):
+    __slots__ = ("prefill", "verify")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    prefill: VerifierPrefillRequest
+    verify: VerifyRequest
+    def __init__(self, prefill: _Optional[_Union[VerifierPrefillRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifierSessionResponse(_message.Message):
+    __slots__ = ("prefill", "verify")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    prefill: VerifierPrefillResponse
+    verify: VerifyResponse
+    def __init__(self, prefill: _Optional[_Union[VerifierPrefillResponse, _Mapping]] = ..., verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...

@@ -65,6 +65,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/specdec.v1.VerifierService/Session',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -110,6 +115,16 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """One session's per-cycle traffic on one long-lived stream: a Prefill opens
+        it, then Verify steps, each answered in order. The client half-closing the
+        stream releases the session; the stream ending any other way (cancelled,
+        broken) releases it too. An error ends the stream with its status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +157,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierRenewResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +327,33 @@ class VerifierService:
             '/specdec.v1.VerifierService/Renew',
             specdec_dot_v1_dot_verifier__pb2.VerifierRenewRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.VerifierRenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.VerifierService/Session',
+            specdec_dot_v1_dot_verifier__pb2.VerifierSessionRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.VerifierSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

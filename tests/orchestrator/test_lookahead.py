@@ -2,15 +2,23 @@
 orchestrator verifies a tree while the drafter drafts the next round, and uses
 a tree drafted ahead when the verifier commits its outcome. Greedy output is
 unchanged, hits are counted (stats and metric), sampled sessions never look
-ahead, and the DraftAhead RPC rejects bad input with a status."""
+ahead, the DraftAhead RPC rejects bad input with a status, hits are exactly
+the cycles that skipped a Draft, and a drafting budget keeps the likeliest
+paths first."""
 
 import grpc
 import pytest
+import torch
 
 from running_stack import Stack
+from test_routing import Tap
 from services.helpers import drafter_builder, rpc_error, verifier_builder
 from specdec.client import SpecdecClient
+from specdec.decoding import StopCriteria
+from specdec.local import generate
 from specdec.metrics import REGISTRY
+from specdec.models import load_tokenizer
+from specdec.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import DraftAheadRequest, DrafterPrefillRequest, DraftRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
@@ -27,7 +35,7 @@ def stack(tiny_family):
     s.add_orchestrator("plain")
     for kind in ("oracle", "eagle"):
         s.add_drafter(kind, kind)
-        s.add_orchestrator(f"{kind}-ahead", drafter=kind, lookahead=3)
+        s.add_orchestrator(f"{kind}-ahead", drafter=kind, lookahead=3, lookahead_budget=False)
     yield s
     s.close()
 
@@ -48,6 +56,7 @@ def test_greedy_output_unchanged_and_trees_ready(stack):
     assert s.tau > 5.0
     assert s.ahead_hits == s.cycles - 1, s
     assert hits_metric("hit") == before + s.ahead_hits
+    assert 0 < s.ahead_draft_s < s.wall_s
     with SpecdecClient(stack.address("eagle-ahead")) as client:
         for method in ("eagle2", "static"):
             assert client.complete(PROMPT, max_new_tokens=N, method=method).token_ids == plain.token_ids
@@ -110,3 +119,60 @@ def _zeros(rows: int, stack) -> common_pb2.Tensor:
 
     hidden = stack.servicer("eagle").drafter.hidden_size
     return tensor_wire.tensor_to_proto(torch.zeros(rows, hidden), "float32")
+
+
+# -- hit accounting and the budget ---------------------------------------------------------------------
+def test_hits_are_the_cycles_that_skipped_a_draft(stack, monkeypatch):
+    """Every cycle with a tree either used one drafted ahead (a hit) or asked
+    the drafter for one: hits = cycles - root-only cycles - Draft steps, and
+    the metric counts the same hits."""
+    tap = Tap(stack.servicer("oracle").drafter, "draft")
+    engine = stack.servicer("verifier").engine
+    verify, sizes = engine.verify, []
+    monkeypatch.setattr(engine, "verify", lambda sid, tree, *a, **kw: sizes.append(tree.size) or verify(sid, tree,
+                                                                                                         *a, **kw))
+    before = hits_metric("hit")
+    try:
+        with SpecdecClient(stack.address("oracle-ahead")) as client:
+            got = client.complete(PROMPT, max_new_tokens=N, method="eagle2", total_tokens=8, depth=3)
+    finally:
+        tap.restore()
+    s = got.stats
+    assert len(sizes) == s.cycles > 1 and s.ahead_hits > 0 and tap.sessions
+    assert s.ahead_hits == s.cycles - sizes.count(1) - len(tap.sessions)
+    assert hits_metric("hit") == before + s.ahead_hits
+
+
+def test_budget_drafts_the_likeliest_paths_first(tiny_family):
+    """No budget drafts ahead for every path asked for, likeliest first; once a
+    forest's time per path is known, a budget too small for two keeps the
+    likeliest path alone. Every tree is rooted at its outcome's bonus token."""
+    drafter = drafter_builder(tiny_family, "eagle")()
+    cfg = TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=2)
+    hidden = drafter.hidden_size
+    paths = {}
+    for sid, budget in (("all", 0.0), ("tight", 1e-9)):
+        drafter.prefill(sid, [1, 2, 3, 4], torch.zeros(3, hidden), greedy=True)
+        drafter.draft(sid, cfg, ahead=True)
+        drafter.sessions.get(sid).ahead_s_per_end = 0.01 if budget else 0.0
+        trees = drafter.draft_ahead(sid, [], None, cfg, count=4, budget_s=budget)
+        assert all(tree.tokens[0] == commit[-1] and tree.size > 1 for commit, tree in trees)
+        paths[sid] = list(dict.fromkeys(tuple(commit[:-1]) for commit, _ in trees))
+    assert len(paths["all"]) > 1 and paths["tight"] == paths["all"][:1]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "oracle"])
+def test_forest_drafted_ahead_is_lossless_and_hits(tiny_family, kind):
+    """In-process, EAGLE-2 trees drafted ahead together (``drafter.ahead``):
+    greedy output is plain decoding's; a drafter that is the target itself has
+    the next tree ready in most cycles."""
+    tok = load_tokenizer(tiny_family["target"])
+    ids = tok(PROMPT, add_special_tokens=True)["input_ids"]
+    stop = StopCriteria(max_new_tokens=N, eos_ids=frozenset([tok.eos_token_id]))
+    verifier = verifier_builder(tiny_family)()
+    plain = generate(verifier, None, ids, SamplingParams(), stop, None)
+    tree = TreeParams(method="eagle2", total_tokens=8, depth=3, expand_k=2)
+    got = generate(verifier, drafter_builder(tiny_family, kind)(), ids, SamplingParams(), stop, tree, lookahead=4)
+    assert got.tokens == plain.tokens
+    if kind == "oracle":
+        assert got.stats.ahead_hits >= 0.7 * (got.stats.cycles - 1), got.stats
