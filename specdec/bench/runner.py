@@ -46,10 +46,11 @@ SPECULATIVE = {
     "eagle2-top": ("eagle", "eagle2"),     # eagle2 with top-k proposals also when sampling (opt-in)
 }
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
-PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")   # opt-in: the llama.cpp peer (bench.llamacpp_peer)
+PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
-ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top")
+ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top") + LLAMACPP_METHODS
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
