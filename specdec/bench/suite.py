@@ -19,8 +19,8 @@ from specdec.bench.calibration import TreeRecorder, calibration_bins
 from specdec.bench.llamacpp_peer import identical_fraction, llamacpp_methods
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
 from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, PEER_METHODS, SPECULATIVE,
-                                  BenchConfig, LocalMethod, Method, Prompt, device_name, measure, method_tree, stderr_progress, summarize,
-                                  with_references)
+                                  BenchConfig, LocalMethod, Method, Prompt, device_name, measure, method_tree,
+                                  stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
