@@ -281,6 +281,7 @@ class BenchConfig:
     grpc: bool = False
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
+    compile: str = "off"            # compiled target forwards (specdec.compiled): auto, on or off
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)

@@ -34,7 +34,7 @@ class Models:
 
     def __init__(self, cfg: BenchConfig):
         self.cfg = cfg
-        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
         self.verifier = VerifierEngine(self.target)

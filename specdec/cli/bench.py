@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from specdec.cli.options import add_tree_flags, model_dir, read_prompts, resolved_min_tau
+from specdec.cli.options import add_compile_flag, add_tree_flags, model_dir, read_prompts, resolved_min_tau
 from specdec.errors import UsageError
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -34,19 +34,22 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     from specdec.bench.concurrency import DEFAULT_REQUESTS_PER_LEVEL
+    from specdec.bench.profile import add_profile_flags
     from specdec.bench.runner import ALL_METHODS, SWEEP_DEPTHS, SWEEP_TOTALS
 
     p = sub.add_parser("bench", help="benchmark methods side by side (speedup, tau, acceptance, plots)",
                        description="Run every method on the same prompts, interleaved per prompt, and report "
                                    "tokens/s, speedups, tau (bonus token included) and acceptance per position. "
                                    "`specdec bench sweep` measures eagle2 over tree sizes and depths instead.")
-    p.add_argument("mode", nargs="?", choices=("sweep",), help="sweep: tree budget sweep of eagle2")
+    p.add_argument("mode", nargs="?", choices=("sweep", "profile"),
+                   help="sweep: tree budget sweep of eagle2; profile: where a step's time goes (eager, compiled)")
     g = p.add_argument_group("models (default: the bundled demo family)")
     g.add_argument("--target", help="target model directory (HF causal LM with its tokenizer)")
     g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
+    add_compile_flag(g)
     p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
                    help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -91,6 +94,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
     p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_profile_flags(p)
     p.set_defaults(run=run)
 
 
@@ -136,7 +140,7 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
-                       device=args.device, verify_token_budget=args.verify_token_budget,
+                       device=args.device, compile=args.compile, verify_token_budget=args.verify_token_budget,
                        min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)), openai_url=args.openai_url,
                        openai_model=args.openai_model, openai_key=args.openai_key)
@@ -159,6 +163,8 @@ def run(args) -> int:
     import torch
 
     from specdec.bench.runner import stderr_progress
+    if args.mode == "profile":
+        return run_profile_command(args)
     sweep = args.mode == "sweep"
     if args.concurrency and sweep:
         raise UsageError("--concurrency does not combine with `bench sweep`")
@@ -203,4 +209,17 @@ def run(args) -> int:
     if args.report:
         write_report(result, args.report)
     print(markdown(result))
+    return 0
+
+
+def run_profile_command(args) -> int:
+    import torch
+
+    from specdec.bench.profile import profile_markdown, run_profile
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_profile(args, model_dir(args.target, "target", "target model", "--target"),
+                         model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"))
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(profile_markdown(result))
     return 0
