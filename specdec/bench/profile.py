@@ -27,7 +27,6 @@ compiled again with that cache (warm: TORCHINDUCTOR_CACHE_DIR).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -53,17 +52,6 @@ from verifier.engine import TargetModel, VerifierEngine
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
 VERIFY_NODES, FRONTIER = 16, 8
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
-
-
-def add_profile_flags(p) -> None:
-    g = p.add_argument_group("profile (`specdec bench profile`)")
-    g.add_argument("--prefix", type=int, default=128, help="cached tokens before each profiled step (default 128)")
-    g.add_argument("--steps", type=int, default=30, help="timed runs per step (default 30)")
-    g.add_argument("--e2e-prompts", type=int, default=0, metavar="N",
-                   help="also decode N prompts with vanilla and eagle2, eager and compiled verifier side by side")
-    g.add_argument("--startup", action="store_true",
-                   help="also time start-up in fresh processes: eager, compiled cold and warm inductor cache")
-    g.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)   # one start-up, timed
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def add_parser(sub) -> None:
     from specdec.bench.concurrency import DEFAULT_REQUESTS_PER_LEVEL
-    from specdec.bench.profile import add_profile_flags
     from specdec.bench.runner import ALL_METHODS, SWEEP_DEPTHS, SWEEP_TOTALS
 
     p = sub.add_parser("bench", help="benchmark methods side by side (speedup, tau, acceptance, plots)",
@@ -96,6 +95,17 @@ def add_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     add_profile_flags(p)
     p.set_defaults(run=run)
+
+
+def add_profile_flags(p) -> None:
+    g = p.add_argument_group("profile (`specdec bench profile`)")
+    g.add_argument("--prefix", type=int, default=128, help="cached tokens before each profiled step (default 128)")
+    g.add_argument("--steps", type=int, default=30, help="timed runs per step (default 30)")
+    g.add_argument("--e2e-prompts", type=int, default=0, metavar="N",
+                   help="also decode N prompts with vanilla and eagle2, eager and compiled verifier side by side")
+    g.add_argument("--startup", action="store_true",
+                   help="also time start-up in fresh processes: eager, compiled cold and warm inductor cache")
+    g.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)   # one start-up, timed
 
 
 def _methods(text: str) -> tuple[str, ...]:
