@@ -18,7 +18,7 @@ compiled path never lets them change, as gpt-fast does with a static cache:
   queries see only their own slot and their outputs are dropped. One graph per
   (width, capacity) pair, compiled on first use or ahead at start-up (``warm``).
 
-Prefill (long prompts) and batched verification stay eager. A model that
+Prefill (a causal forward of several tokens) and batched verification stay eager. A model that
 fails to compile, or whose compiled logits differ from its eager ones on a
 check at load, runs eagerly with one log line saying why (``compile_target``).
 With ``auto`` the compiled path is also timed against the eager one on a
@@ -152,8 +152,8 @@ class CompiledForward:
         (features [1, n, H] fp32, logits [1, n, V]); None where the compiled
         path does not apply (the caller runs eagerly)."""
         n = tokens.shape[1]
-        if not self.accepts(cache, n):
-            return None
+        if (mask is None and n > 1) or not self.accepts(cache, n):
+            return None                  # a prefill (causal, several tokens), or no fixed-shape cache
         past, width = kv.seq_len(cache), width_bucket(n)
         buffers = [layer.buffers for layer in cache.layers]
         capacity = buffers[0][0].shape[2]
@@ -179,7 +179,9 @@ class CompiledForward:
         t = time.perf_counter()
         for width in widths:
             cache = self.new_cache(capacity)
-            self.forward(cache, torch.zeros(1, width, dtype=torch.long), torch.arange(width)[None], None)
+            k_pos = torch.arange(width)[None]
+            mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
+            self.forward(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask)
         return time.perf_counter() - t
 
 
