@@ -64,7 +64,7 @@ class LlamaShape:
     rope_base: float
 
     @classmethod
-    def of(cls, config) -> "LlamaShape":
+    def of(cls, config) -> LlamaShape:
         if getattr(config, "model_type", None) != "llama":
             raise UnsupportedExport(f"only Llama models export to GGUF here, not {config.model_type!r}")
         if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):

@@ -93,11 +93,10 @@ class LlamaCppPeer:
         self.llm.reset()                  # no prefix reuse from the previous call: every prompt pays its prefill
         if seed is not None:
             self.llm.set_seed(seed)
-        sampling = (dict(temp=0.0, top_k=1) if self.temperature <= 0
-                    else dict(temp=self.temperature, top_k=0, top_p=1.0))
+        greedy = self.temperature <= 0
         out: list[int] = []
-        for token in self.llm.generate(list(ids), min_p=0.0, top_p=1.0, repeat_penalty=1.0, reset=True,
-                                       **sampling):
+        for token in self.llm.generate(list(ids), temp=0.0 if greedy else self.temperature, top_k=1 if greedy else 0,
+                                       top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             out.append(int(token))
             if token in self.eos_ids or len(out) >= self.max_new_tokens:
                 break

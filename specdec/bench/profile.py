@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -115,11 +116,10 @@ class StepBench:
         cache, p = new_cache(self.prefix + 2 * VERIFY_NODES), self.prefix
         with torch.inference_mode():
             self.target.lm.hidden(cache, self.ids[None, :p], torch.arange(p)[None], None)
-        reset = lambda: kv.truncate(cache, p)                                  # noqa: E731
-        one = lambda: forward(cache, self.ids[None, p:p + 1], torch.tensor([[p]]), None)   # noqa: E731
+        reset = partial(kv.truncate, cache, p)
+        one = partial(forward, cache, self.ids[None, p:p + 1], torch.tensor([[p]]), None)
         mask = self.target.tree_masks(self.tree, p)
-        positions = self.tree.position_ids(p)[None]
-        verify = lambda: forward(cache, self.tree.tokens[None], positions, mask)   # noqa: E731
+        verify = partial(forward, cache, self.tree.tokens[None], self.tree.position_ids(p)[None], mask)
         return {"target_step": time_step(one, reset, steps, profile),
                 "target_verify16": time_step(verify, reset, steps, profile)}
 
@@ -134,8 +134,8 @@ class StepBench:
         positions = torch.full((FRONTIER,), p)
         allowed = torch.cat([torch.ones(FRONTIER, p, dtype=torch.bool), torch.eye(FRONTIER, dtype=torch.bool)], 1)
         key_pos = torch.cat([torch.arange(p), positions])
-        level = lambda: d.step(sess, tokens, parent, positions, allowed, key_pos)     # noqa: E731
-        return time_step(level, lambda: kv.truncate(sess.cache, p), steps, profile)
+        level = partial(d.step, sess, tokens, parent, positions, allowed, key_pos)
+        return time_step(level, partial(kv.truncate, sess.cache, p), steps, profile)
 
 
 def end_to_end(target_dir: str, eagle_dir: str, eager: TargetModel, fast: TargetModel | None, drafter,
@@ -210,15 +210,15 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
 def profile_markdown(result: dict) -> str:
     if "steps" not in result:
         return f"start-up: {result['startup_s']} s"
-    lines = ["# specdec bench profile", "", f"- device: {result['device']}", f"- target: `{result['target']}`, "
-             f"{result['prefix']} cached tokens before each step", "",
+    target = f"- target: `{result['target']}`, {result['prefix']} cached tokens before each step"
+    lines = ["# specdec bench profile", "", f"- device: {result['device']}", target, "",
              "| path | step | wall ms | aten ops | compute-kernel ms | profiled ms | dispatch share |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for path, steps in result["steps"].items():
         for name, s in steps.items():
-            cells = [s["aten_ops"], s["kernel_ms"], s["profiled_ms"], None if s["dispatch_share"] is None else f"{s['dispatch_share']:.0%}"]
-            lines.append(f"| {path} | {name} | {s['wall_ms']:.2f} | " + " | ".join("–" if c is None else str(c)
-                                                                                  for c in cells) + " |")
+            share = None if s["dispatch_share"] is None else f"{s['dispatch_share']:.0%}"
+            cells = ["–" if c is None else str(c) for c in (s["aten_ops"], s["kernel_ms"], s["profiled_ms"], share)]
+            lines.append(f"| {path} | {name} | {s['wall_ms']:.2f} | " + " | ".join(cells) + " |")
     if "end_to_end" in result:
         lines += ["", "| method | tokens/s | speedup vs vanilla | τ | matches vanilla |", "|---|---:|---:|---:|:---:|"]
         for name, m in result["end_to_end"].items():

@@ -38,7 +38,10 @@ def test_pad_mask_hides_unused_slots_and_pads_see_themselves():
     assert out[0, 0, 3, 7] == 0 and (out[0, 0, 3, :7] == low).all() and (out[0, 0, 3, 8:] == low).all()
 
 
-def _tokens(verifier, drafter, prompts, tree=None, params=SamplingParams(), n=24):
+GREEDY = SamplingParams()
+
+
+def _tokens(verifier, drafter, prompts, tree=None, params=GREEDY, n=24):
     stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset())
     return [generate(verifier, drafter, p, params, stop, tree).tokens for p in prompts]
 

@@ -10,8 +10,7 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (specdec[llamacpp]) is not installed")
 
-from specdec.gguf_export import (LlamaShape, UnsupportedExport, export_llama,  # noqa: E402
-                                 interleave_rotary, read_vocab)
+from specdec.gguf_export import LlamaShape, UnsupportedExport, export_llama, interleave_rotary, read_vocab
 
 
 def _field(reader, key):
