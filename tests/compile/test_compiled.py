@@ -118,3 +118,17 @@ def test_failed_compilation_falls_back_to_eager_with_one_line(family_dir, caplog
 def test_compile_mode_is_checked():
     with pytest.raises(ValueError, match="compile must be one of"):
         ModelSpec("x", compile="always")
+
+
+@pytest.mark.parametrize("eager_ms, compiled_ms, kept", [(10.0, 5.0, True), (5.0, 10.0, False)])
+def test_auto_keeps_compiled_only_where_it_pays(family_dir, caplog, monkeypatch, eager_ms, compiled_ms, kept):
+    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
+    times = iter([eager_ms, compiled_ms])           # compile_target times eager first, then compiled
+    monkeypatch.setattr(compiled, "time_step", lambda *args, **kwargs: next(times))
+    with caplog.at_level(logging.INFO, logger="specdec.compiled"):
+        result = compiled.compile_target(target.lm, "auto")
+    assert (result is not None) == kept
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    assert len(lines) == 1
+    assert ("compiled forwards on" in lines[0]) == kept
+    assert kept or "10.00 ms compiled, 5.00 ms eager" in lines[0]
