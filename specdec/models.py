@@ -17,8 +17,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 # auto: specdec's SDPA where the model goes through transformers' attention
 # interface, else the best the model supports (specdec.attention.choose_implementation)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
-
-
 COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
 
 

@@ -121,9 +121,10 @@ def markdown(result: dict) -> str:
         "",
     ]
     llama = result.get("llamacpp") or {}
-    parts += [f"- {note}" for note in llama.get("notes", [])]
-    parts += [f"- {name}: {frac:.0%} of generations token-identical to vanilla"
-              for name, frac in (llama.get("identical_to_vanilla") or {}).items()] + [""] * bool(llama.get("notes"))
+    notes = [f"- {note}" for note in llama.get("notes", [])] + [
+        f"- {name}: {frac:.0%} of generations token-identical to vanilla"
+        for name, frac in (llama.get("identical_to_vanilla") or {}).items()]
+    parts += notes + [""] if notes else []
     if cal is not None:
         parts += [
             f"## Calibration ({cal['method']}): draft confidence vs acceptance",

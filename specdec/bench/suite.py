@@ -120,11 +120,12 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         (progress or stderr_progress("bench"))(note)
     for name in names:
         if name in LLAMACPP_METHODS:
-            methods.update({name: llama[name]} if name in llama else {})
-        elif name in PEER_METHODS:
+            continue                          # last in the canonical order: added below, where available
+        if name in PEER_METHODS:
             methods[name] = models.peer(name)
         else:
             methods[name] = models.local(name, verifier=recorder if name == CALIBRATED else None)
+    methods.update(llama)
     with ExitStack() as stack:
         if cfg.grpc:
             methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))
