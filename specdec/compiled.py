@@ -16,7 +16,8 @@ compiled path never lets them change, as gpt-fast does with a static cache:
   minimum: slots past the length are invisible (they are zeros, never NaN);
 - the width: n is padded up to the next of ``WIDTHS`` (1, 2, 4, ... 64); pad
   queries see only their own slot and their outputs are dropped. One graph per
-  (width, capacity) pair, compiled on first use or ahead at start-up (``warm``).
+  (width, capacity) pair: those of a default-sized tree at the smallest
+  capacity are compiled at start-up (``STARTUP_WIDTHS``), others on first use.
 
 Prefill (a causal forward of several tokens) and batched verification stay eager. A model that
 fails to compile, or whose compiled logits differ from its eager ones on a
@@ -39,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec import kv
 from specdec.causal_lm import CausalLm
+from specdec.knobs import DEFAULT_TOTAL_TOKENS
 from specdec.masks import causal_allowed
 from specdec.models import COMPILE_MODES
 
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 MIN_CAPACITY = 512                      # capacity buckets: powers of two from here (one for most sessions)
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
+# compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
+STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
 
 
 def capacity_bucket(slots: int) -> int:
@@ -248,6 +252,8 @@ def compile_target(lm: CausalLm, mode: str) -> CompiledForward | None:
     try:
         compiled = CompiledForward(lm)
         reason = check_compiled(compiled)
+        if reason is None:
+            compiled.warm(STARTUP_WIDTHS)
     except Exception as exc:  # noqa: BLE001 - any failure means: run this model eagerly
         reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:
@@ -260,5 +266,6 @@ def compile_target(lm: CausalLm, mode: str) -> CompiledForward | None:
             log.warning("compiled forwards off for model type %r: a one-token step takes %.2f ms compiled, "
                         "%.2f ms eager (auto keeps it below %.0f%%)", kind, compiled_ms, eager_ms, PAYS * 100)
             return None
-    log.info("compiled forwards on for model type %r (%.1f s to compile and check)", kind, time.perf_counter() - t)
+    log.info("compiled forwards on for model type %r (%.1f s to compile widths %s and check)", kind,
+             time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)))
     return compiled
