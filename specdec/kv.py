@@ -84,6 +84,11 @@ class SlabLayer(DynamicLayer):
         self._vlen = 0 if t is None or t.dim() < 3 else t.shape[-2]
 
     @property
+    def buffers(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The whole key and value buffers [B, heads, capacity, d], spare room included."""
+        return self._k, self._v
+
+    @property
     def capacity(self) -> int:
         if self._k is None or self._v is None or self._k.dim() < 3 or self._v.dim() < 3:
             return 0

@@ -17,6 +17,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # auto: specdec's SDPA where the model goes through transformers' attention
 # interface, else the best the model supports (specdec.attention.choose_implementation)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
+COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,11 @@ class ModelSpec:
     dtype: str = "float32"          # fp32 by default on CPU: greedy equality with plain decoding
     device: str = "cpu"
     attn_implementation: str = "auto"   # one of ATTN_IMPLEMENTATIONS
+    compile: str = "off"                # one of COMPILE_MODES: compiled target forwards (specdec.compiled)
 
     def __post_init__(self):
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"attention implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
                              f"got {self.attn_implementation!r}")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from specdec import kv
 from specdec.acceptance import Acceptance, accept
 from specdec.causal_lm import CausalLm
+from specdec.compiled import compile_target
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.masks import tree_allowed
 from specdec.models import ModelSpec, load_causal_lm
@@ -93,19 +94,21 @@ class TargetModel:
         self.num_layers = int(self.config.get_text_config(decoder=True).num_hidden_layers)
         self.device = self.lm.device
         self.kv_bytes_per_token = self._measure_kv_bytes()
+        self.compiled = compile_target(self.lm, spec.compile)     # None: eager forwards
 
     def _measure_kv_bytes(self) -> int:
         """K and V bytes per token, every layer, every key/value head, all ranks
         together: measured on a one-token cache, whatever the model's head layout."""
-        cache = self.new_cache(1)
+        cache = self.lm.new_cache(1)
         with torch.inference_mode():
             self.lm.hidden(cache, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None)
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return kv.nbytes(cache) * ranks
 
     def new_cache(self, capacity: int = 0):
-        """A cache that grows in place (``specdec.kv``); ``capacity``: slots to allocate up front."""
-        return self.lm.new_cache(capacity)
+        """A cache that grows in place (``specdec.kv``); ``capacity``: slots to allocate up front
+        (with compiled forwards: a fixed capacity bucket, ``specdec.compiled``)."""
+        return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache(capacity)
 
     def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
@@ -138,8 +141,12 @@ class TargetModel:
         """One forward: the final hidden state [B, n, H] (fp32: EAGLE-1/2's
         feature), the residual stream entering each of ``layers`` (HF
         ``output_hidden_states`` indices: EAGLE-3's features) concatenated
-        [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V]."""
+        [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
+        Without layers the compiled forward runs where it applies (``specdec.compiled``)."""
         if not layers:
+            out = None if self.compiled is None else self.compiled.forward(cache, tokens, positions, mask)
+            if out is not None:
+                return out[0], None, out[1]
             hidden = self.lm.hidden(cache, tokens, positions, mask)
             return hidden.float(), None, self.lm.logits(hidden)
         hidden, captured = self.lm.hidden_and_layers(cache, tokens, positions, mask, layers)

@@ -145,6 +145,11 @@ def markdown(result: dict) -> str:
         "![acceptance per position](acceptance_per_position.png)",
         "",
     ]
+    llama = result.get("llamacpp") or {}
+    notes = [f"- {note}" for note in llama.get("notes", [])] + [
+        f"- {name}: {frac:.0%} of generations token-identical to vanilla"
+        for name, frac in (llama.get("identical_to_vanilla") or {}).items()]
+    parts += notes + [""] if notes else []
     if cal is not None:
         parts += [
             f"## Calibration ({cal['method']}): draft confidence vs acceptance",

@@ -47,10 +47,11 @@ SPECULATIVE = {
     "eagle3": ("eagle3", "eagle2"),        # EAGLE-2 dynamic trees drafted by an EAGLE-3 head (opt-in: --eagle3)
 }
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
-PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")   # opt-in: the llama.cpp peer (bench.llamacpp_peer)
+PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
-ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3")
+ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3") + LLAMACPP_METHODS
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
@@ -313,6 +314,7 @@ class BenchConfig:
     grpc: bool = False
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
+    compile: str = "off"            # compiled target forwards (specdec.compiled): auto, on or off
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)

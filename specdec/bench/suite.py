@@ -13,11 +13,14 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 
+import torch
+
 from specdec.bench.calibration import TreeRecorder, calibration_bins
+from specdec.bench.llamacpp_peer import identical_fraction, llamacpp_methods
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
-from specdec.bench.runner import (CALIBRATED, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig, LocalMethod,
-                                  Method, PinnedMethod, Prompt, device_name, measure, method_tree, summarize,
-                                  with_references)
+from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, PEER_METHODS, SPECULATIVE,
+                                  BenchConfig, LocalMethod, Method, PinnedMethod, Prompt, device_name, measure,
+                                  method_tree, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.procs import pinned_cores
 from specdec.decoding import StopCriteria
@@ -33,7 +36,7 @@ class Models:
 
     def __init__(self, cfg: BenchConfig):
         self.cfg = cfg
-        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device)
+        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
         self.verifier = VerifierEngine(self.target)
@@ -115,11 +118,19 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
     prompts = models.encode(texts)
     recorder = TreeRecorder(models.verifier)
     methods: dict[str, Method] = {}
+    llama, llama_notes = llamacpp_methods(names, cfg.target, models.target.model, cfg.max_new_tokens,
+                                          cfg.temperature, models.eos_ids, models.target.max_positions,
+                                          torch.get_num_threads())
+    for note in llama_notes:
+        (progress or stderr_progress("bench"))(note)
     for name in names:
+        if name in LLAMACPP_METHODS:
+            continue                          # last in the canonical order: added below, where available
         if name in PEER_METHODS:
             methods[name] = models.peer(name)
         else:
             methods[name] = models.local(name, verifier=recorder if name == CALIBRATED else None)
+    methods.update(llama)
     if cfg.pin:             # in-process: the target's one core (the services' verifier core)
         core = frozenset([pinned_cores()[0]])
         methods = {name: PinnedMethod(method, core) for name, method in methods.items()}
@@ -155,6 +166,9 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                   "accepted_per_position[j]: fraction of cycles accepting >= j+1 draft tokens",
                   "methods interleaved per prompt, order rotated per prompt; one warm-up per method excluded",
                   "stop at EOS or max_new_tokens; tokens/s = generated tokens / generate wall time incl. prefill"],
+        "llamacpp": {"notes": llama_notes, "identical_to_vanilla": {
+            n: identical_fraction(totals[n].outputs(), totals["vanilla"].outputs()) for n in llama}
+            if cfg.params.greedy else None},
         "calibration": ({"method": CALIBRATED, "evaluated_nodes": len(points), "bins": calibration_bins(points)}
                         if CALIBRATED in names else None),
     }

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from specdec.cli.options import add_tree_flags, model_dir, read_prompts, resolved_min_tau
+from specdec.cli.options import add_compile_flag, add_tree_flags, model_dir, read_prompts, resolved_min_tau
 from specdec.errors import UsageError
 from specdec.procs import pinned_cores
 
@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
                        description="Run every method on the same prompts, interleaved per prompt, and report "
                                    "tokens/s, speedups, tau (bonus token included) and acceptance per position. "
                                    "`specdec bench sweep` measures eagle2 over tree sizes and depths instead.")
-    p.add_argument("mode", nargs="?", choices=("sweep",), help="sweep: tree budget sweep of eagle2")
+    p.add_argument("mode", nargs="?", choices=("sweep", "profile"),
+                   help="sweep: tree budget sweep of eagle2; profile: where a step's time goes (eager, compiled)")
     g = p.add_argument_group("models (default: the bundled demo family)")
     g.add_argument("--target", help="target model directory (HF causal LM with its tokenizer)")
     g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
@@ -49,6 +50,7 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
+    add_compile_flag(g)
     p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
                    help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -100,7 +102,19 @@ def add_parser(sub) -> None:
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
     p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_profile_flags(p)
     p.set_defaults(run=run)
+
+
+def add_profile_flags(p) -> None:
+    g = p.add_argument_group("profile (`specdec bench profile`)")
+    g.add_argument("--prefix", type=int, default=128, help="cached tokens before each profiled step (default 128)")
+    g.add_argument("--steps", type=int, default=30, help="timed runs per step (default 30)")
+    g.add_argument("--e2e-prompts", type=int, default=0, metavar="N",
+                   help="also decode N prompts with vanilla and eagle2, eager and compiled verifier side by side")
+    g.add_argument("--startup", action="store_true",
+                   help="also time start-up in fresh processes: eager, compiled cold and warm inductor cache")
+    g.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)   # one start-up, timed
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -155,7 +169,7 @@ def config_from(args, sweep: bool):
     return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, eagle3=eagle3, methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
-                       device=args.device, verify_token_budget=args.verify_token_budget,
+                       device=args.device, compile=args.compile, verify_token_budget=args.verify_token_budget,
                        min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
                        pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,
@@ -179,6 +193,8 @@ def run(args) -> int:
     import torch
 
     from specdec.bench.runner import stderr_progress
+    if args.mode == "profile":
+        return run_profile_command(args)
     sweep = args.mode == "sweep"
     if args.concurrency and sweep:
         raise UsageError("--concurrency does not combine with `bench sweep`")
@@ -225,4 +241,17 @@ def run(args) -> int:
     if args.report:
         write_report(result, args.report)
     print(markdown(result))
+    return 0
+
+
+def run_profile_command(args) -> int:
+    import torch
+
+    from specdec.bench.profile import profile_markdown, run_profile
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_profile(args, model_dir(args.target, "target", "target model", "--target"),
+                         model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"))
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(profile_markdown(result))
     return 0

@@ -78,7 +78,8 @@ def resolve_models(args):
         hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
         raise UsageError(f"target model directory {target} has no config.json{hint}")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
-                     attn_implementation=getattr(args, "attn_implementation", "auto"))
+                     attn_implementation=getattr(args, "attn_implementation", "auto"),
+                     compile=getattr(args, "compile", "off"))
     if args.method == VANILLA:
         return spec, DrafterChoice("none")
     if args.ngram:

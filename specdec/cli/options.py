@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.errors import SpecdecError, UsageError
-from specdec.models import ATTN_IMPLEMENTATIONS, demo_path
+from specdec.models import ATTN_IMPLEMENTATIONS, COMPILE_MODES, demo_path
 from specdec.params import PROPOSALS
 
 
@@ -59,6 +59,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
     g.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="attention of the target with --local: auto (default), sdpa or eager")
+    add_compile_flag(g)
+
+
+def add_compile_flag(p) -> None:
+    p.add_argument("--compile", default="off", choices=COMPILE_MODES,
+                   help="torch.compile the target's one-token steps and tree verifies over fixed-shape KV "
+                        "(specdec.compiled): on, auto (on where a compiled step is measured faster) or off "
+                        "(default); compiled at start-up, cached in TORCHINDUCTOR_CACHE_DIR")
 
 
 def resolved_min_tau(text: str) -> float | None:

@@ -21,7 +21,7 @@ import argparse
 import asyncio
 
 from specdec import knobs
-from specdec.cli.options import env, model_dir
+from specdec.cli.options import add_compile_flag, env, model_dir
 from specdec.errors import UsageError
 from specdec.models import ATTN_IMPLEMENTATIONS
 from specdec.params import METHODS, PROPOSALS, TreeParams
@@ -111,6 +111,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="auto (default): specdec's SDPA where the model allows, else its best; or force sdpa / eager")
+    add_compile_flag(p)
     p.add_argument("--feature-dtype", default="float32", choices=("float32", "float16"),
                    help="dtype of the features sent to EAGLE drafters")
     p.add_argument("--tp", type=int, default=1,
@@ -177,7 +178,7 @@ def run_verifier(args) -> int:
     _check_sessions(args)
     cfg = server_config_from(args)
     spec = ModelSpec(path=model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
-                     device=args.device, attn_implementation=args.attn_implementation)
+                     device=args.device, attn_implementation=args.attn_implementation, compile=args.compile)
     from verifier.service import VerifierService, VerifierServiceConfig
 
     if args.tp < 1:

@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
 
 def _models(args) -> Models:
     target = model_dir(args.target, "target", "target model", "--target")
-    verifier = ("--target", target, "--dtype", args.dtype)
+    verifier = ("--target", target, "--dtype", args.dtype, "--compile", args.compile)
     if args.ngram:
         drafter = ("--ngram", "--target", target)
     elif args.draft_lm:

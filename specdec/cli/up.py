@@ -112,7 +112,7 @@ def _watch(orchestrator: Child, backends: list[Child]) -> None:
 def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     """Flags for the verifier, for the drafter (None: no drafter) and the tokenizer directory."""
     target = _model_dir(args.target or str(demo_path("target")), "target model")
-    verifier = ["--target", target, "--dtype", args.dtype]
+    verifier = ["--target", target, "--dtype", args.dtype, "--compile", args.compile]
     if args.method == VANILLA:
         drafter = None
     elif args.ngram:

@@ -1,0 +1,134 @@
+"""Compiled target forwards (``specdec.compiled``): greedy output token-identical
+to eager vanilla on the demo target and on a tiny non-Llama family, seeded
+sampling reproducible, the padding helpers, and the per-model fallback to
+eager forwards with one log line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from families import BY_NAME
+
+from specdec import compiled, kv
+from specdec.decoding import StopCriteria
+from specdec.local import generate
+from specdec.models import ModelSpec, demo_path, load_tokenizer
+from specdec.params import SamplingParams, TreeParams
+from verifier.engine import TargetModel, VerifierEngine
+
+PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        self."]
+SMALL_TREE = TreeParams(total_tokens=8, depth=3, expand_k=4)     # verify widths 1..8: few graphs
+
+
+def test_buckets():
+    assert [compiled.capacity_bucket(n) for n in (1, 512, 513, 2000)] == [512, 512, 1024, 2048]
+    assert [compiled.width_bucket(n) for n in (1, 3, 16, 17, 64, 65)] == [1, 4, 16, 32, 64, None]
+
+
+def test_pad_mask_hides_unused_slots_and_pads_see_themselves():
+    low = torch.finfo(torch.float32).min
+    mask = torch.zeros(1, 1, 3, 7)                      # 3 queries after 4 cached slots
+    mask[0, 0, 0, 5:] = low
+    out = compiled.pad_mask(mask, 4, 16)
+    assert out.shape == (1, 1, 4, 16)
+    assert torch.equal(out[:, :, :3, :7], mask)
+    assert (out[:, :, :3, 7:] == low).all()
+    assert out[0, 0, 3, 7] == 0 and (out[0, 0, 3, :7] == low).all() and (out[0, 0, 3, 8:] == low).all()
+
+
+GREEDY = SamplingParams()
+
+
+def _tokens(verifier, drafter, prompts, tree=None, params=GREEDY, n=24):
+    stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset())
+    return [generate(verifier, drafter, p, params, stop, tree).tokens for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    from drafter.eagle import EagleDrafter
+
+    eager = TargetModel(ModelSpec(str(demo_path("target"))))
+    fast = TargetModel(ModelSpec(str(demo_path("target"))), model=eager.model)
+    fast.compiled = compiled.compile_target(fast.lm, "on")
+    assert fast.compiled is not None
+    tok = load_tokenizer(demo_path("target"))
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    drafter = EagleDrafter(demo_path("eagle"), demo_path("target"))
+    return VerifierEngine(eager), VerifierEngine(fast), drafter, prompts
+
+
+def test_demo_target_greedy_identical_to_eager_vanilla(demo_engines):
+    eager, fast, drafter, prompts = demo_engines
+    want = _tokens(eager, None, prompts)
+    assert _tokens(fast, None, prompts) == want
+    assert _tokens(fast, drafter, prompts, SMALL_TREE) == want          # tree verifies on the compiled path
+
+
+def test_demo_target_takes_the_compiled_path(demo_engines):
+    _, fast, _, prompts = demo_engines
+    cache = fast.target.new_cache(40)
+    assert kv.seq_len(cache) == 0 and cache.layers[0].capacity == compiled.MIN_CAPACITY
+    ids = torch.tensor(prompts[0])
+    fast.target.forward(cache, ids, torch.arange(len(ids)), None)
+    assert fast.target.compiled.accepts(cache, 1) and fast.target.compiled.accepts(cache, 8)
+    assert not fast.target.compiled.accepts(cache, 65)                  # wider than any compiled graph
+
+
+def test_demo_target_seeded_sampling_reproducible(demo_engines):
+    _, fast, _, prompts = demo_engines
+    params = SamplingParams(temperature=0.8, seed=7)
+    assert _tokens(fast, None, prompts[:1], params=params) == _tokens(fast, None, prompts[:1], params=params)
+
+
+def test_non_llama_family_greedy_identical(family_dir):
+    from drafter.ngram import NgramDrafter
+
+    family = BY_NAME["qwen3"]
+    path = family_dir(family)
+    eager = VerifierEngine(TargetModel(ModelSpec(str(path))))
+    fast = VerifierEngine(TargetModel(ModelSpec(str(path), compile="on")))
+    assert fast.target.compiled is not None
+    prompts = [[3, 17, 42, 9, 3, 17, 42], [5, 6, 7, 8, 5, 6]]
+    want = _tokens(eager, None, prompts, n=16)
+    assert _tokens(fast, None, prompts, n=16) == want
+    ngram = NgramDrafter(fast.target.vocab_size)
+    assert _tokens(fast, ngram, prompts, TreeParams(total_tokens=6, depth=4), n=16) == want
+
+
+def test_failed_compilation_falls_back_to_eager_with_one_line(family_dir, caplog, monkeypatch):
+    def broken(self, lm):
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    monkeypatch.setattr(compiled.CompiledForward, "__init__", broken)
+    path = family_dir(BY_NAME["llama"])
+    with caplog.at_level(logging.WARNING, logger="specdec.compiled"):
+        target = TargetModel(ModelSpec(str(path), compile="on"))
+    assert target.compiled is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    assert len(lines) == 1
+    assert "'llama'" in lines[0] and "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
+    engine = VerifierEngine(target)
+    assert _tokens(engine, None, [[1, 2, 3]], n=4) == _tokens(VerifierEngine(TargetModel(ModelSpec(str(path)))),
+                                                             None, [[1, 2, 3]], n=4)
+
+
+def test_compile_mode_is_checked():
+    with pytest.raises(ValueError, match="compile must be one of"):
+        ModelSpec("x", compile="always")
+
+
+@pytest.mark.parametrize("eager_ms, compiled_ms, kept", [(10.0, 5.0, True), (5.0, 10.0, False)])
+def test_auto_keeps_compiled_only_where_it_pays(family_dir, caplog, monkeypatch, eager_ms, compiled_ms, kept):
+    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
+    times = iter([eager_ms, compiled_ms])           # compile_target times eager first, then compiled
+    monkeypatch.setattr(compiled, "time_step", lambda *args, **kwargs: next(times))
+    with caplog.at_level(logging.INFO, logger="specdec.compiled"):
+        result = compiled.compile_target(target.lm, "auto")
+    assert (result is not None) == kept
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    assert len(lines) == 1
+    assert ("compiled forwards on" in lines[0]) == kept
+    assert kept or "10.00 ms compiled, 5.00 ms eager" in lines[0]

@@ -1,0 +1,63 @@
+"""The llama.cpp peer of ``specdec bench``: skipped with one clear line when
+llama-cpp-python is missing, and (when installed) llama.cpp's greedy tokens on
+the exported demo target equal specdec vanilla's, which proves the export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.bench import llamacpp_peer
+from specdec.bench.llamacpp_peer import MISSING, identical_fraction, llamacpp_methods
+from specdec.cli.main import main
+from specdec.models import demo_path
+
+PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
+           "import os\n\ndef list_files(path):\n    "]
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    return path
+
+
+def test_no_llamacpp_method_asked_for_means_no_note():
+    assert llamacpp_methods(["vanilla", "eagle2"], "unused", None, 8, 0.0, frozenset(), 64, 1) == ({}, [])
+
+
+def test_skipped_with_one_clear_line_when_missing(tiny_family, prompt_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(llamacpp_peer, "llama_cpp", None)
+    out = tmp_path / "r.json"
+    args = ["bench", "--target", str(tiny_family["target"]), "--prompts", str(prompt_file), "--limit-prompts", "1",
+            "--max-new-tokens", "4", "--methods", "vanilla,llamacpp,llamacpp-lookup", "--json", str(out)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("llama-cpp-python is not installed") == 1, err
+    result = json.loads(out.read_text())
+    assert set(result["methods"]) == {"vanilla", "hf-generate"}
+    assert result["llamacpp"]["notes"] == [MISSING]
+
+
+def test_identical_fraction():
+    ref = {(0, 0): [1, 2], (0, 1): [3, 4]}
+    assert identical_fraction({(0, 0): [1, 2], (0, 1): [3, 5]}, ref) == 0.5
+    assert identical_fraction(ref, ref) == 1.0
+    assert identical_fraction({}, {}) is None
+
+
+@pytest.mark.slow          # needs the llamacpp extra (a from-source llama.cpp build): run by `make bench`
+@pytest.mark.skipif(not llamacpp_peer.available(), reason="llama-cpp-python (specdec[llamacpp]) is not installed")
+def test_llamacpp_greedy_equals_vanilla_on_the_demo_target(prompt_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "r.json"
+    args = ["bench", "--target", str(demo_path("target")), "--prompts", str(prompt_file), "--max-new-tokens", "32",
+            "--methods", "vanilla,llamacpp,llamacpp-lookup", "--quiet", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["llamacpp"]["identical_to_vanilla"] == {"llamacpp": 1.0, "llamacpp-lookup": 1.0}
+    assert result["methods"]["llamacpp"]["matches_vanilla"] is True
+    assert result["generated_tokens"]["llamacpp"] == result["generated_tokens"]["vanilla"] == 3 * 32
+    assert list((tmp_path / "cache" / "specdec" / "gguf").glob("target-*-f32.gguf"))
