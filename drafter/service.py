@@ -172,8 +172,9 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         sid = check_session_id(request.session_id)
         tokens, feats = self._commit_of(request)
         cfg = self._tree_config(request.tree)
-        # a tree to draft ahead from is drafted alone (with one session there is nothing to batch)
-        if self.scheduler is not None and not (request.ahead and len(self.sessions) <= 1):
+        # with one session open there is nothing to batch (and a tree to draft ahead from is drafted alone):
+        # a lone session's batch would close at once, so it skips the scheduler's extra task hop
+        if self.scheduler is not None and len(self.sessions) > 1:
             tree, seconds = await self.scheduler.draft(sid, tokens, feats, cfg)
         else:
             tree, seconds = await self.run(self._commit_and_draft, sid, tokens, feats, cfg, request.ahead)
