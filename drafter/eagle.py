@@ -8,6 +8,7 @@ root_pos + d.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from pathlib import Path
 
 import torch
@@ -18,8 +19,44 @@ from specdec import kv, masks
 from specdec.models import torch_device
 
 
-class EagleDrafter(CachedTreeDrafter):
+class FeatureHeadDrafter(CachedTreeDrafter):
+    """A drafter whose ``head`` reads (token embedding, feature) pairs over one
+    full-attention layer (EAGLE-1/2 and EAGLE-3): feeding committed pairs and
+    stepping tree nodes; a subclass says how tokens are embedded (``embed_tokens``)
+    and how head outputs become log-probs (``logprobs``)."""
+
     needs_features = True
+
+    def new_cache(self):
+        return kv.new_cache(self.head.config)
+
+    def _inputs_for(self, n_tokens: int) -> int:
+        return n_tokens - 1
+
+    @abstractmethod
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The head's token input for ``tokens``: the target's embedding rows."""
+
+    def feed_pending(self, sess: DraftSession):
+        start, end = sess.fed, len(sess.tokens) - 1          # pairs (feature_t, x_{t+1})
+        dev = self.device
+        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
+        feats = torch.stack(sess.features[start:end]).to(dev)
+        positions = torch.arange(start, end, device=dev)
+        out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
+        sess.fed = end
+        return out[-1], self.logprobs(out[-1])
+
+    def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
+        dev = self.device
+        tokens, positions = tokens.to(dev), positions.to(dev)
+        mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
+        out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None].to(dev), positions[None], mask,
+                        sess.cache)[0]
+        return out, self.logprobs(out)
+
+
+class EagleDrafter(FeatureHeadDrafter):
     name = "eagle"
     feature_layers: tuple[int, ...] = ()     # the target's final hidden state (VerifierEngine.prefill)
 
@@ -40,12 +77,6 @@ class EagleDrafter(CachedTreeDrafter):
         self.head, self.target_head = head.to(self.device), target_head.to(self.device)
         self.hidden_size = self.feature_size = embed.shape[1]
 
-    def new_cache(self):
-        return kv.new_cache(self.head.config)
-
-    def _inputs_for(self, n_tokens: int) -> int:
-        return n_tokens - 1
-
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.target_head.logits(hidden), dim=-1)
@@ -53,20 +84,3 @@ class EagleDrafter(CachedTreeDrafter):
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's embedding rows of ``tokens``: the head's token input."""
         return self.target_head.embed_tokens(tokens)
-
-    def feed_pending(self, sess: DraftSession):
-        start, end = sess.fed, len(sess.tokens) - 1          # pairs (f_t, x_{t+1})
-        dev = self.device
-        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
-        feats = torch.stack(sess.features[start:end]).to(dev)
-        positions = torch.arange(start, end, device=dev)
-        out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
-        sess.fed = end
-        return out[-1], self.logprobs(out[-1])
-
-    def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
-        dev = self.device
-        tokens, positions = tokens.to(dev), positions.to(dev)
-        mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
-        out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None], positions[None], mask, sess.cache)[0]
-        return out, self.logprobs(out)

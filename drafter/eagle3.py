@@ -31,16 +31,14 @@ from transformers import AutoConfig
 
 from drafter import eagle3_layouts as layouts
 from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
-from drafter.eagle import EagleDrafter
+from drafter.eagle import EagleDrafter, FeatureHeadDrafter
 from drafter.eagle3_head import Eagle3Head, load_head3
 from drafter.eagle_head import WEIGHT_FILES, load_target_head
-from specdec import kv, masks
 from specdec.errors import InvalidArgument
 from specdec.models import torch_device
 
 
-class Eagle3Drafter(CachedTreeDrafter):
-    needs_features = True
+class Eagle3Drafter(FeatureHeadDrafter):
     name = "eagle3"
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
@@ -76,12 +74,6 @@ class Eagle3Drafter(CachedTreeDrafter):
         self.feature_size = head.fc.in_features             # 3 Ht: a feature row on the wire
         self.hidden_size = head.config.hidden_size
 
-    def new_cache(self):
-        return kv.new_cache(self.head.config)
-
-    def _inputs_for(self, n_tokens: int) -> int:
-        return n_tokens - 1
-
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target-vocabulary log-probs [..., V] of head outputs [..., H]: the draft
         distribution placed at its target ids, -inf elsewhere."""
@@ -100,23 +92,9 @@ class Eagle3Drafter(CachedTreeDrafter):
                                   f"{list(self.feature_layers)}), got {tuple(features.shape)}")
         super()._append(sess, tokens, features, first)
 
-    def feed_pending(self, sess: DraftSession):
-        start, end = sess.fed, len(sess.tokens) - 1          # pairs (g_t, x_{t+1})
-        dev = self.device
-        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
-        feats = torch.stack(sess.features[start:end]).to(dev)
-        positions = torch.arange(start, end, device=dev)
-        out = self.head(self.head.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
-        sess.fed = end
-        return out[-1], self.logprobs(out[-1])
-
-    def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
-        dev = self.device
-        tokens, positions = tokens.to(dev), positions.to(dev)
-        mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
-        out = self.head(self.head.embed_tokens(tokens)[None], parent_hidden[None].to(dev), positions[None], mask,
-                        sess.cache)[0]
-        return out, self.logprobs(out)
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows of ``tokens`` (held by the head)."""
+        return self.head.embed_tokens(tokens)
 
 
 def is_eagle3_head(directory: str | Path) -> bool:
