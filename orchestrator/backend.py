@@ -59,6 +59,9 @@ class Deadline:
             raise DeadlineExceeded("deadline exceeded")
         return left
 
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
 
 class BackendError(SpecdecError):
     """A verifier or drafter call failed; keeps its status code."""
@@ -112,15 +115,27 @@ class Backend(ABC):
                 response = await self.step(name, request)
             else:
                 response = await getattr(self.endpoint.stub, name)(request, timeout=self.deadline.remaining())
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, BackendError) as exc:
             if account:
                 self.network_s += time.perf_counter() - start
-            raise BackendError(self.role, name, exc.code(), exc.details(), self.endpoint.address) from None
+            raise self.failure(name, exc) from None
         if account:
             wall = time.perf_counter() - start
             self.network_s += wall - min(getattr(response, "compute_s", wall), wall)
         self.wire_bytes += request.ByteSize() + response.ByteSize()
         return response
+
+    def failure(self, name: str, exc: grpc.aio.AioRpcError | BackendError) -> BackendError:
+        """What a failed call is to the session. Past the request's deadline it is
+        DEADLINE_EXCEEDED whatever the transport said: a session stream's call
+        ends at that deadline, and a step racing its end may see INTERNAL
+        ("Internal error from Core") or a call already finished instead."""
+        if self.deadline.passed():
+            return BackendError(self.role, name, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded",
+                                self.endpoint.address)
+        if isinstance(exc, BackendError):
+            return exc
+        return BackendError(self.role, name, exc.code(), exc.details(), self.endpoint.address)
 
     async def step(self, name: str, request):
         """One step on the session stream (a Prefill opens a new one); the stream
@@ -128,10 +143,18 @@ class Backend(ABC):
         if name == "Prefill" or self.stream is None:
             self.close_stream()
             self.stream = self.endpoint.stub.Session(timeout=self.deadline.remaining())
-        field = self.stream_steps[name]
+        field, stream = self.stream_steps[name], self.stream
         self.stepping = True
-        await self.stream.write(self.session_request(**{field: request}))
-        answer = await self.stream.read()
+        try:
+            await stream.write(self.session_request(**{field: request}))
+        except asyncio.InvalidStateError:
+            # the call ended between steps (its deadline, or the backend's end): that status is this step's
+            code = await stream.code()
+            details = await stream.details()
+            self.close_stream()
+            raise BackendError(self.role, name, grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+                               details or "the session stream had ended", self.endpoint.address) from None
+        answer = await stream.read()
         self.stepping = False
         if answer == grpc.aio.EOF or answer.WhichOneof("step") != field:
             self.close_stream()
@@ -201,8 +224,8 @@ class Backend(ABC):
             return False
         try:
             ended = await asyncio.wait_for(self.finish(stream), RELEASE_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
-            ended = False
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+            ended = False                       # (the call ended meanwhile: a Release call makes sure)
         self.close_stream()
         return ended
 

@@ -18,14 +18,19 @@ import asyncio
 
 import grpc
 import pytest
-
 from running_stack import Stack, start_orchestrator
 from services.helpers import channel_to, rpc_error, start_verifier
+
+from orchestrator.backend import BackendError, Deadline
+from orchestrator.failover import RemoteVerifier
+from orchestrator.lease import Leases
+from orchestrator.routing import Discovery, Pool
 from specdec import tensor_wire, wire
 from specdec.client import SpecdecClient
 from specdec.errors import Unavailable
 from specdec.metrics import REGISTRY
 from specdec.params import SamplingParams
+from specdec.speculative import Draft
 from specdec.tree import tree_from_lists
 from specdec.v1 import verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
@@ -213,3 +218,47 @@ async def test_stream_opens_with_one_prefill_of_its_own_session(tiny_family):
 async def _drain(call) -> None:
     while await call.read() != grpc.aio.EOF:
         pass
+
+
+@pytest.mark.asyncio
+async def test_a_step_after_the_streams_deadline_is_deadline_exceeded(tiny_family):
+    """The stream carries the request's deadline; a step written after it has
+    passed (the call already over) fails with that status, which the loop
+    answers as a timeout, and the session is still released."""
+    server, servicer = await start_verifier(tiny_family, metrics_port=None)
+    pool = Pool("verifier", Discovery(static=(f"127.0.0.1:{server.port}",)))
+    try:
+        backend = RemoteVerifier(pool, "late", Deadline(1.0), Leases())
+        await backend.pin()
+        first = await backend.prefill([5, 17, 42, 8], SamplingParams(), 16, features=False)
+        for _ in range(200):                         # the call ends at its deadline, client side
+            if backend.stream.done():
+                break
+            await asyncio.sleep(0.02)
+        assert backend.stream.done()
+        tree = tensor_wire.tree_to_proto(tree_from_lists(first.tokens, [-1]))
+        with pytest.raises(BackendError) as raised:
+            await backend.verify(Draft(tree, 1), features=False)
+        assert raised.value.status == grpc.StatusCode.DEADLINE_EXCEEDED
+        await backend.release()
+        assert await wait_empty(servicer) == 0
+    finally:
+        for endpoint in pool.endpoints.values():
+            await endpoint.channel.close()
+        await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_any_failure_past_the_deadline_is_deadline_exceeded():
+    """A step that races the stream's end at the deadline can see INTERNAL
+    from the transport; the session takes it for what it is, a timeout (before
+    the deadline the transport's status stands)."""
+    core = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                "Internal error from Core")
+    pool = Pool("verifier", Discovery(static=("127.0.0.1:1",)))
+    for timeout, status in ((-1.0, grpc.StatusCode.DEADLINE_EXCEEDED), (60.0, grpc.StatusCode.INTERNAL),
+                            (None, grpc.StatusCode.INTERNAL)):
+        backend = RemoteVerifier(pool, "s", Deadline(timeout), Leases())
+        backend.endpoint = pool.endpoints["127.0.0.1:1"]
+        assert backend.failure("Verify", core).status == status
+    await pool.endpoints["127.0.0.1:1"].channel.close()
