@@ -3,8 +3,10 @@
 Collects each model's training log (steps, tokens, time, held-out loss vs the
 unigram baseline), sizes, and measures on this machine the cost of one target
 forward of one token against one EAGLE-head draft step (one node, and a
-frontier of expand_k nodes), both over a 200-token prefix. The calibration
-table and plot (EAGLE-2 §3.2, Figure 6) come from ``specdec.bench``.
+frontier of expand_k nodes), both over a 200-token prefix. Each bundled head
+(EAGLE-2 ``eagle/``, EAGLE-3 ``eagle3/``) gets its held-out tau at the same
+trees and its calibration table and plot (EAGLE-2 §3.2, Figure 6), which come
+from ``specdec.bench``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from pathlib import Path
 import torch
 
 from specdec import kv
+from specdec.params import TreeParams
+
+# the bundled heads: directory -> (bench method name, calibration plot)
+HEADS = {"eagle": ("eagle2", "calibration.png"), "eagle3": ("eagle3", "calibration-eagle3.png")}
+TREES = (TreeParams(), TreeParams(total_tokens=32, depth=6, expand_k=6), TreeParams(total_tokens=16, depth=10))
 
 
 def _timed(fn, repeats: int = 30) -> float:
@@ -90,7 +97,7 @@ def _log(model_dir: Path) -> dict:
 def collect(demo: Path, measure: bool = True) -> dict:
     card: dict = {"machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
                   "models": {}}
-    for name in ("target", "draft-lm", "eagle"):
+    for name in ("target", "draft-lm", *HEADS):
         d = demo / name
         if not d.is_dir():
             continue
@@ -106,9 +113,10 @@ def collect(demo: Path, measure: bool = True) -> dict:
             * (log.get("config", {}).get("seq_len") or 0),
             "last_eval": evals[-1] if evals else None, "unigram_loss": log.get("unigram_loss"),
         }
-    calibration = demo / "eagle" / "calibration.json"
-    if "eagle" in card["models"] and calibration.is_file():
-        card["models"]["eagle"]["calibration"] = json.loads(calibration.read_text())
+    for name in HEADS:
+        calibration = demo / name / "calibration.json"
+        if name in card["models"] and calibration.is_file():
+            card["models"][name]["calibration"] = json.loads(calibration.read_text())
     if measure and (demo / "target").is_dir() and (demo / "eagle").is_dir():
         card["step_costs"] = step_costs(demo / "target", demo / "eagle")
     return card
@@ -129,29 +137,34 @@ def heldout_prompts(tokenizer, n: int = 12, prompt_tokens: int = 96) -> list[lis
     return prompts
 
 
-def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: int = 128) -> dict:
-    """EAGLE-2 greedy on held-out prompts: tau per tree config tried, and the
-    calibration points (draft confidence vs acceptance, EAGLE-2 §3.2)."""
+def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: int = 128,
+                          head: str = "eagle") -> dict:
+    """Greedy EAGLE-2 trees from the bundled ``head`` on held-out prompts: tau
+    per tree config tried, and the calibration points (draft confidence vs
+    acceptance, EAGLE-2 §3.2)."""
     from specdec.bench.calibration import TreeRecorder, calibration_bins
     from specdec.decoding import StopCriteria
     from specdec.local import DrafterChoice, build_local, generate
     from specdec.models import ModelSpec
     from specdec.params import SamplingParams, TreeParams
 
-    stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / "eagle")))
+    stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / head)))
     recorder = TreeRecorder(stack.verifier)
     stop = StopCriteria(max_new_tokens=max_new_tokens)
     runs = {}
-    for cfg in (TreeParams(), TreeParams(total_tokens=32, depth=6, expand_k=6)):
+    for cfg in TREES:
         committed = cycles = 0
         for p in prompts:
             dec = generate(recorder, stack.drafter, p, SamplingParams(), stop, cfg)
             committed += sum(dec.stats.committed_per_cycle)
             cycles += dec.stats.cycles
-        runs[f"total_tokens={cfg.total_tokens},depth={cfg.depth},expand_k={cfg.expand_k}"] = round(
-            committed / max(cycles, 1), 3)
+        runs[tree_name(cfg)] = round(committed / max(cycles, 1), 3)
     return {"tau": runs, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
             "calibration": calibration_bins(recorder.points())}
+
+
+def tree_name(cfg) -> str:
+    return f"total_tokens={cfg.total_tokens},depth={cfg.depth},expand_k={cfg.expand_k}"
 
 
 def _num(x, spec: str = ".3f") -> str:
@@ -178,6 +191,8 @@ def render(card: dict) -> str:
              _command("target", m, "this target"),
              _command("draft-lm", m, "the draft LM"),
              _command("eagle", m, "head on the target's features"),
+             *([_command("eagle", m | {"eagle": m["eagle3"]}, "the EAGLE-3 head").replace(
+                 "eagle --steps", "eagle --version 3 --steps", 1)] if "eagle3" in m else []),
              "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
@@ -201,24 +216,41 @@ def render(card: dict) -> str:
                   f"- target forward, 1 token: {c['target_token_s'] * 1e3:.2f} ms",
                   f"- EAGLE head step, 1 node: {c['head_step_1_s'] * 1e3:.2f} ms (ratio {c['ratio_1']:.1f})",
                   f"- EAGLE head step, 8-node tree level: {c['head_step_8_s'] * 1e3:.2f} ms (ratio {c['ratio_8']:.1f})"]
-    if "heldout" in card:
-        h = card["heldout"]
-        lines += ["", f"## Acceptance on held-out code ({h['prompts']} prompts, greedy, "
-                      f"{h['max_new_tokens']} new tokens)", "", "| tree | tau (bonus token included) |", "|---|---|"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in h["tau"].items()]
-        lines += ["", "### Calibration (EAGLE-2 §3.2, Figure 6): draft confidence vs acceptance rate", ""]
-        fitted = card["models"].get("eagle", {}).get("calibration")
-        if fitted:
-            t = fitted["greedy_value_temperature"]
-            conf = fitted.get("mean_top1_confidence", {})
-            lines += [f"Greedy sessions rank the tree with the head's logits divided by T = {t} "
-                      f"(`eagle/calibration.json`, fitted by temperature scaling on held-out text: mean top-1 "
-                      f"confidence {conf.get('1.0')} at T = 1, {conf.get(str(t))} at T = {t}, against a top-1 "
-                      f"agreement of {fitted.get('top1_agreement')}); the confidences below are those tempered "
-                      "probabilities, the values the tree was built from.", ""]
-        lines += ["![calibration](calibration.png)", "", "| confidence | nodes | accepted | rate |", "|---|---|---|---|"]
-        lines += [f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {_num(b['rate'])} |"
-                  for b in h["calibration"]]
+    eagle3 = (m.get("eagle3") or {}).get("last_eval") or {}
+    if eagle3:
+        steps = sorted(int(k.rsplit("_", 1)[1]) for k in eagle3 if k.startswith("heldout_top1_"))
+        lines += ["", "EAGLE-3 head on held-out text, top-1 agreement with the target at each unrolled step "
+                      "(step k drafts k + 1 tokens ahead, on its own earlier outputs): "
+                      + ", ".join(f"{k}: {_num(eagle3[f'heldout_top1_{k}'])}" for k in steps)
+                      + f"; the target's argmax lies in its draft vocabulary at "
+                        f"{_num(eagle3.get('heldout_in_draft'))} of held-out positions."]
+    runs = {head: card[heldout_key(head)] for head in HEADS if heldout_key(head) in card}
+    if runs:
+        first = next(iter(runs.values()))
+        names = [HEADS[h][0] for h in runs]
+        lines += ["", f"## Acceptance on held-out code ({first['prompts']} prompts, greedy, "
+                      f"{first['max_new_tokens']} new tokens)", "",
+                  "| tree | " + " | ".join(f"tau {n}" for n in names) + " |", "|---|" + "---|" * len(names)]
+        for tree in first["tau"]:
+            lines.append(f"| {tree} | " + " | ".join(_num(r["tau"].get(tree), ".2f") for r in runs.values()) + " |")
+        lines += ["", "tau counts the bonus token."]
+        for head, run in runs.items():
+            method, plot = HEADS[head]
+            lines += ["", f"### Calibration of the {method} head (EAGLE-2 §3.2, Figure 6): draft confidence vs "
+                          "acceptance rate", ""]
+            fitted = card["models"].get(head, {}).get("calibration")
+            if fitted:
+                t = fitted["greedy_value_temperature"]
+                conf = fitted.get("mean_top1_confidence", {})
+                lines += [f"Greedy sessions rank the tree with the head's logits divided by T = {t} "
+                          f"(`{head}/calibration.json`, fitted by temperature scaling on held-out text: mean top-1 "
+                          f"confidence {conf.get('1.0')} at T = 1, {conf.get(str(t))} at T = {t}, against a top-1 "
+                          f"agreement of {fitted.get('top1_agreement')}); the confidences below are those tempered "
+                          "probabilities, the values the tree was built from.", ""]
+            lines += [f"![calibration of {method}]({plot})", "", "| confidence | nodes | accepted | rate |",
+                      "|---|---|---|---|"]
+            lines += [f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {_num(b['rate'])} |"
+                      for b in run["calibration"]]
     lines += ["", f"Measured on: {card['machine']}.", ""]
     return "\n".join(lines)
 
@@ -228,13 +260,20 @@ def write_card(demo: Path, prompts: int = 12, max_new_tokens: int = 128) -> Path
     from specdec.models import load_tokenizer
 
     card = collect(demo)
-    if (demo / "target").is_dir() and (demo / "eagle").is_dir():
-        tok = load_tokenizer(demo / "target")
-        card["heldout"] = acceptance_on_heldout(demo, heldout_prompts(tok, prompts), max_new_tokens)
-        bins = card["heldout"]["calibration"]
-        plot_calibration({"bins": bins, "method": "eagle2, held-out code",
-                          "evaluated_nodes": sum(b["nodes"] for b in bins)}, demo / "calibration.png")
+    if (demo / "target").is_dir():
+        held = heldout_prompts(load_tokenizer(demo / "target"), prompts)
+        for head, (method, plot) in HEADS.items():
+            if not (demo / head).is_dir():
+                continue
+            run = acceptance_on_heldout(demo, held, max_new_tokens, head)
+            card[heldout_key(head)] = run
+            plot_calibration({"bins": run["calibration"], "method": f"{method}, held-out code",
+                              "evaluated_nodes": sum(b["nodes"] for b in run["calibration"])}, demo / plot)
     (demo / "card.json").write_text(json.dumps(card, indent=1))
     out = demo / "MODEL_CARD.md"
     out.write_text(render(card))
     return out
+
+
+def heldout_key(head: str) -> str:
+    return "heldout" if head == "eagle" else f"heldout_{head}"
