@@ -37,8 +37,8 @@ bench: setup
 	$(PY) -m pytest -q -m slow
 	$(VENV)/bin/specdec bench --prompts specdec/bench/prompts.jsonl --json bench-results.json --report bench-report
 	$(VENV)/bin/specdec bench --grpc --prompts specdec/bench/prompts.jsonl --json bench-grpc.json --report bench-report/grpc
-	# EAGLE-3 beside EAGLE-2, in-process and through gRPC, once the demo EAGLE-3 head is there
-	if [ -f specdec/demo/eagle3/config.json ]; then $(VENV)/bin/specdec bench --grpc --methods vanilla,eagle2,eagle3 --eagle3 specdec/demo/eagle3 --prompts specdec/bench/prompts.jsonl --json bench-eagle3.json --report bench-report/eagle3; fi
+	# the bundled EAGLE-3 head beside the EAGLE-2 one, in-process and through gRPC
+	$(VENV)/bin/specdec bench --grpc --methods vanilla,eagle2,eagle3 --prompts specdec/bench/prompts.jsonl --json bench-eagle3.json --report bench-report/eagle3
 	$(VENV)/bin/specdec bench --grpc --methods vanilla,static,eagle2 --lookahead 1,2 --prompts specdec/bench/prompts.jsonl --json bench-lookahead.json --report bench-report/lookahead
 	$(VENV)/bin/specdec bench --temperature 1 --methods vanilla,hf-generate,hf-assisted,chain,static,eagle2,eagle2-top,ngram,sps --prompts specdec/bench/prompts.jsonl --json bench-t1.json --report bench-report/t1
 	$(VENV)/bin/specdec bench sweep --json bench-sweep.json --report bench-report

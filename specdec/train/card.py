@@ -171,10 +171,10 @@ def _num(x, spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
-def _command(name: str, models: dict, what: str) -> str:
-    info = models.get(name, {})
-    cmd = f"specdec train {name} --steps {info.get('steps')}"
-    return f"{cmd:<41}# {what}: {info.get('steps')} steps (batch {info.get('batch')} x {info.get('seq_len')} tokens)"
+def _command(name: str, models: dict, what: str, key: str | None = None, flags: str = "") -> str:
+    info = models.get(key or name, {})
+    cmd = f"specdec train {name}{flags} --steps {info.get('steps')}"
+    return f"{cmd:<40} # {what}: {info.get('steps')} steps (batch {info.get('batch')} x {info.get('seq_len')} tokens)"
 
 
 def render(card: dict) -> str:
@@ -191,8 +191,7 @@ def render(card: dict) -> str:
              _command("target", m, "this target"),
              _command("draft-lm", m, "the draft LM"),
              _command("eagle", m, "head on the target's features"),
-             *([_command("eagle", m | {"eagle": m["eagle3"]}, "the EAGLE-3 head").replace(
-                 "eagle --steps", "eagle --version 3 --steps", 1)] if "eagle3" in m else []),
+             *([_command("eagle", m, "the EAGLE-3 head", "eagle3", " --version 3")] if "eagle3" in m else []),
              "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
