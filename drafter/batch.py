@@ -28,8 +28,10 @@ alone (same tokens and parents; values equal up to float rounding, since a
 padded forward may sum in another order).
 
 Which drafters batch: the ones whose model this module knows how to run over
-a batch cache (``EagleDrafter`` and ``DraftLmDrafter`` with their own step and
-feed); anything else, the n-gram drafter included, drafts one by one. A bad
+a batch cache (the feature heads, EAGLE-1/2 and EAGLE-3, and ``DraftLmDrafter``,
+with their own step and feed; a head's token embedding and log-probs are its
+drafter's, called as they are); anything else, the n-gram drafter included,
+drafts one by one. A bad
 item (unknown session, bad token, bad features) fails alone.
 
 ``DraftScheduler`` collects concurrent Draft calls for at most a few ms and
@@ -45,7 +47,7 @@ import torch
 
 from drafter.base import CachedTreeDrafter, Drafter, DraftSession
 from drafter.draft_lm import DraftLmDrafter
-from drafter.eagle import EagleDrafter
+from drafter.eagle import FeatureHeadDrafter
 from specdec import kv, masks
 from specdec.batching import BatchScheduler
 from specdec.errors import FailedPrecondition
@@ -60,8 +62,9 @@ _FEED_ROOM = 64           # batch-cache slots kept for the inputs fed before the
 
 
 # -- how a batch cache is run through each known model ----------------------------------------------
-class _EagleModel:
-    """EagleDrafter: input t is (f_t, x_{t+1}); a tree node's feature is its parent's output."""
+class _FeatureHeadModel:
+    """A FeatureHeadDrafter (EAGLE-1/2, EAGLE-3): input t is (f_t, x_{t+1}); a
+    tree node's feature is its parent's output."""
 
     uses_features = True
 
@@ -108,14 +111,14 @@ class _LmModel:
 def _model_for(drafter: Drafter):
     """The batched runner for ``drafter``, or None when it must draft one by one.
     A subclass that changes how a step or a feed runs is not batched: the
-    batched forward could not reproduce it."""
+    batched forward could not reproduce it (how it embeds tokens and reads
+    log-probs it may change: the runner calls those)."""
     if not isinstance(drafter, CachedTreeDrafter) or type(drafter).draft_session is not CachedTreeDrafter.draft_session:
         return None
-    for base, runner in ((EagleDrafter, _EagleModel), (DraftLmDrafter, _LmModel)):
+    for base, runner in ((FeatureHeadDrafter, _FeatureHeadModel), (DraftLmDrafter, _LmModel)):
         cls = type(drafter)
         if isinstance(drafter, base) and all(getattr(cls, name) is getattr(base, name)
-                                             for name in ("step", "feed_pending", "logprobs", "_run", "_inputs_for",
-                                                          "embed_tokens")
+                                             for name in ("step", "feed_pending", "_run", "_inputs_for")
                                              if hasattr(base, name)):
             return runner(drafter)
     return None

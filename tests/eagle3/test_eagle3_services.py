@@ -24,15 +24,15 @@ PROMPT = "def add(a, b):"
 N = 32
 
 
-async def start_eagle3_drafter(paths, head: str = "eagle3"):
-    server, servicer = await start_drafter(paths, "eagle", warm=False, metrics_port=None)
+async def start_eagle3_drafter(paths, head: str = "eagle3", **cfg):
+    server, servicer = await start_drafter(paths, "eagle", warm=False, metrics_port=None, **cfg)
     await servicer.load(lambda: Eagle3Drafter(paths[head], paths["target"], max_sessions=8))
     server.set_ready(True)
     return server, servicer
 
 
-def add_eagle3_drafter(stack: Stack, name: str, head: str = "eagle3"):
-    stack.servers[name] = stack.loop.run(start_eagle3_drafter(stack.paths, head))
+def add_eagle3_drafter(stack: Stack, name: str, head: str = "eagle3", **cfg):
+    stack.servers[name] = stack.loop.run(start_eagle3_drafter(stack.paths, head, **cfg))
 
 
 class Held:
@@ -95,6 +95,7 @@ def stack(family3):
     s.add_verifier("v")
     s.add_verifier("v-batched", batch_window_ms=20)
     add_eagle3_drafter(s, "d3")
+    add_eagle3_drafter(s, "d3-batched", batch_window_ms=20)
     s.add_drafter("d2", "eagle")
     yield s
     s.close()
@@ -142,9 +143,11 @@ def test_drafter_refuses_features_of_the_wrong_width(stack):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and str(drafter.feature_size) in err.details()
 
 
-@pytest.mark.parametrize("verifier", ["v", "v-batched"])
-def test_one_verifier_serves_eagle2_and_eagle3_sessions(stack, reference, verifier):
-    add_orchestrator(stack, "o3", [verifier], ["d3"])
+@pytest.mark.parametrize("verifier,drafter", [("v", "d3"), ("v-batched", "d3-batched")])
+def test_one_verifier_serves_eagle2_and_eagle3_sessions(stack, reference, verifier, drafter):
+    """Concurrent EAGLE-2 and EAGLE-3 sessions on one verifier; with batch
+    windows, the verifies and the EAGLE-3 drafts of concurrent sessions batched."""
+    add_orchestrator(stack, "o3", [verifier], [drafter])
     add_orchestrator(stack, "o2", [verifier], ["d2"])
     try:
         before = fallbacks()
@@ -159,7 +162,7 @@ def test_one_verifier_serves_eagle2_and_eagle3_sessions(stack, reference, verifi
     finally:
         stack.stop("o3")
         stack.stop("o2")
-    assert stack.wait_sessions_closed(verifier, "d3", "d2") == {verifier: 0, "d3": 0, "d2": 0}
+    assert stack.wait_sessions_closed(verifier, drafter, "d2") == {verifier: 0, drafter: 0, "d2": 0}
 
 
 def run_losing_a_drafter(stack: Stack, names: list[str]) -> tuple[list, str, dict]:
