@@ -5,8 +5,10 @@ import json
 import torch
 from transformers import AutoConfig
 
+from drafter.eagle3 import Eagle3Drafter
 from drafter.eagle3_head import Eagle3Head, head3_config, head3_config_for, save_head
 from drafter import eagle3_layouts as layouts
+from services.helpers import start_drafter
 
 TARGET_LAYERS = 6
 DRAFT_VOCAB = 64
@@ -31,3 +33,15 @@ def random_head3(target_dir, draft_vocab: int | None = DRAFT_VOCAB, seed: int = 
 
 def read_config(directory) -> dict:
     return json.loads((directory / "config.json").read_text())
+
+
+async def start_eagle3_drafter(paths, head: str = "eagle3", **cfg):
+    """A drafter service over the EAGLE-3 head ``paths[head]`` (``cfg``: its config, e.g. a batch window)."""
+    server, servicer = await start_drafter(paths, "eagle", warm=False, metrics_port=None, **cfg)
+    await servicer.load(lambda: Eagle3Drafter(paths[head], paths["target"], max_sessions=8))
+    server.set_ready(True)
+    return server, servicer
+
+
+def add_eagle3_drafter(stack, name: str, head: str = "eagle3", **cfg):
+    stack.servers[name] = stack.loop.run(start_eagle3_drafter(stack.paths, head, **cfg))

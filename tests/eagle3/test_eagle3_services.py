@@ -10,29 +10,18 @@ import grpc
 import pytest
 import torch
 
-from drafter.eagle3 import Eagle3Drafter
 from running_stack import Stack
-from services.helpers import channel_to, rpc_error, start_drafter
+from services.helpers import channel_to, rpc_error
 from specdec import tensor_wire
 from specdec.client import SpecdecClient
 from specdec.metrics import REGISTRY
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
+from eagle3_family import add_eagle3_drafter
 from running_stack import start_orchestrator
 
 PROMPT = "def add(a, b):"
 N = 32
-
-
-async def start_eagle3_drafter(paths, head: str = "eagle3", **cfg):
-    server, servicer = await start_drafter(paths, "eagle", warm=False, metrics_port=None, **cfg)
-    await servicer.load(lambda: Eagle3Drafter(paths[head], paths["target"], max_sessions=8))
-    server.set_ready(True)
-    return server, servicer
-
-
-def add_eagle3_drafter(stack: Stack, name: str, head: str = "eagle3", **cfg):
-    stack.servers[name] = stack.loop.run(start_eagle3_drafter(stack.paths, head, **cfg))
 
 
 class Held:
