@@ -191,7 +191,7 @@ def load_head3(directory: str | Path, dtype=torch.float32, target_layers: int | 
         raise InvalidArgument(f"EAGLE-3 head directory {directory} has no config.json")
     config = json.loads(cfg_path.read_text())
     head = Eagle3Head(head3_config(layouts.llama_fields(config)), layouts.feature_layers(config, target_layers))
-    state = layouts.canonical_keys(read_weights(directory))
+    state = fill_vocab_maps(layouts.canonical_keys(read_weights(directory)), head)
     embed = state.pop(EMBED_KEY, None)
     expected = head.expected_shapes() | {EMBED_KEY: (head.t2d.numel(), head.config.hidden_size)}
     layouts.check_state(state | ({} if embed is None else {EMBED_KEY: embed}), expected, (EMBED_KEY,), directory)
@@ -201,6 +201,24 @@ def load_head3(directory: str | Path, dtype=torch.float32, target_layers: int | 
     if embed is not None or target_embed is not None:
         head.set_embedding(embed if embed is not None else target_embed)
     return head
+
+
+def fill_vocab_maps(state: dict, head: Eagle3Head) -> dict:
+    """``state`` with the vocabulary maps a released head may leave out: ``t2d``
+    (only training reads it) rebuilt from ``d2t``; ``d2t`` of a head whose draft
+    vocabulary is the whole vocabulary, the identity. A head with a reduced
+    vocabulary and no ``d2t`` stays without it (its error names it)."""
+    state = dict(state)
+    vocab, draft = head.t2d.numel(), head.draft_vocab_size
+    if "d2t" not in state and draft == vocab:
+        state["d2t"] = torch.zeros(draft, dtype=torch.long)
+    d2t = state.get("d2t")
+    if "t2d" not in state and d2t is not None and tuple(d2t.shape) == (draft,):
+        ids = torch.arange(draft) + d2t.long()
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids[(ids >= 0) & (ids < vocab)]] = True     # ids out of range: the drafter refuses the d2t
+        state["t2d"] = t2d
+    return state
 
 
 def save_head(head: Eagle3Head, directory: str | Path, dtype=torch.float16, with_embedding: bool = False) -> None:

@@ -118,6 +118,23 @@ def test_bad_head_is_one_error_naming_every_bad_tensor(family3, tmp_path, edit, 
     assert all(n in str(err.value) for n in needles), str(err.value)
 
 
+@pytest.mark.parametrize("head,drop", [("eagle3", ("t2d",)), ("eagle3-full", ("t2d",)), ("eagle3-full", ("t2d", "d2t"))])
+def test_a_head_without_the_maps_engines_skip_loads_and_drafts_the_same(family3, tmp_path, head, drop):
+    """Released heads may leave out t2d (training-only) and, with the whole
+    vocabulary as draft vocabulary, d2t: those are rebuilt, and the head
+    drafts the trees the complete checkpoint does."""
+    lean = broken_copy(family3[head], tmp_path / "lean", lambda s: [s.pop(k) for k in drop])
+    full, rebuilt = load_head3(family3[head]), load_head3(lean)
+    assert torch.equal(rebuilt.d2t, full.d2t) and torch.equal(rebuilt.t2d, full.t2d)
+    trees = []
+    for directory in (family3[head], lean):
+        drafter = Eagle3Drafter(directory, family3["target"])
+        drafter.prefill("s", [5, 9, 14, 3], torch.randn(3, drafter.feature_size, generator=torch.Generator().manual_seed(1)))
+        trees.append(drafter.draft("s", TreeParams(total_tokens=10, depth=4, expand_k=3)))
+    assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+    assert trees[0].parents.tolist() == trees[1].parents.tolist()
+
+
 def test_d2t_that_does_not_map_to_distinct_target_ids_is_refused(family3, tmp_path):
     every_id_to_0 = (lambda s: s.update({"d2t": -torch.arange(s["d2t"].numel())}))
     bad = broken_copy(family3["eagle3"], tmp_path / "bad", every_id_to_0)
