@@ -101,7 +101,7 @@ class Eagle3Layer(nn.Module):
         residual = normed if self.norm_before_residual else feature
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)            # [B, n, 2H]
         attn, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=mask,
-                                 past_key_values=cache)
+                                 **kv.with_cache(self.self_attn, cache))
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -84,8 +84,8 @@ class EagleHead(nn.Module):
             # SDPA's implicit causal mask is top-left aligned: wrong over a cache.
             mask = masks.causal_mask(h.shape[1], past, h.dtype)
         pe = self.rotary(h, positions)
-        return self.layers[0](h, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                              use_cache=cache is not None, position_embeddings=pe)
+        return self.layers[0](h, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
+                              position_embeddings=pe, **kv.with_cache(self.layers[0], cache))
 
     def expected_keys(self) -> set[str]:
         return set(self.state_dict().keys())

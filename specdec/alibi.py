@@ -42,6 +42,7 @@ from transformers.models.falcon.modeling_falcon import (
     build_alibi_tensor as falcon_alibi_tensor,
 )
 
+from specdec import kv
 from specdec.masks import additive
 
 
@@ -100,8 +101,8 @@ class FalconAlibi(AlibiStack):
         folded = folded.masked_fill(~mask.allowed[:, None], torch.finfo(self.dtype).min)     # [B, heads, q, k]
         h = self.body.word_embeddings(tokens)
         for block in self.body.h:
-            h = block(h, alibi=alibi, attention_mask=folded, position_ids=positions, layer_past=cache,
-                      use_cache=True, position_embeddings=None)[0]
+            h = block(h, alibi=alibi, attention_mask=folded, position_ids=positions, use_cache=True,
+                      position_embeddings=None, **kv.with_cache(block, cache))[0]
         return self.body.ln_f(h)
 
 
@@ -118,7 +119,7 @@ class BloomAlibi(AlibiStack):
         causal = additive(mask.allowed, self.dtype)[:, None]                      # [B, 1, q, k]
         h = self.body.word_embeddings_layernorm(self.body.word_embeddings(tokens))
         for block in self.body.h:
-            h = block(h, alibi=alibi, attention_mask=causal, layer_past=cache, use_cache=True)[0]
+            h = block(h, alibi=alibi, attention_mask=causal, use_cache=True, **kv.with_cache(block, cache))[0]
         return self.body.ln_f(h)
 
 

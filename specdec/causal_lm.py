@@ -119,7 +119,7 @@ class CausalLm:
         if isinstance(mask, AlibiMask):
             return self.alibi.hidden(cache, tokens.to(self.device), positions.to(self.device), mask)
         out = self.body(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
-                        attention_mask=mask, past_key_values=cache, use_cache=True)
+                        attention_mask=mask, use_cache=True, **kv.with_cache(self.body, cache))
         return out.last_hidden_state
 
     def hidden_and_layers(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
@@ -130,7 +130,8 @@ class CausalLm:
         if mask is None:
             mask = self.causal_masks(kv.seq_len(cache), positions)
         out = self.body(input_ids=tokens.to(self.device), position_ids=positions.to(self.device),
-                        attention_mask=mask, past_key_values=cache, use_cache=True, output_hidden_states=True)
+                        attention_mask=mask, use_cache=True, output_hidden_states=True,
+                        **kv.with_cache(self.body, cache))
         return out.last_hidden_state, torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

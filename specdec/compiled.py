@@ -113,6 +113,7 @@ class CompiledForward:
         self.lm = lm
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.layer_shapes = self._probe()
+        self.cache_keyword = kv.cache_keyword(type(lm.body).forward)     # looked up outside the traced forward
         self.step = torch.compile(self._forward, dynamic=False)
 
     @torch.inference_mode()
@@ -137,8 +138,8 @@ class CompiledForward:
         """tokens, positions [1, nb]; mask [1, 1, nb, C] (or per layer type);
         slots [nb]; keys, values: per layer [1, heads, C, d], written in place."""
         cache = Cache(layers=[FixedLayer(k, v, slots) for k, v in zip(keys, values)])
-        hidden = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                              past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                              **{self.cache_keyword: cache}).last_hidden_state
         return hidden.float(), self.lm.logits(hidden)
 
     def accepts(self, cache, n: int) -> bool:

@@ -31,10 +31,28 @@ against them).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 _ROUND = 64          # capacities are multiples of this many slots
+# names a module's forward may take its KV cache under, newest first: transformers renamed
+# ``past_key_values`` to ``cache`` (5.24; the old name warns, and goes in 5.40); some blocks say ``layer_past``
+CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past")
+
+
+@functools.cache
+def cache_keyword(forward) -> str:
+    """The keyword ``forward`` (a module class's forward) takes its KV cache under."""
+    params = inspect.signature(forward).parameters
+    return next((name for name in CACHE_KEYWORDS if name in params), "past_key_values")
+
+
+def with_cache(module: torch.nn.Module, cache) -> dict:
+    """``{keyword: cache}`` for calling ``module`` with ``cache``, whichever name its transformers version uses."""
+    return {cache_keyword(type(module).forward): cache}
 
 
 def _in_inference_mode(method):

@@ -79,7 +79,8 @@ def test_a_second_sigterm_while_stopping_still_stops_everything(tiny_family, tmp
         ports = ports_of(proc.stdout.readline().strip())
         pids = [v["pid"] for v in json.loads(state_file.read_text())["verifiers"]]
         proc.send_signal(signal.SIGTERM)
-        assert proc.stderr.readline().strip() == "specdec up: stopping"
+        # (lines before it are the children's own logs and warnings)
+        assert "specdec up: stopping" in iter(lambda: proc.stderr.readline().strip(), "")
         proc.send_signal(signal.SIGTERM)                 # while the verifier drains
         assert proc.wait(60) == 0
         assert all(refused(p) for p in ports)
