@@ -340,6 +340,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             prompt_tokens=len(gen.job.prompt_ids), completion_tokens=len(gen.dec.tokens), cycles=s.cycles,
             tau=s.tau, accepted_per_position=s.accepted_per_position, draft_tokens=s.drafted,
             accepted_tokens=s.accepted, ttft_s=s.ttft_s, wall_s=s.wall_s, ahead_hits=s.ahead_hits,
+            ahead_committed=s.ahead_committed,
             finish_reason=gen.dec.finish_reason or "", request_id=request_id_var.get(), index=index,
             wire_bytes=gen.wire_bytes, ahead_draft_s=gen.ahead_draft_s, **gen.timing())
 

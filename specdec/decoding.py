@@ -42,6 +42,7 @@ class DecodeStats:
     ttft_s: float = 0.0
     wall_s: float = 0.0
     ahead_hits: int = 0                           # cycles whose tree was drafted one round ahead
+    ahead_committed: int = 0                      # tokens those cycles committed (bonus included)
 
     @property
     def tau(self) -> float:
@@ -60,7 +61,7 @@ class DecodeStats:
     def as_dict(self) -> dict:
         return {"cycles": self.cycles, "tau": round(self.tau, 4), "draft_tokens": self.drafted,
                 "accepted_tokens": self.accepted, "accepted_per_position": list(self.accepted_per_position),
-                "ahead_hits": self.ahead_hits,
+                "ahead_hits": self.ahead_hits, "ahead_committed": self.ahead_committed,
                 "time_split_s": {k: round(v, 6) for k, v in self.time_s.items()},
                 "ttft_s": round(self.ttft_s, 6), "wall_s": round(self.wall_s, 6)}
 

@@ -169,6 +169,7 @@ class SpeculativeLoop:
         self.pending: list[Committed] = []                  # committed, not yet given to the drafter
         self.ahead: dict[tuple[int, ...], Draft] = {}       # outcome tokens -> tree drafted for it
         self.last: tuple[int, ...] = ()                     # what the last cycle committed
+        self.hit = False                                    # this cycle's tree was drafted ahead
         self.delivering: asyncio.Future | None = None       # the listener hearing the last commit
 
     async def run(self) -> Decoding:
@@ -212,7 +213,8 @@ class SpeculativeLoop:
     async def draft(self, tree: TreeParams | None) -> Draft | None:
         """The tree drafted ahead for the last outcome, else a fresh one; None: root only."""
         draft = self.ahead.get(self.last) if tree is not None else None
-        self.dec.stats.ahead_hits += draft is not None
+        self.hit = draft is not None
+        self.dec.stats.ahead_hits += self.hit
         if self.ahead and self.listener is not None:
             self.listener.drafted_ahead(draft is not None)
         self.ahead = {}
@@ -254,6 +256,7 @@ class SpeculativeLoop:
     async def commit(self, draft: Draft | None, result: Committed) -> None:
         size = draft.size if draft is not None else 1
         self.dec.stats.record_cycle(size, len(result.accepted))
+        self.dec.stats.ahead_committed += len(result.tokens) if self.hit else 0
         self.dec.gate.record(size > 1, len(result.tokens))
         self.last = tuple(result.tokens)
         await self.add(result.tokens, result.logprobs)

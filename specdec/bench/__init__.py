@@ -22,7 +22,9 @@ JSON record of a run::
                                        "draft_frac", "verify_frac", "network_frac", "other_frac",
                                        "per_cycle_ms": {"draft", "verify", "network", "other", "wall"}},
                         METHOD@grpc*: "wire_bytes_per_cycle": float,
-                        METHOD@grpc-aheadN: "ahead_hit_rate": float, "ahead_draft_ms_per_cycle": float}},
+                        METHOD@grpc-aheadN: "ahead_hit_rate": float, "ahead_draft_ms_per_cycle": float,
+                        "ahead_tau_hit": float, "ahead_tau_fresh": float (τ of the cycles whose
+                        tree was / was not drafted ahead)}},
      "pinned": bool,
      ...extra keys: tree, models, repeats, generated_tokens, peers, notes, calibration}
 

@@ -83,7 +83,8 @@ class OpenAIPeer:
         return Sample(tokens=list(tokens), wall_s=wall, cycles=stats["cycles"],
                       committed=round(stats["tau"] * stats["cycles"]),
                       accepted_counts=list(stats["accepted_per_position"]), draft_s=stats["draft_s"],
-                      verify_s=stats["verify_s"], network_s=stats["network_s"], ahead_hits=stats.get("ahead_hits", 0))
+                      verify_s=stats["verify_s"], network_s=stats["network_s"], ahead_hits=stats.get("ahead_hits", 0),
+                      ahead_committed=stats.get("ahead_committed", 0))
 
     def stream(self, body: dict) -> tuple[str, dict, dict | None]:
         """(the generated text, the choice's last chunk, usage) of one streamed completion."""

@@ -54,8 +54,8 @@ def results_table(result: dict) -> str:
     (and, when the services drafted ahead, the share of cycles that hit)."""
     ahead = bool((result.get("tree") or {}).get("lookahead"))
     lines = ["| method | speedup vs vanilla | speedup vs hf-generate | τ | tokens/s | matches vanilla "
-             "| draft / verify / network / other |" + (" ahead hits |" if ahead else ""),
-             "|---|---:|---:|---:|---:|:---:|---|" + ("---:|" if ahead else "")]
+             "| draft / verify / network / other |" + (" ahead hits | τ hit / fresh |" if ahead else ""),
+             "|---|---:|---:|---:|---:|:---:|---|" + ("---:|---:|" if ahead else "")]
     for name, m in result["methods"].items():
         ts = m["time_split"]
         split = " / ".join(_fmt(ts.get(f"{k}_frac"), ".0%") for k in ("draft", "verify", "network", "other"))
@@ -63,7 +63,8 @@ def results_table(result: dict) -> str:
                f"| {_fmt(m['tau'], '.2f')} | {_fmt(m['tokens_per_s'], '.1f')} | {_yes_no(m['matches_vanilla'])} "
                f"| {split} |")
         if ahead:
-            row += f" {_fmt(m.get('ahead_hit_rate'), '.0%')} |"
+            row += (f" {_fmt(m.get('ahead_hit_rate'), '.0%')} | {_fmt(m.get('ahead_tau_hit'), '.2f')} / "
+                    f"{_fmt(m.get('ahead_tau_fresh'), '.2f')} |")
         lines.append(row)
     return "\n".join(lines)
 

@@ -82,6 +82,7 @@ class Sample:
     ahead_hits: int = 0                    # cycles whose tree was drafted one round ahead (services)
     wire_bytes: int = 0                    # bytes of the orchestrator's backend calls (services)
     ahead_draft_s: float = 0.0             # drafter compute drafting ahead (services)
+    ahead_committed: int = 0               # tokens the cycles with a tree drafted ahead committed (services)
 
 
 class Method(Protocol):
@@ -186,6 +187,14 @@ class Totals:
         cycles = sum(s.cycles or 0 for s in self.samples.values())
         return sum(s.ahead_hits for s in self.samples.values()) / cycles if cycles else None
 
+    def ahead_tau(self) -> tuple[float | None, float | None]:
+        """τ of the cycles whose tree was drafted ahead, and of the others (None: no such cycle)."""
+        samples = self.samples.values()
+        cycles, hits = sum(s.cycles or 0 for s in samples), sum(s.ahead_hits for s in samples)
+        committed, ahead = sum(s.committed for s in samples), sum(s.ahead_committed for s in samples)
+        return (ahead / hits if hits else None,
+                (committed - ahead) / (cycles - hits) if cycles > hits else None)
+
     def per_cycle(self, attr: str) -> float | None:
         """A Sample figure summed over the samples, per cycle; None without cycles."""
         cycles = sum(s.cycles or 0 for s in self.samples.values())
@@ -247,6 +256,8 @@ def summarize(totals: dict[str, Totals], greedy: bool) -> dict[str, dict]:
         if GRPC_SUFFIX + AHEAD_SUFFIX in name and tau is not None:
             out[name]["ahead_hit_rate"] = _round(tot.ahead_hit_rate(), 4)
             out[name]["ahead_draft_ms_per_cycle"] = _round(1e3 * tot.per_cycle("ahead_draft_s"), 3)
+            hit_tau, fresh_tau = tot.ahead_tau()
+            out[name]["ahead_tau_hit"], out[name]["ahead_tau_fresh"] = _round(hit_tau, 4), _round(fresh_tau, 4)
     return out
 
 

@@ -58,7 +58,7 @@ class GrpcMethod:
         return Sample(tokens=list(done.token_ids), wall_s=wall, cycles=s.cycles, committed=round(s.tau * s.cycles),
                       accepted_counts=list(s.accepted_per_position), draft_s=s.draft_s, verify_s=s.verify_s,
                       network_s=s.network_s, ahead_hits=s.ahead_hits, wire_bytes=s.wire_bytes,
-                      ahead_draft_s=s.ahead_draft_s)
+                      ahead_draft_s=s.ahead_draft_s, ahead_committed=s.ahead_committed)
 
 
 def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:

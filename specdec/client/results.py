@@ -44,6 +44,7 @@ class GenerationStats:
     index: int = 0                       # the choice these stats are of (n > 1)
     wire_bytes: int = 0                  # serialized bytes of the orchestrator's backend calls
     ahead_draft_s: float = 0.0           # drafter compute spent drafting one round ahead
+    ahead_committed: int = 0             # tokens committed by the cycles whose tree was drafted ahead
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.GenerationStats) -> GenerationStats:

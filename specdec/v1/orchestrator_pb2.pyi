@@ -52,7 +52,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cycles", "tau", "accepted_per_position", "draft_tokens", "accepted_tokens", "draft_s", "verify_s", "network_s", "other_s", "ttft_s", "wall_s", "finish_reason", "request_id", "ahead_hits", "index", "wire_bytes", "ahead_draft_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cycles", "tau", "accepted_per_position", "draft_tokens", "accepted_tokens", "draft_s", "verify_s", "network_s", "other_s", "ttft_s", "wall_s", "finish_reason", "request_id", "ahead_hits", "index", "wire_bytes", "ahead_draft_s", "ahead_committed")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CYCLES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerationStats(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cycles: int
@@ -91,7 +92,8 @@ class GenerationStats(_message.Message):
     index: int
     wire_bytes: int
     ahead_draft_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cycles: _Optional[int] = ..., tau: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., other_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ..., ahead_hits: _Optional[int] = ..., index: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., ahead_draft_s: _Optional[float] = ...) -> None: ...
+    ahead_committed: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cycles: _Optional[int] = ..., tau: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., other_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., request_id: _Optional[str] = ..., ahead_hits: _Optional[int] = ..., index: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., ahead_draft_s: _Optional[float] = ..., ahead_committed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

@@ -44,6 +44,19 @@ def test_per_cycle_time_split():
     assert ms == pytest.approx({"draft": 20.0, "verify": 40.0, "network": 20.0, "other": 20.0, "wall": 100.0})
 
 
+def test_tau_of_cycles_with_a_tree_drafted_ahead_and_of_the_others():
+    t = Totals()
+    # 10 cycles committing 40 tokens, 6 of them with a tree drafted ahead that committed 18
+    t.add(Slot(0, 0, "eagle2@grpc-ahead4"), Sample([1] * 20, 0.5, cycles=4, committed=20, ahead_hits=2,
+                                                  ahead_committed=6))
+    t.add(Slot(0, 1, "eagle2@grpc-ahead4"), Sample([1] * 20, 0.5, cycles=6, committed=20, ahead_hits=4,
+                                                  ahead_committed=12))
+    m = summarize({"eagle2@grpc-ahead4": t}, greedy=True)["eagle2@grpc-ahead4"]
+    assert m["ahead_hit_rate"] == pytest.approx(0.6)
+    assert (m["ahead_tau_hit"], m["ahead_tau_fresh"]) == pytest.approx((3.0, 5.5))
+    assert Totals().ahead_tau() == (None, None)
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--pin"], "--pin needs --grpc"),
     (["--compare-unary"], "--compare-unary needs --grpc"),
@@ -71,5 +84,6 @@ def test_pinned_run_with_unary_and_lookahead_is_lossless(tiny_family, prompt_fil
     for name, m in methods.items():
         assert m["matches_vanilla"] is True, name
     assert 0.0 <= methods["eagle2@grpc-ahead1"]["ahead_hit_rate"] <= 1.0
+    assert {"ahead_tau_hit", "ahead_tau_fresh"} <= set(methods["eagle2@grpc-ahead1"])
     assert methods["eagle2@grpc-unary"]["time_split"]["per_cycle_ms"]["network"] > 0
     assert "Time per cycle (ms)" in (tmp_path / "rep" / "results.md").read_text()

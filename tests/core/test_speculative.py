@@ -267,6 +267,7 @@ def test_trees_drafted_ahead_are_used_and_counted():
     assert dec.tokens == plain(PROMPT, 25)
     assert len(drafter.drafts) == 1                             # only the first cycle drafted plainly
     assert dec.stats.ahead_hits == dec.stats.cycles - 1 == 5
+    assert dec.stats.ahead_committed == sum(dec.stats.committed_per_cycle[1:])   # every cycle but the first
     assert heard.ahead == [True] * 5
     assert [a["tokens_left"] for a in drafter.aheads] == [24, 20, 16, 12, 8, 4]
     assert [a["commits"] for a in drafter.aheads] == [0] + [1] * 5
@@ -277,6 +278,7 @@ def test_misses_are_counted_and_sampled_sessions_never_look_ahead():
     drafter, heard = FakeDrafter(wrong=True, drafts_ahead=True), Heard()
     dec = run(FakeVerifier(), drafter, 12, lookahead=1, listener=heard)
     assert dec.stats.ahead_hits == 0 and heard.ahead and not any(heard.ahead)
+    assert dec.stats.ahead_committed == 0
     drafter = FakeDrafter(drafts_ahead=True)
     dec = run(FakeVerifier(), drafter, 12, lookahead=1, sampling=SamplingParams(temperature=0.8, seed=1))
     assert drafter.aheads == [] and dec.stats.ahead_hits == 0

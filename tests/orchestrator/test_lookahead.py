@@ -55,6 +55,8 @@ def test_greedy_output_unchanged_and_trees_ready(stack):
     # the oracle's chain is accepted whole; every cycle after the first (drafted plainly) was ready
     assert s.tau > 5.0
     assert s.ahead_hits == s.cycles - 1, s
+    # the stats carry what those cycles committed: every token but the prefill's and the first cycle's
+    assert 0 < s.ahead_committed < s.completion_tokens and s.ahead_committed >= 5 * s.ahead_hits
     assert hits_metric("hit") == before + s.ahead_hits
     assert 0 < s.ahead_draft_s < s.wall_s
     with SpecdecClient(stack.address("eagle-ahead")) as client:
