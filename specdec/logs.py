@@ -57,5 +57,7 @@ def configure_logging(service: str, level: str = "INFO") -> None:
     handler._specdec = True
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # Python warnings (a library's deprecations) are log records too, so stderr stays one JSON object a line
+    logging.captureWarnings(True)
     # grpc and the metrics HTTP server have their own chatty loggers
     logging.getLogger("grpc").setLevel(max(logging.WARNING, root.level))

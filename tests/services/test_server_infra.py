@@ -282,6 +282,17 @@ async def test_request_id_reaches_json_logs(verifier):
     assert all({"ts", "level", "service", "msg", "request_id"} <= set(r) for r in lines)
 
 
+def test_python_warnings_are_json_log_lines_too():
+    """A library's warning (a deprecation) is a log record like any other, so a
+    service's stderr stays one JSON object a line for log shippers."""
+    code = ("import warnings; from specdec.logs import configure_logging; configure_logging('verifier'); "
+            "warnings.warn('an old keyword', FutureWarning)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [record] = [json.loads(line) for line in proc.stderr.splitlines()]
+    assert record["level"] == "WARNING" and record["service"] == "verifier" and "an old keyword" in record["msg"]
+
+
 # -- the CLI ----------------------------------------------------------------------------------------------------------
 def test_cli_flags_and_env(monkeypatch):
     from specdec.cli.main import build_parser
