@@ -8,7 +8,7 @@ import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.integrations import sdpa_attention
 
-from specdec import attention, masks
+from specdec import attention, kv, masks
 from specdec.kv import new_cache
 from specdec.models import ModelSpec, load_causal_lm
 
@@ -38,8 +38,8 @@ def _prefill_then_tree(model) -> tuple[torch.Tensor, torch.Tensor]:
     depths = ancestor.sum(-1) - 1
     with torch.inference_mode():
         cache = new_cache(model.config, 64)
-        first = model(prompt, past_key_values=cache, use_cache=True).logits
-        second = model(tree, past_key_values=cache, attention_mask=masks.tree_attention_mask(ancestor, 23),
+        first = model(prompt, use_cache=True, **kv.with_cache(model, cache)).logits
+        second = model(tree, **kv.with_cache(model, cache), attention_mask=masks.tree_attention_mask(ancestor, 23),
                        position_ids=(23 + depths)[None], use_cache=True).logits
     return first, second
 

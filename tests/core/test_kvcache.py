@@ -113,12 +113,12 @@ def test_model_outputs_equal_with_either_cache():
     prompt = torch.randint(1, 97, (1, 9))
     outs = []
     for cache in (ref, slab):
-        out = [model(prompt, past_key_values=cache, use_cache=True).logits]
+        out = [model(prompt, use_cache=True, **kv.with_cache(model, cache)).logits]
         length = 9
         for step in range(5):                           # a chain of 4 "tree" nodes, keep nodes 0 and 2
             ids = torch.randint(1, 97, (1, 4), generator=torch.Generator().manual_seed(step))
             pos = torch.arange(length, length + 4)[None]
-            out.append(model(ids, position_ids=pos, past_key_values=cache, use_cache=True).logits)
+            out.append(model(ids, position_ids=pos, use_cache=True, **kv.with_cache(model, cache)).logits)
             kv.keep_path(cache, length, [0, 2])
             length += 2
         outs.append(torch.cat([o.flatten() for o in out]))
