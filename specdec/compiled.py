@@ -23,7 +23,11 @@ compiled path never lets them change, as gpt-fast does with a static cache:
 One graph per (width, capacity) pair. At the smallest capacity the graphs are
 ahead-of-time compiled packages kept on disk (``specdec.compiled_aot``): a
 restart loads them instead of tracing the model again, and their calls skip
-Dynamo's guards and the Python wrapper. Those of a default-sized tree are
+Dynamo's guards and the Python wrapper. A small model's packages (weights
+times ``WIDTHS`` within ``PACKED_BUDGET``) hold their own copy of the weights
+packed for inductor's CPP GEMM kernels, which beat a BLAS call per linear on
+these GEMV shapes; a larger model's packages run over its own parameters,
+one copy for all widths. Those of a default-sized tree are
 built or loaded at start-up (``STARTUP_WIDTHS``), others on first use; larger
 capacities (long sessions) use ``torch.compile`` on first use.
 
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 MIN_CAPACITY = 512                      # capacity buckets: powers of two from here (one for most sessions)
+PACKED_BUDGET = 1 << 30                 # packed weights (one copy per width) only while they fit in this
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
 # compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
@@ -170,7 +175,8 @@ class CompiledForward:
     AOTInductor packages kept on disk (``specdec.compiled_aot``) when
     ``ahead_of_time``; at larger capacities (or without it), ``torch.compile``."""
 
-    def __init__(self, lm: CausalLm, ahead_of_time: bool = True, options: dict | None = None):
+    def __init__(self, lm: CausalLm, ahead_of_time: bool = True, packed: bool | None = None,
+                 options: dict | None = None):
         self.lm = lm
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.layers, self.heads, self.head_dim = self._probe()
@@ -180,7 +186,11 @@ class CompiledForward:
         self.packages = None
         if ahead_of_time:
             self.packages = compiled_aot.package_dir(self.module, lm.model, lm.dtype, torch.device(lm.device))
-        self.weights = compiled_aot.shared_weights(self.module) if ahead_of_time else {}
+        weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+        if packed is None:               # one packed copy of the weights per width: small models only
+            packed = torch.device(lm.device).type == "cpu" and weight_bytes * len(WIDTHS) <= PACKED_BUDGET
+        self.packed = ahead_of_time and packed
+        self.weights = None if self.packed else compiled_aot.shared_weights(self.module)
         self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
 
     @torch.inference_mode()

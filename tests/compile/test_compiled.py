@@ -76,6 +76,7 @@ def test_demo_target_takes_the_compiled_path(demo_engines):
     fast.target.forward(cache, ids, torch.arange(len(ids)), None)
     assert fast.target.compiled.accepts(cache, 1) and fast.target.compiled.accepts(cache, 8)
     assert not fast.target.compiled.accepts(cache, 65)                  # wider than any compiled graph
+    assert fast.target.compiled.packed                                  # a small model: packed weights
 
 
 def test_demo_target_seeded_sampling_reproducible(demo_engines):
@@ -139,7 +140,7 @@ def test_auto_keeps_compiled_only_where_it_pays(family_dir, caplog, monkeypatch,
 def llama_step(family_dir):
     """A tiny Llama, its compiled forward (one-token graph built or loaded), and a one-token step's inputs."""
     target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
-    forward = compiled.CompiledForward(target.lm)
+    forward = compiled.CompiledForward(target.lm, packed=False)
     forward.warm((1,))
     return target, forward
 
@@ -169,14 +170,14 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
 
 def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, monkeypatch):
     target, forward = llama_step
-    assert compiled.compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY).exists()
+    assert compiled.compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False).exists()
     assert forward.packages.is_relative_to(compiled.compiled_aot.cache_dir())
 
     def no_build(*args):
         raise AssertionError("a package on disk was built again")
 
     monkeypatch.setattr(compiled.compiled_aot, "build_package", no_build)
-    again = compiled.CompiledForward(target.lm)              # a restart: loads the package
+    again = compiled.CompiledForward(target.lm, packed=False)     # a restart: loads the package
     again.warm((1,))
     before = _one_token_logits(target, again.forward, again.new_cache(8))
     head = target.lm.lm_head.weight
