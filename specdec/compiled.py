@@ -357,6 +357,7 @@ def compile_target(lm: CausalLm, mode: str) -> CompiledForward | None:
             log.warning("compiled forwards off for model type %r: a one-token step takes %.2f ms compiled, "
                         "%.2f ms eager (auto keeps it below %.0f%%)", kind, compiled_ms, eager_ms, PAYS * 100)
             return None
-    log.info("compiled forwards on for model type %r (%.1f s to compile widths %s and check)", kind,
-             time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)))
+    kept = "packed" if compiled.packed else "shared"
+    log.info("compiled forwards on for model type %r (%.1f s to build or load widths %s and check; %s weights "
+             "in the ahead-of-time packages)", kind, time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)), kept)
     return compiled
