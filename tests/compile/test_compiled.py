@@ -1,7 +1,9 @@
 """Compiled target forwards (``specdec.compiled``): greedy output token-identical
 to eager vanilla on the demo target and on a tiny non-Llama family, seeded
-sampling reproducible, the padding helpers, and the per-model fallback to
-eager forwards with one log line."""
+sampling reproducible, the padding helpers, the per-model fallback to eager
+forwards with one log line, the stacked K/V buffer the steps write in place,
+and the ahead-of-time packages (reloaded, over the model's own weights, keyed
+by the model files)."""
 
 from __future__ import annotations
 
