@@ -5,19 +5,31 @@ An eager forward of a small model is mostly per-operator dispatch and Python
 removes it only if the shapes stop changing from one step to the next, so the
 compiled path never lets them change, as gpt-fast does with a static cache:
 
-- the cache: a session's in-place cache (``specdec.kv.SlabLayer``) allocated
-  once at a *capacity bucket* (a power of two >= 512 slots), zero-filled, so
-  every step sees K/V buffers [1, heads, C, d] of one shape;
-- the writes: the step writes its n new K/V into slots [L, L + n) of those
-  buffers with ``index_copy_`` (``FixedLayer``), slot indices as a tensor, so
-  the length L is data, not shape; the cache length moves afterwards, outside;
+- the cache: a session's in-place cache (``specdec.kv.SlabLayer``) whose
+  layers are views into one stacked buffer [layers, 2, 1, heads, C, d]
+  allocated once at a *capacity bucket* (a power of two >= 512 slots),
+  zero-filled: every step gets the same shapes, and one K/V input instead of
+  one per layer (each input is a Dynamo guard and a wrapper argument);
+- the writes: the step writes its n new K/V into slots [L, L + n) of that
+  buffer with one indexed write per layer (``FixedLayer``), slot indices as a
+  tensor, so the length L is data, not shape; the cache length moves
+  afterwards, outside;
 - the mask: the forward's additive mask [1, 1, n, L + n] (tree or causal, per
   layer type for windowed models) padded to [1, 1, nb, C] with the dtype's
   minimum: slots past the length are invisible (they are zeros, never NaN);
 - the width: n is padded up to the next of ``WIDTHS`` (1, 2, 4, ... 64); pad
-  queries see only their own slot and their outputs are dropped. One graph per
-  (width, capacity) pair: those of a default-sized tree at the smallest
-  capacity are compiled at start-up (``STARTUP_WIDTHS``), others on first use.
+  queries see only their own slot and their outputs are dropped.
+
+One graph per (width, capacity) pair. At the smallest capacity the graphs are
+ahead-of-time compiled packages kept on disk (``specdec.compiled_aot``): a
+restart loads them instead of tracing the model again, and their calls skip
+Dynamo's guards and the Python wrapper. A small model's packages (weights
+times ``WIDTHS`` within ``PACKED_BUDGET``) hold their own copy of the weights
+packed for inductor's CPP GEMM kernels, which beat a BLAS call per linear on
+these GEMV shapes; a larger model's packages run over its own parameters,
+one copy for all widths. Those of a default-sized tree are
+built or loaded at start-up (``STARTUP_WIDTHS``), others on first use; larger
+capacities (long sessions) use ``torch.compile`` on first use.
 
 Prefill (a causal forward of several tokens) and batched verification stay eager. A model that
 fails to compile, or whose compiled logits differ from its eager ones on a
@@ -34,11 +46,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdec import kv
+from specdec import compiled_aot, kv
 from specdec.causal_lm import CausalLm
 from specdec.knobs import DEFAULT_TOTAL_TOKENS
 from specdec.masks import causal_allowed
@@ -48,6 +61,7 @@ log = logging.getLogger(__name__)
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 MIN_CAPACITY = 512                      # capacity buckets: powers of two from here (one for most sessions)
+PACKED_BUDGET = 1 << 30                 # packed weights (one copy per width) only while they fit in this
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
 # compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
@@ -67,22 +81,31 @@ def width_bucket(n: int) -> int | None:
 
 
 class FixedLayer(CacheLayerMixin):
-    """One layer's K/V buffers [1, heads, C, d] inside a compiled forward:
-    ``update`` writes the new K/V at ``slots`` [n] and returns the whole buffers."""
+    """Layer ``index`` of a stacked cache [layers, 2, 1, heads, C, d] inside a
+    compiled forward: ``update`` writes the new K/V at ``slots`` [n] and
+    returns the layer's whole buffers [1, heads, C, d].
+
+    The write indexes the stacked buffer itself (an ``index_put_`` on the graph
+    input), not a per-layer view of it: a write through a view of an input is
+    replayed by the compiler as a copy of the whole buffer, every layer."""
 
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor):
+    def __init__(self, stack: torch.Tensor, index: int, slots: torch.Tensor):
         super().__init__()
-        self.keys, self.values, self.slots = keys, values, slots
+        self.stack, self.slots = stack, slots
+        self.keys, self.values = stack[index, 0], stack[index, 1]
+        self.layer = torch.full((1,), index, dtype=torch.long, device=stack.device)
+        self.kv = torch.arange(2, device=stack.device)[:, None]       # [2, 1]: K, V rows
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.slots, key_states)
-        self.values.index_copy_(2, self.slots, value_states)
+        # key_states, value_states [1, heads, n, d] -> [2, n, 1, heads, d], the indexed dims first
+        new = torch.stack([key_states, value_states]).permute(0, 3, 1, 2, 4)
+        self.stack[self.layer, self.kv, :, :, self.slots] = new
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -106,51 +129,118 @@ def pad_mask(mask: torch.Tensor, width: int, capacity: int) -> torch.Tensor:
     return out
 
 
-class CompiledForward:
-    """``torch.compile`` of one causal LM's forward over fixed-shape caches."""
+class FixedStep(torch.nn.Module):
+    """The fixed-shape forward every compiled graph runs: a causal LM over one
+    stacked cache buffer [layers, 2, 1, heads, C, d] (K at [:, 0], V at [:, 1])."""
 
     def __init__(self, lm: CausalLm):
+        super().__init__()
+        self.model = lm.model              # registered, so export and the packages see its weights by name
+        self.lm = lm
+        self.cache_keyword = kv.cache_keyword(type(lm.body).forward)     # looked up outside the traced forward
+
+    def forward(self, tokens, positions, mask, slots, stack):
+        """tokens, positions [1, nb]; mask [1, 1, nb, C] (or per layer type);
+        slots [nb]; stack as above, the nb new slots written in place.
+        Returns (features [1, nb, H] fp32, logits [1, nb, V])."""
+        layers = [FixedLayer(stack, i, slots) for i in range(stack.shape[0])]
+        hidden = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                              **{self.cache_keyword: Cache(layers=layers)}).last_hidden_state
+        return hidden.float(), self.lm.logits(hidden)
+
+
+@dataclass(frozen=True)
+class FixedBuffers:
+    """A compiled-path cache's one buffer and the per-layer (K, V) views its SlabLayers hold."""
+
+    stack: torch.Tensor                              # [layers, 2, 1, heads, C, d]
+    views: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def fixed_buffers(cache) -> FixedBuffers | None:
+    """The stacked buffer of a cache from ``CompiledForward.new_cache``, while
+    every layer still holds its view (a grown or re-batched layer does not)."""
+    fixed = getattr(cache, "fixed_buffers", None)
+    layers = getattr(cache, "layers", None)
+    if fixed is None or not layers or len(layers) != len(fixed.views):
+        return None
+    for layer, (k, v) in zip(layers, fixed.views):
+        held = getattr(layer, "buffers", (None, None))
+        if held[0] is not k or held[1] is not v:
+            return None
+    return fixed
+
+
+class CompiledForward:
+    """Compiled fixed-shape forwards of one causal LM: at ``MIN_CAPACITY``,
+    AOTInductor packages kept on disk (``specdec.compiled_aot``) when
+    ``ahead_of_time``; at larger capacities (or without it), ``torch.compile``."""
+
+    def __init__(self, lm: CausalLm, ahead_of_time: bool = True, packed: bool | None = None,
+                 options: dict | None = None):
         self.lm = lm
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.layer_shapes = self._probe()
-        self.cache_keyword = kv.cache_keyword(type(lm.body).forward)     # looked up outside the traced forward
-        self.step = torch.compile(self._forward, dynamic=False)
+        self.layers, self.heads, self.head_dim = self._probe()
+        self.module = FixedStep(lm).eval()
+        self.options = options
+        self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
+        self.packages = None
+        if ahead_of_time:
+            self.packages = compiled_aot.package_dir(self.module, lm.model, lm.dtype, torch.device(lm.device))
+        weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+        if packed is None:               # one packed copy of the weights per width: small models only
+            packed = torch.device(lm.device).type == "cpu" and weight_bytes * len(WIDTHS) <= PACKED_BUDGET
+        self.packed = ahead_of_time and packed
+        self.weights = None if self.packed else compiled_aot.shared_weights(self.module)
+        self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
 
     @torch.inference_mode()
-    def _probe(self) -> list[tuple[int, int]]:
-        """(KV heads, head dim) of every layer, from a one-token eager forward."""
+    def _probe(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim), from a one-token eager forward; every layer must agree."""
         cache = self.lm.new_cache(1)
         self.lm.hidden(cache, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None)
-        return [(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers]
+        shapes = {(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers}
+        if len(shapes) != 1:
+            raise ValueError(f"layers differ in K/V shape {sorted(shapes)}: no one stacked buffer")
+        (heads, dim), = shapes
+        return len(cache.layers), heads, dim
+
+    def new_stack(self, capacity: int) -> torch.Tensor:
+        return torch.zeros((self.layers, 2, 1, self.heads, capacity, self.head_dim),
+                           dtype=self.lm.dtype, device=self.lm.device)
 
     def new_cache(self, capacity: int = 0):
-        """A session cache of ``capacity_bucket(capacity)`` zeroed slots per layer."""
-        size = capacity_bucket(capacity)
+        """A session cache of ``capacity_bucket(capacity)`` zeroed slots per
+        layer, every layer a view into one stacked buffer."""
         cache = self.lm.new_cache()
         with torch.inference_mode():
-            for i, (heads, dim) in enumerate(self.layer_shapes):
-                shape = (1, heads, size, dim)
-                kv.adopt(cache, i, torch.zeros(shape, dtype=self.lm.dtype, device=self.lm.device),
-                         torch.zeros(shape, dtype=self.lm.dtype, device=self.lm.device), 0)
+            stack = self.new_stack(capacity_bucket(capacity))
+            views = [(stack[i, 0], stack[i, 1]) for i in range(self.layers)]
+            for i, (k, v) in enumerate(views):
+                kv.adopt(cache, i, k, v, 0)
+        cache.fixed_buffers = FixedBuffers(stack, views)
         return cache
 
-    def _forward(self, tokens, positions, mask, slots, keys, values):
-        """tokens, positions [1, nb]; mask [1, 1, nb, C] (or per layer type);
-        slots [nb]; keys, values: per layer [1, heads, C, d], written in place."""
-        cache = Cache(layers=[FixedLayer(k, v, slots) for k, v in zip(keys, values)])
-        hidden = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                              **{self.cache_keyword: cache}).last_hidden_state
-        return hidden.float(), self.lm.logits(hidden)
+    def graph(self, width: int, capacity: int, mask):
+        """The compiled step for (width, capacity); ``mask`` is a padded one of
+        the shape it takes (for a package built here)."""
+        key = (width, capacity)
+        if key not in self.graphs:
+            if self.packages is None or capacity != MIN_CAPACITY:
+                if self.traced is None:
+                    self.traced = torch.compile(self.module, dynamic=False, options=self.options)
+                self.graphs[key] = self.traced
+            else:
+                pos = torch.arange(width, device=self.lm.device)[None]
+                example = (torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity))
+                self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width, capacity,
+                                                              self.weights)
+        return self.graphs[key]
 
     def accepts(self, cache, n: int) -> bool:
         """Whether a forward of n tokens on ``cache`` takes the compiled path."""
-        layers = getattr(cache, "layers", None)
-        if not layers or not all(isinstance(layer, kv.SlabLayer) for layer in layers):
-            return False
-        k, _ = layers[0].buffers
-        width = width_bucket(n)
-        return (k is not None and k.shape[0] == 1 and width is not None
-                and k.shape[2] == capacity_bucket(k.shape[2]) and kv.seq_len(cache) + width <= k.shape[2])
+        fixed, width = fixed_buffers(cache), width_bucket(n)
+        return fixed is not None and width is not None and kv.seq_len(cache) + width <= fixed.stack.shape[4]
 
     @torch.inference_mode()
     def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
@@ -161,8 +251,8 @@ class CompiledForward:
         if (mask is None and n > 1) or not self.accepts(cache, n):
             return None                  # a prefill (causal, several tokens), or no fixed-shape cache
         past, width = kv.seq_len(cache), width_bucket(n)
-        buffers = [layer.buffers for layer in cache.layers]
-        capacity = buffers[0][0].shape[2]
+        fixed = cache.fixed_buffers
+        capacity = fixed.stack.shape[4]
         if mask is None:
             k_pos = torch.cat([torch.arange(past), positions[0].cpu()])[None]
             mask = self.lm.masks(causal_allowed(n, past)[None], positions.cpu(), k_pos)
@@ -175,13 +265,13 @@ class CompiledForward:
         tokens = torch.cat([tokens.to(dev), tokens.new_zeros(1, pad, device=dev)], dim=1)
         positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(1, pad)], dim=1)
         slots = torch.arange(past, past + width, device=dev)
-        hidden, logits = self.step(tokens, positions, mask, slots, [b[0] for b in buffers], [b[1] for b in buffers])
-        for i, (k, v) in enumerate(buffers):
+        hidden, logits = self.graph(width, capacity, mask)(tokens, positions, mask, slots, fixed.stack)
+        for i, (k, v) in enumerate(fixed.views):
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], logits[:, :n]
 
     def warm(self, widths=WIDTHS, capacity: int = MIN_CAPACITY) -> float:
-        """Compile the graphs for ``widths`` at one capacity ahead of traffic; seconds taken."""
+        """Build (or load) and run the graphs for ``widths`` at one capacity ahead of traffic; seconds taken."""
         t = time.perf_counter()
         for width in widths:
             cache = self.new_cache(capacity)
@@ -268,6 +358,7 @@ def compile_target(lm: CausalLm, mode: str) -> CompiledForward | None:
             log.warning("compiled forwards off for model type %r: a one-token step takes %.2f ms compiled, "
                         "%.2f ms eager (auto keeps it below %.0f%%)", kind, compiled_ms, eager_ms, PAYS * 100)
             return None
-    log.info("compiled forwards on for model type %r (%.1f s to compile widths %s and check)", kind,
-             time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)))
+    kept = "packed" if compiled.packed else "shared"
+    log.info("compiled forwards on for model type %r (%.1f s to build or load widths %s and check; %s weights "
+             "in the ahead-of-time packages)", kind, time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)), kept)
     return compiled

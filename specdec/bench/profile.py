@@ -17,7 +17,9 @@ kernel, ``COMPUTE_OPS``); ``dispatch_share`` = 1 - kernel time / wall time of
 the same profiled runs (the profiler's own cost per operator counts as dispatch):
 the share spent dispatching operators, in Python and in the small
 element-wise kernels that a fused graph removes. With ``--compile on|auto``
-the target steps are also timed through ``specdec.compiled``, and
+the target steps are also timed through ``specdec.compiled`` (alone, and
+interleaved run by run with the eager path and a ``torch.compile``-only path
+without the ahead-of-time packages: ``interleaved``), and
 ``--e2e-prompts N`` decodes N bundled prompts with vanilla and eagle2 on the
 eager and the compiled verifier side by side (interleaved, as ``specdec
 bench`` does). ``--startup`` times the start-up (load, compile and check) in
@@ -43,7 +45,7 @@ from drafter.base import DraftSession
 from drafter.eagle import EagleDrafter
 from specdec import kv
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
-from specdec.compiled import WIDTHS, compile_target, width_bucket
+from specdec.compiled import WIDTHS, CompiledForward, compile_target, width_bucket
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_tokenizer
 from specdec.params import SamplingParams, TreeParams
@@ -112,16 +114,36 @@ class StepBench:
         parents = [-1] + [(i - 1) // 2 for i in range(1, VERIFY_NODES)]        # a binary tree, depth 3
         self.tree = tree_from_lists(self.ids[prefix:].tolist(), parents)
 
-    def target_steps(self, forward, new_cache, steps: int, profile: bool) -> dict[str, StepTimes]:
+    def target_runs(self, forward, new_cache):
+        """(one-token step, 16-node verify, reset) on a fresh cache holding the prefix."""
         cache, p = new_cache(self.prefix + 2 * VERIFY_NODES), self.prefix
         with torch.inference_mode():
             self.target.lm.hidden(cache, self.ids[None, :p], torch.arange(p)[None], None)
-        reset = partial(kv.truncate, cache, p)
         one = partial(forward, cache, self.ids[None, p:p + 1], torch.tensor([[p]]), None)
         mask = self.target.tree_masks(self.tree, p)
         verify = partial(forward, cache, self.tree.tokens[None], self.tree.position_ids(p)[None], mask)
+        return one, verify, partial(kv.truncate, cache, p)
+
+    def target_steps(self, forward, new_cache, steps: int, profile: bool) -> dict[str, StepTimes]:
+        one, verify, reset = self.target_runs(forward, new_cache)
         return {"target_step": time_step(one, reset, steps, profile),
                 "target_verify16": time_step(verify, reset, steps, profile)}
+
+    @torch.inference_mode()
+    def interleaved(self, paths: dict, steps: int) -> dict[str, dict[str, float]]:
+        """Median wall ms of the target steps on each of ``paths`` (name -> (forward,
+        new_cache)), alternating the paths run by run so that load shifts hit all alike."""
+        runs = {name: self.target_runs(*path) for name, path in paths.items()}
+        times = {name: {"target_step": [], "target_verify16": []} for name in paths}
+        for _ in range(steps + 2):
+            for key, which in (("target_step", 0), ("target_verify16", 1)):
+                for name, run in runs.items():
+                    t = time.perf_counter()
+                    run[which]()
+                    times[name][key].append(time.perf_counter() - t)
+                    run[2]()
+        return {name: {key: round(sorted(ts[2:])[steps // 2] * 1000, 3) for key, ts in by_step.items()}
+                for name, by_step in times.items()}
 
     def eagle_level(self, steps: int, profile: bool) -> StepTimes:
         d, p = self.drafter, self.prefix
@@ -191,6 +213,12 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
             result["compile_widths_s"] = round(time.perf_counter() - t, 3)
             steps = bench.target_steps(fast.forward_batch, fast.new_cache, args.steps, profile=False)
             result["steps"]["compiled"] = {k: v.record() for k, v in steps.items()}
+            traced = CompiledForward(fast.lm, ahead_of_time=False)      # torch.compile at every capacity
+            traced.warm((1, width_bucket(VERIFY_NODES)))
+            paths = {"eager": (eager.forward_batch, eager.lm.new_cache),
+                     "torch.compile": (traced.forward, traced.new_cache),
+                     "compiled": (fast.forward_batch, fast.new_cache)}
+            result["interleaved"] = bench.interleaved(paths, 4 * args.steps)
         else:
             fast = None
     if args.e2e_prompts:
@@ -225,6 +253,10 @@ def profile_markdown(result: dict) -> str:
             tau = "–" if m["tau"] is None else f"{m['tau']:.2f}"
             lines.append(f"| {name} | {m['tokens_per_s']:.1f} | {m['speedup_vs_vanilla']:.2f}x | {tau} "
                          f"| {m['matches_vanilla']} |")
+    if "interleaved" in result:
+        lines += ["", "| path (interleaved) | target_step ms | target_verify16 ms |", "|---|---:|---:|"]
+        for name, t in result["interleaved"].items():
+            lines.append(f"| {name} | {t['target_step']:.2f} | {t['target_verify16']:.2f} |")
     for key in ("compile_and_check_s", "compile_widths_s", "startup_s"):
         if key in result:
             lines.append(f"- {key}: {result[key]}")

@@ -1,10 +1,13 @@
 """Compiled target forwards (``specdec.compiled``): greedy output token-identical
 to eager vanilla on the demo target and on a tiny non-Llama family, seeded
-sampling reproducible, the padding helpers, and the per-model fallback to
-eager forwards with one log line."""
+sampling reproducible, the padding helpers, the per-model fallback to eager
+forwards with one log line, the stacked K/V buffer the steps write in place,
+and the ahead-of-time packages (reloaded, over the model's own weights, keyed
+by the model files)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -75,6 +78,7 @@ def test_demo_target_takes_the_compiled_path(demo_engines):
     fast.target.forward(cache, ids, torch.arange(len(ids)), None)
     assert fast.target.compiled.accepts(cache, 1) and fast.target.compiled.accepts(cache, 8)
     assert not fast.target.compiled.accepts(cache, 65)                  # wider than any compiled graph
+    assert fast.target.compiled.packed                                  # a small model: packed weights
 
 
 def test_demo_target_seeded_sampling_reproducible(demo_engines):
@@ -132,3 +136,67 @@ def test_auto_keeps_compiled_only_where_it_pays(family_dir, caplog, monkeypatch,
     assert len(lines) == 1
     assert ("compiled forwards on" in lines[0]) == kept
     assert kept or "10.00 ms compiled, 5.00 ms eager" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def llama_step(family_dir):
+    """A tiny Llama, its compiled forward (one-token graph built or loaded), and a one-token step's inputs."""
+    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
+    forward = compiled.CompiledForward(target.lm, packed=False)
+    forward.warm((1,))
+    return target, forward
+
+
+def _one_token_logits(target, step, cache):
+    with torch.inference_mode():
+        target.lm.hidden(cache, torch.tensor([[5, 9, 2, 7]]), torch.arange(4)[None], None)
+        return step(cache, torch.tensor([[3]]), torch.tensor([[4]]), None)[1]
+
+
+def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
+    target, forward = llama_step
+    cache, eager_cache = forward.new_cache(8), target.lm.new_cache()
+    got = _one_token_logits(target, forward.forward, cache)
+    want = _one_token_logits(target, functools.partial(compiled.eager_forward, target.lm), eager_cache)
+    assert torch.allclose(got, want, atol=1e-5) and kv.seq_len(cache) == kv.seq_len(eager_cache) == 5
+    stack = cache.fixed_buffers.stack
+    for i, (layer, eager_layer) in enumerate(zip(cache.layers, eager_cache.layers)):
+        assert layer.buffers[0].data_ptr() == stack[i, 0].data_ptr()
+        assert torch.allclose(stack[i, 0, :, :, :5], eager_layer.keys, atol=1e-5)
+        assert torch.allclose(stack[i, 1, :, :, :5], eager_layer.values, atol=1e-5)
+    assert (stack[:, :, :, :, 5:] == 0).all()                          # nothing written past the length
+    with torch.inference_mode():
+        kv.select_rows(cache, torch.tensor([0]))                    # layers re-allocated: not the stack's views
+    assert compiled.fixed_buffers(cache) is None and not forward.accepts(cache, 1)
+
+
+def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, monkeypatch):
+    target, forward = llama_step
+    assert compiled.compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False).exists()
+    assert forward.packages.is_relative_to(compiled.compiled_aot.cache_dir())
+
+    def no_build(*args):
+        raise AssertionError("a package on disk was built again")
+
+    monkeypatch.setattr(compiled.compiled_aot, "build_package", no_build)
+    again = compiled.CompiledForward(target.lm, packed=False)     # a restart: loads the package
+    again.warm((1,))
+    before = _one_token_logits(target, again.forward, again.new_cache(8))
+    head = target.lm.lm_head.weight
+    with torch.no_grad():
+        head.mul_(2.0)                                      # the packages read the parameters in place
+    try:
+        doubled = _one_token_logits(target, again.forward, again.new_cache(8))
+    finally:
+        with torch.no_grad():
+            head.div_(2.0)
+    assert torch.allclose(doubled, 2 * before, rtol=1e-4, atol=1e-4)
+
+
+def test_package_key_follows_the_model_files(family_dir):
+    a = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=0)))).lm
+    b = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=1)))).lm
+    step = compiled.FixedStep(a)
+    dirs = {compiled.compiled_aot.package_dir(step, lm.model, lm.dtype, torch.device("cpu")) for lm in (a, a, b)}
+    assert len(dirs) == 2
+    assert compiled.compiled_aot.package_dir(step, a.model, torch.float16, torch.device("cpu")) not in dirs

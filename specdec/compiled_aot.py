@@ -1,0 +1,161 @@
+"""Ahead-of-time compiled target steps (AOTInductor), kept on disk between starts.
+
+A ``torch.compile`` graph is rebuilt by Dynamo in every new process: even with
+a warm inductor cache, start-up re-traces the whole model once per width. Here
+each fixed-shape step (``specdec.compiled.FixedStep`` at one width and one
+capacity) is exported once (``torch.export``), compiled by AOTInductor into a
+``.pt2`` package, and on the next start only loaded: no tracing, no code
+generation, no Dynamo guards on the call, and a C++ wrapper around the kernels.
+
+- weights, two ways. *Shared*: packages hold no constants
+  (``package_constants_in_so`` off); every loaded step points at the model's
+  own parameters (``load_constants`` with ``user_managed``), so all widths
+  share one copy of the weights, and the linear layers are BLAS calls.
+  *Packed*: the weights are frozen into the package and the linear layers
+  become inductor's CPP GEMM template over weights pre-packed for it
+  (``max_autotune``, kept per shape only where it beats BLAS): on a small
+  model's GEMV-shaped steps this halves the step, at the price of one packed
+  copy of the weights per width (``specdec.compiled`` picks it for small
+  models only);
+- K/V writes: the step writes the new slots into its stacked cache input in
+  place, as the ``torch.compile`` graph does (the export records the mutation
+  and the package replays it on the caller's buffer);
+- the key: a package is reused only for the same model files (their bytes;
+  for a large model their names, sizes and modification times; the weights'
+  bytes for a model that is not a directory), step code (its module's
+  source, the transformers version), torch version, dtype, device, CPU
+  (machine and feature flags), width and capacity. Packages live in ``specdec-aot/`` under the inductor cache
+  directory (``TORCHINDUCTOR_CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch.export.pt2_archive._package import AOTICompiledModel
+
+# shared: the package holds no weights; the caller's parameters are bound at load
+SHARED_CONFIG = {"aot_inductor.package_constants_in_so": False}
+# packed: weights frozen into the package, the linear layers as inductor's CPP
+# GEMM template over weights packed for it, where it beats the BLAS call
+PACKED_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}   # quiet start-up
+HASHED_BYTES = 256 << 20       # a model directory up to this size is keyed by its bytes
+# the files a model directory's identity is read from
+MODEL_FILES = ("*.json", "*.safetensors", "*.bin", "*.pt", "*.model", "*.txt")
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A digest that changes with the model: its directory's files where it was
+    loaded from one (their bytes up to ``HASHED_BYTES`` in all, else their
+    names, sizes and modification times), else its weights' bytes."""
+    digest = hashlib.sha256()
+    source = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    files = sorted({f for pattern in MODEL_FILES for f in source.glob(pattern)}) if source.is_dir() else []
+    if files and sum(f.stat().st_size for f in files) <= HASHED_BYTES:
+        for f in files:
+            digest.update(f.name.encode())
+            digest.update(f.read_bytes())
+    elif files:
+        digest.update(str(source.resolve()).encode())
+        for f in files:
+            st = f.stat()
+            digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    else:
+        digest.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+        for name, t in model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def code_fingerprint(step: torch.nn.Module) -> str:
+    """A digest of the code a package was traced from: the step's own module
+    source and the transformers version (the model's forward)."""
+    digest = hashlib.sha256(transformers.__version__.encode())
+    digest.update(Path(inspect.getfile(type(step))).read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Path:
+    """Where the packages of ``step`` over ``model`` at ``dtype`` on ``device`` live."""
+    machine = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8]
+    key = (f"{model_fingerprint(model)}-{code_fingerprint(step)}-torch{torch.__version__}-"
+           f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}")
+    return Path(cache_dir()) / "specdec-aot" / key
+
+
+def package_path(root: Path, width: int, capacity: int, packed: bool) -> Path:
+    return root / f"step-w{width}-c{capacity}-{'packed' if packed else 'shared'}.pt2"
+
+
+def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: bool) -> None:
+    """Export ``step`` at the shapes of ``example`` and compile it into the
+    package ``path`` (written whole or not at all: a concurrent start may race),
+    ``packed`` or over shared weights (module doc)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        exported = torch.export.export(step, example, strict=False)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+    os.close(fd)
+    try:
+        torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
+                                                  inductor_configs=PACKED_CONFIG if packed else SHARED_CONFIG)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def shared_weights(step: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``step`` by name (tied ones under each name)."""
+    named = dict(step.named_parameters(remove_duplicate=False))
+    named.update(step.named_buffers(remove_duplicate=False))
+    return {name: t.detach() for name, t in named.items()}
+
+
+def cpu_identity() -> str:
+    """The machine and its CPU's feature flags: a package's kernels are built for them."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()}:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def load_package(path: Path, weights: dict[str, torch.Tensor] | None):
+    """The compiled step in ``path``, run over ``weights`` (not copied; None:
+    a packed package, which holds its own). The package is opened directly:
+    ``aoti_load_package`` would first probe the CPU's vector ISA by building
+    and loading test programs (~1 s a start), which the package key
+    (``cpu_identity``) already stands for."""
+    runner = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
+    if weights is None:
+        return runner
+    names = runner.get_constant_fqns()
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise RuntimeError(f"the package {path.name} needs constants the model lacks: {', '.join(missing[:3])}")
+    runner.load_constants({n: weights[n] for n in names}, check_full_update=True, user_managed=True)
+    return runner
+
+
+def load_or_build(step: torch.nn.Module, example: tuple, root: Path, width: int, capacity: int,
+                  weights: dict[str, torch.Tensor] | None):
+    """The compiled step for (width, capacity): loaded from ``root``, built
+    there first if absent; packed when ``weights`` is None."""
+    path = package_path(root, width, capacity, packed=weights is None)
+    if not path.exists():
+        build_package(step, example, path, packed=weights is None)
+    return load_package(path, weights)
