@@ -63,6 +63,7 @@ def demo_engines():
     return VerifierEngine(eager), VerifierEngine(fast), drafter, prompts
 
 
+@pytest.mark.slow             # builds the demo target's packages: ~4.5 min on a cold cache
 def test_demo_target_greedy_identical_to_eager_vanilla(demo_engines):
     eager, fast, drafter, prompts = demo_engines
     want = _tokens(eager, None, prompts)
@@ -70,6 +71,7 @@ def test_demo_target_greedy_identical_to_eager_vanilla(demo_engines):
     assert _tokens(fast, drafter, prompts, SMALL_TREE) == want          # tree verifies on the compiled path
 
 
+@pytest.mark.slow             # builds the demo target's packages: ~4.5 min on a cold cache
 def test_demo_target_takes_the_compiled_path(demo_engines):
     _, fast, _, prompts = demo_engines
     cache = fast.target.new_cache(40)
@@ -81,6 +83,7 @@ def test_demo_target_takes_the_compiled_path(demo_engines):
     assert fast.target.compiled.packed                                  # a small model: packed weights
 
 
+@pytest.mark.slow             # builds the demo target's packages: ~4.5 min on a cold cache
 def test_demo_target_seeded_sampling_reproducible(demo_engines):
     _, fast, _, prompts = demo_engines
     params = SamplingParams(temperature=0.8, seed=7)
