@@ -294,6 +294,7 @@ def test_failed_precondition_is_not_retried_elsewhere(stack, pair):
 
 # -- real processes: specdec up, SIGKILL --------------------------------------------------------------
 LONG = 200
+UNFINISHED = 32   # tokens a killed session must still have to make (several cycles)
 
 
 def active(addr: str, role: str) -> int:
@@ -334,14 +335,23 @@ class Up:
     def live(self, role: str) -> list[dict]:
         return [c for c in self.state[f"{role}s"] if alive(c["pid"])]
 
-    def kill_pinned(self, role: str, timeout: float = 30.0) -> dict:
-        """SIGKILL the first ``role`` process found holding a session."""
+    def kill_pinned(self, role: str, gen: Background, timeout: float = 30.0) -> dict | None:
+        """SIGKILL the first ``role`` process found holding ``gen``'s session, while
+        that session still has tokens to make; None when it got too far first.
+
+        The process is stopped before it is judged: a stopped process makes no
+        tokens, so what the client holds then is all the session has."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for child in self.live(role):
                 if active(child["addr"], role):
-                    os.kill(child["pid"], signal.SIGKILL)
-                    return child
+                    os.kill(child["pid"], signal.SIGSTOP)
+                    time.sleep(0.3)   # the tokens already made reach the client
+                    if len(gen.stream.token_ids) <= LONG - UNFINISHED:
+                        os.kill(child["pid"], signal.SIGKILL)
+                        return child
+                    os.kill(child["pid"], signal.SIGCONT)
+                    return None
             time.sleep(0.005)
         raise AssertionError(f"no {role} ever held the session")
 
@@ -371,20 +381,27 @@ def undisturbed(up):
     return whole.token_ids
 
 
-def generate_while(up, kill):
-    """A streamed generation during which ``kill()`` runs: (tokens, stats, what kill returned)."""
-    with SpecdecClient(up.state["orchestrator"], timeout=120, retries=0) as client:
-        gen = Background(client, max_new_tokens=LONG)
-        killed = kill()
-        stream = gen.result(timeout=120)
-    assert up.proc.poll() is None, "specdec up must keep running: " + up.stderr()[-2000:]
-    return stream.token_ids, stream.stats, killed
+def generate_while(up, role, kill, attempts: int = 5):
+    """A streamed generation during which ``kill(gen)`` runs: (tokens, stats, what
+    kill returned). It starts when no ``role`` process holds a session (an earlier
+    one still being released would be taken for it); a generation that ran too
+    far before the kill (kill returned None) is let finish and started again."""
+    for _ in range(attempts):
+        wait_for(lambda: not any(active(c["addr"], role) for c in up.live(role)), timeout=60, what=f"idle {role}s")
+        with SpecdecClient(up.state["orchestrator"], timeout=120, retries=0) as client:
+            gen = Background(client, max_new_tokens=LONG)
+            killed = kill(gen)
+            stream = gen.result(timeout=120)
+        assert up.proc.poll() is None, "specdec up must keep running: " + up.stderr()[-2000:]
+        if killed is not None:
+            return stream.token_ids, stream.stats, killed
+    raise AssertionError(f"every one of {attempts} generations finished before the kill")
 
 
 @pytest.mark.timeout(300)
 def test_sigkilled_drafter_mid_generation_loses_nothing(up, undisturbed):
     assert len(up.live("drafter")) == 2
-    tokens, stats, killed = generate_while(up, lambda: up.kill_pinned("drafter"))
+    tokens, stats, killed = generate_while(up, "drafter", lambda gen: up.kill_pinned("drafter", gen))
     assert tokens == undisturbed and stats.completion_tokens == LONG
     assert "drafter lost, re-prefilling another" in up.stderr()
     wait_for(lambda: f"(pid {killed['pid']}) exited with status -9" in up.stderr(), what="up reporting it")
@@ -393,7 +410,7 @@ def test_sigkilled_drafter_mid_generation_loses_nothing(up, undisturbed):
 @pytest.mark.timeout(300)
 def test_sigkilled_verifier_mid_generation_loses_nothing(up, undisturbed):
     assert len(up.live("verifier")) == 2
-    tokens, stats, killed = generate_while(up, lambda: up.kill_pinned("verifier"))
+    tokens, stats, killed = generate_while(up, "verifier", lambda gen: up.kill_pinned("verifier", gen))
     assert tokens == undisturbed and stats.completion_tokens == LONG
     assert "verifier lost, resuming the session on another" in up.stderr()
     wait_for(lambda: f"(pid {killed['pid']}) exited with status -9" in up.stderr(), what="up reporting it")
@@ -401,13 +418,15 @@ def test_sigkilled_verifier_mid_generation_loses_nothing(up, undisturbed):
 
 @pytest.mark.timeout(300)
 def test_every_drafter_sigkilled_mid_generation_finishes_as_plain_decoding(up, undisturbed):
-    def kill_all():
-        first = up.kill_pinned("drafter")
+    def kill_all(gen):
+        first = up.kill_pinned("drafter", gen)
+        if first is None:
+            return None
         for child in up.live("drafter"):
             os.kill(child["pid"], signal.SIGKILL)
         return first
 
-    tokens, stats, _ = generate_while(up, kill_all)
+    tokens, stats, _ = generate_while(up, "drafter", kill_all)
     assert tokens == undisturbed and stats.completion_tokens == LONG
     assert "going on with plain decoding" in up.stderr()
     assert not up.live("drafter")
