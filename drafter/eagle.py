@@ -26,9 +26,20 @@ class FeatureHeadDrafter(CachedTreeDrafter):
     and how head outputs become log-probs (``logprobs``)."""
 
     needs_features = True
+    compiled = None          # drafter.compiled_head.CompiledHead: compiled draft levels (None: eager)
 
     def new_cache(self):
-        return kv.new_cache(self.head.config)
+        return kv.new_cache(self.head.config) if self.compiled is None else self.compiled.new_cache()
+
+    def use_compile(self, mode: str) -> None:
+        """``--compile MODE`` for the draft levels (``drafter.compiled_head``)."""
+        from drafter.compiled_head import compile_head
+
+        self.compiled = compile_head(self, mode)
+
+    @abstractmethod
+    def step_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a draft level reads besides the head's own parameters, by name."""
 
     def _inputs_for(self, n_tokens: int) -> int:
         return n_tokens - 1
@@ -43,16 +54,29 @@ class FeatureHeadDrafter(CachedTreeDrafter):
         tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
         feats = torch.stack(sess.features[start:end]).to(dev)
         positions = torch.arange(start, end, device=dev)
-        out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
+        # the new pairs see every fed one and each other causally: a compiled level where one applies
+        allowed = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
+        done = None
+        if self.compiled is not None and kv.seq_len(sess.cache) == start:
+            done = self.compiled.step(sess.cache, tokens, feats, positions, allowed)
         sess.fed = end
+        if done is not None:
+            return done[0][-1], done[1][-1]
+        out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
         return out[-1], self.logprobs(out[-1])
 
     def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
+        out = None if self.compiled is None else self.compiled.step(sess.cache, tokens, parent_hidden, positions,
+                                                                     allowed)
+        return self.eager_step(sess.cache, tokens, parent_hidden, positions, allowed) if out is None else out
+
+    def eager_step(self, cache, tokens, parent_hidden, positions, allowed):
+        """One draft level run eagerly: (outputs [k, H], log-probs [k, V])."""
         dev = self.device
         tokens, positions = tokens.to(dev), positions.to(dev)
         mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
         out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None].to(dev), positions[None], mask,
-                        sess.cache)[0]
+                        cache)[0]
         return out, self.logprobs(out)
 
 
@@ -62,7 +86,7 @@ class EagleDrafter(FeatureHeadDrafter):
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
                  max_sessions: int = 64, ttl_s: float = 600.0, head=None, target_head: TargetHead | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", compile: str = "off"):
         if head is None:
             head = load_head(head_dir, dtype)
         if target_head is None:
@@ -76,6 +100,10 @@ class EagleDrafter(FeatureHeadDrafter):
         self.device = torch_device(device)
         self.head, self.target_head = head.to(self.device), target_head.to(self.device)
         self.hidden_size = self.feature_size = embed.shape[1]
+        self.use_compile(compile)
+
+    def step_tensors(self) -> dict[str, torch.Tensor]:
+        return {"embed": self.target_head.embed, "lm_head": self.target_head.lm_head}
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""

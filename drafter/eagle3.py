@@ -43,7 +43,7 @@ class Eagle3Drafter(FeatureHeadDrafter):
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
                  max_sessions: int = 64, ttl_s: float = 600.0, head: Eagle3Head | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", compile: str = "off"):
         text = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config(decoder=True)
         vocab, target_hidden, depth = int(text.vocab_size), int(text.hidden_size), int(text.num_hidden_layers)
         if head is None:
@@ -73,6 +73,10 @@ class Eagle3Drafter(FeatureHeadDrafter):
         self.feature_layers = layers                        # asked of the verifier (HF hidden-state indices)
         self.feature_size = head.fc.in_features             # 3 Ht: a feature row on the wire
         self.hidden_size = head.config.hidden_size
+        self.use_compile(compile)
+
+    def step_tensors(self) -> dict[str, torch.Tensor]:
+        return {"embedding": self.head.embedding, "target_ids": self.target_ids}
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target-vocabulary log-probs [..., V] of head outputs [..., H]: the draft

@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,15 @@ class FixedBuffers:
     views: list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def cache_shape(cache) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a filled cache; every layer must agree (one stacked buffer)."""
+    shapes = {(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers}
+    if len(shapes) != 1:
+        raise ValueError(f"layers differ in K/V shape {sorted(shapes)}: no one stacked buffer")
+    (heads, dim), = shapes
+    return len(cache.layers), heads, dim
+
+
 def fixed_buffers(cache) -> FixedBuffers | None:
     """The stacked buffer of a cache from ``CompiledForward.new_cache``, while
     every layer still holds its view (a grown or re-batched layer does not)."""
@@ -171,39 +181,80 @@ def fixed_buffers(cache) -> FixedBuffers | None:
     return fixed
 
 
+class FixedGraphs:
+    """The compiled graphs of one fixed-shape step module, one per (width,
+    capacity): at ``packaged_capacity`` AOTInductor packages kept on disk
+    (``specdec.compiled_aot``) when ``ahead_of_time``, packed (their own copy
+    of the weights, for inductor's CPP GEMM) for a small ``model`` on CPU or
+    when ``packed``; at larger capacities (or without packages) ``torch.compile``."""
+
+    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                 ahead_of_time: bool = True, packed: bool | None = None, options: dict | None = None,
+                 sources: tuple[str, ...] = (), packaged_capacity: int = MIN_CAPACITY):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.module = module
+        self.options = options
+        self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
+        self.packages = compiled_aot.package_dir(module, model, dtype, device, sources) if ahead_of_time else None
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        if packed is None:               # one packed copy of the weights per width: small models only
+            packed = device.type == "cpu" and weight_bytes * len(WIDTHS) <= PACKED_BUDGET
+        self.packed = ahead_of_time and packed
+        self.weights = compiled_aot.shared_weights(module) if ahead_of_time and not self.packed else None
+        self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
+        self.packaged_capacity = packaged_capacity
+
+    def get(self, width: int, capacity: int, example: Callable[[], tuple]):
+        """The compiled step for (width, capacity); ``example()``: inputs of its
+        shapes (for a package built here)."""
+        key = (width, capacity)
+        if key not in self.graphs:
+            if self.packages is None or capacity != self.packaged_capacity:
+                if self.traced is None:
+                    self.traced = torch.compile(self.module, dynamic=False, options=self.options)
+                self.graphs[key] = self.traced
+            else:
+                self.graphs[key] = compiled_aot.load_or_build(self.module, example(), self.packages, width,
+                                                              capacity, self.weights)
+        return self.graphs[key]
+
+
+def stacked_cache(cache, stack: torch.Tensor):
+    """Make ``cache`` (SlabLayers) a compiled-path cache over ``stack``
+    [layers, 2, 1, heads, C, d], every layer a view into it, none filled."""
+    views = [(stack[i, 0], stack[i, 1]) for i in range(stack.shape[0])]
+    for i, (k, v) in enumerate(views):
+        kv.adopt(cache, i, k, v, 0)
+    cache.fixed_buffers = FixedBuffers(stack, views)
+    return cache
+
+
 class CompiledForward:
-    """Compiled fixed-shape forwards of one causal LM: at ``MIN_CAPACITY``,
-    AOTInductor packages kept on disk (``specdec.compiled_aot``) when
-    ``ahead_of_time``; at larger capacities (or without it), ``torch.compile``."""
+    """Compiled fixed-shape forwards of one causal LM (``FixedGraphs`` of ``FixedStep``)."""
 
     def __init__(self, lm: CausalLm, ahead_of_time: bool = True, packed: bool | None = None,
                  options: dict | None = None):
         self.lm = lm
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.layers, self.heads, self.head_dim = self._probe()
         self.module = FixedStep(lm).eval()
-        self.options = options
-        self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
-        self.packages = None
-        if ahead_of_time:
-            self.packages = compiled_aot.package_dir(self.module, lm.model, lm.dtype, torch.device(lm.device))
-        weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.parameters())
-        if packed is None:               # one packed copy of the weights per width: small models only
-            packed = torch.device(lm.device).type == "cpu" and weight_bytes * len(WIDTHS) <= PACKED_BUDGET
-        self.packed = ahead_of_time and packed
-        self.weights = None if self.packed else compiled_aot.shared_weights(self.module)
-        self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
+        self.compiled = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
+                                    packed, options)
+
+    @property
+    def packed(self) -> bool:
+        return self.compiled.packed
+
+    @property
+    def packages(self):
+        """Where this model's packages live (None: no packages)."""
+        return self.compiled.packages
 
     @torch.inference_mode()
     def _probe(self) -> tuple[int, int, int]:
         """(layers, KV heads, head dim), from a one-token eager forward; every layer must agree."""
         cache = self.lm.new_cache(1)
         self.lm.hidden(cache, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None)
-        shapes = {(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers}
-        if len(shapes) != 1:
-            raise ValueError(f"layers differ in K/V shape {sorted(shapes)}: no one stacked buffer")
-        (heads, dim), = shapes
-        return len(cache.layers), heads, dim
+        return cache_shape(cache)
 
     def new_stack(self, capacity: int) -> torch.Tensor:
         return torch.zeros((self.layers, 2, 1, self.heads, capacity, self.head_dim),
@@ -212,30 +263,16 @@ class CompiledForward:
     def new_cache(self, capacity: int = 0):
         """A session cache of ``capacity_bucket(capacity)`` zeroed slots per
         layer, every layer a view into one stacked buffer."""
-        cache = self.lm.new_cache()
         with torch.inference_mode():
-            stack = self.new_stack(capacity_bucket(capacity))
-            views = [(stack[i, 0], stack[i, 1]) for i in range(self.layers)]
-            for i, (k, v) in enumerate(views):
-                kv.adopt(cache, i, k, v, 0)
-        cache.fixed_buffers = FixedBuffers(stack, views)
-        return cache
+            return stacked_cache(self.lm.new_cache(), self.new_stack(capacity_bucket(capacity)))
 
     def graph(self, width: int, capacity: int, mask):
         """The compiled step for (width, capacity); ``mask`` is a padded one of
         the shape it takes (for a package built here)."""
-        key = (width, capacity)
-        if key not in self.graphs:
-            if self.packages is None or capacity != MIN_CAPACITY:
-                if self.traced is None:
-                    self.traced = torch.compile(self.module, dynamic=False, options=self.options)
-                self.graphs[key] = self.traced
-            else:
-                pos = torch.arange(width, device=self.lm.device)[None]
-                example = (torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity))
-                self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width, capacity,
-                                                              self.weights)
-        return self.graphs[key]
+        def example():
+            pos = torch.arange(width, device=self.lm.device)[None]
+            return torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity)
+        return self.compiled.get(width, capacity, example)
 
     def accepts(self, cache, n: int) -> bool:
         """Whether a forward of n tokens on ``cache`` takes the compiled path."""

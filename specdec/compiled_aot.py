@@ -59,7 +59,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     loaded from one (their bytes up to ``HASHED_BYTES`` in all, else their
     names, sizes and modification times), else its weights' bytes."""
     digest = hashlib.sha256()
-    source = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
     files = sorted({f for pattern in MODEL_FILES for f in source.glob(pattern)}) if source.is_dir() else []
     if files and sum(f.stat().st_size for f in files) <= HASHED_BYTES:
         for f in files:
@@ -71,25 +71,31 @@ def model_fingerprint(model: torch.nn.Module) -> str:
             st = f.stat()
             digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     else:
-        digest.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+        config = getattr(model, "config", None)
+        if config is not None:
+            digest.update(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
         for name, t in model.state_dict().items():
             digest.update(name.encode())
             digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:20]
 
 
-def code_fingerprint(step: torch.nn.Module) -> str:
+def code_fingerprint(step: torch.nn.Module, sources: tuple[str, ...] = ()) -> str:
     """A digest of the code a package was traced from: the step's own module
-    source and the transformers version (the model's forward)."""
+    source, the transformers version (the model's forward) and ``sources``
+    (more source files the step runs)."""
     digest = hashlib.sha256(transformers.__version__.encode())
     digest.update(Path(inspect.getfile(type(step))).read_bytes())
+    for source in sorted(set(sources)):
+        digest.update(Path(source).read_bytes())
     return digest.hexdigest()[:8]
 
 
-def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Path:
+def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                sources: tuple[str, ...] = ()) -> Path:
     """Where the packages of ``step`` over ``model`` at ``dtype`` on ``device`` live."""
     machine = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8]
-    key = (f"{model_fingerprint(model)}-{code_fingerprint(step)}-torch{torch.__version__}-"
+    key = (f"{model_fingerprint(model)}-{code_fingerprint(step, sources)}-torch{torch.__version__}-"
            f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}")
     return Path(cache_dir()) / "specdec-aot" / key
 

@@ -45,7 +45,7 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle3 import load_eagle_drafter
 
-        drafter = load_eagle_drafter(choice.path, target.path, device=target.device)
+        drafter = load_eagle_drafter(choice.path, target.path, device=target.device, compile=target.compile)
     elif choice.kind == "draft-lm":
         from drafter.draft_lm import DraftLmDrafter
 

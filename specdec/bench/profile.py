@@ -9,7 +9,8 @@ back after each run so every run sees the same ``--prefix`` cached tokens):
 - ``target_step``: the target's one-token step (plain decoding's whole cycle);
 - ``target_verify16``: a 16-node tree verify with its ancestor mask;
 - ``eagle_level8``: one EAGLE head level over an 8-node frontier, lm_head and
-  log-softmax included (``drafter.eagle.EagleDrafter.step``).
+  log-softmax included (``drafter.eagle.EagleDrafter.step``; compiled:
+  ``drafter.compiled_head``).
 
 For each eager step, ``torch.profiler`` counts the aten operators dispatched
 and the self time of the compute kernels (matrix products and the attention
@@ -22,8 +23,8 @@ interleaved run by run with the eager path and a ``torch.compile``-only path
 without the ahead-of-time packages: ``interleaved``), and
 ``--e2e-prompts N`` decodes N bundled prompts with vanilla and eagle2 on the
 eager and the compiled verifier side by side (interleaved, as ``specdec
-bench`` does). ``--startup`` times the start-up (load, compile and check) in
-fresh processes: eager, compiled with an empty inductor cache (cold) and
+bench`` does). ``--startup`` times the start-up (load, compile and check of the target
+and the EAGLE drafter) in fresh processes: eager, compiled with an empty inductor cache (cold) and
 compiled again with that cache (warm: TORCHINDUCTOR_CACHE_DIR).
 """
 
@@ -160,15 +161,16 @@ class StepBench:
         return time_step(level, partial(kv.truncate, sess.cache, p), steps, profile)
 
 
-def end_to_end(target_dir: str, eagle_dir: str, eager: TargetModel, fast: TargetModel | None, drafter,
+def end_to_end(target_dir: str, eagle_dir: str, eager: TargetModel, fast: TargetModel | None, drafters: tuple,
                n_prompts: int, max_new_tokens: int, tree: TreeParams) -> dict:
-    """vanilla and eagle2 on the eager (and compiled) verifier, interleaved per prompt."""
+    """vanilla and eagle2 on the eager (and compiled) verifier and drafter
+    (``drafters``: eager, compiled), interleaved per prompt."""
     tok = load_tokenizer(target_dir)
     texts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()][:n_prompts]
     prompts = [Prompt(t, tok(t)["input_ids"]) for t in texts]
     stop = StopCriteria(max_new_tokens=max_new_tokens, eos_ids=frozenset())
     params, methods = SamplingParams(), {}
-    for suffix, target in (("", eager), ("+compiled", fast)):
+    for suffix, target, drafter in (("", eager, drafters[0]), ("+compiled", fast, drafters[1])):
         if target is not None:
             engine = VerifierEngine(target)
             methods["vanilla" + suffix] = LocalMethod(engine, None, None, params, stop)
@@ -177,22 +179,25 @@ def end_to_end(target_dir: str, eagle_dir: str, eager: TargetModel, fast: Target
 
 
 def startup_seconds(args, mode: str, cache_dir: str) -> float:
-    """Seconds a fresh process takes to load the target with ``--compile mode``."""
+    """Seconds a fresh process takes to load the target and the EAGLE drafter with ``--compile mode``."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "specdec.cli.main", "bench", "profile", "--startup-only", "--compile", mode,
-               "--target", args.target_dir, "--json", out.name]
+               "--target", args.target_dir, "--eagle", args.eagle_dir, "--json", out.name]
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())["startup_s"]
 
 
 def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
-    args.target_dir = target_dir
+    args.target_dir, args.eagle_dir = target_dir, eagle_dir
     spec = ModelSpec(path=target_dir, dtype=args.dtype, device=args.device)
     if args.startup_only:
         t = time.perf_counter()
         TargetModel(ModelSpec(path=target_dir, dtype=args.dtype, device=args.device, compile=args.compile))
-        return {"startup_s": round(time.perf_counter() - t, 3)}
+        target_s = time.perf_counter() - t
+        EagleDrafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
+        total = time.perf_counter() - t
+        return {"startup_s": round(total, 3), "target_s": round(target_s, 3), "drafter_s": round(total - target_s, 3)}
     eager = TargetModel(spec)
     drafter = EagleDrafter(eagle_dir, target_dir, device=args.device)
     bench = StepBench(eager, drafter, args.prefix)
@@ -201,7 +206,7 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
     eager_steps = bench.target_steps(eager.forward_batch, eager.lm.new_cache, args.steps, profile=True)
     eager_steps["eagle_level8"] = bench.eagle_level(args.steps, profile=True)
     result["steps"]["eager"] = {k: v.record() for k, v in eager_steps.items()}
-    fast = None
+    fast, fast_drafter = None, None
     if args.compile != "off":
         fast = TargetModel(spec, model=eager.model)
         t = time.perf_counter()
@@ -212,6 +217,11 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
             fast.compiled.warm(tuple(w for w in WIDTHS if w <= width_bucket(max(VERIFY_NODES, args.total_tokens))))
             result["compile_widths_s"] = round(time.perf_counter() - t, 3)
             steps = bench.target_steps(fast.forward_batch, fast.new_cache, args.steps, profile=False)
+            t = time.perf_counter()
+            fast_drafter = EagleDrafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
+            result["drafter_compile_and_check_s"] = round(time.perf_counter() - t, 3)
+            if fast_drafter.compiled is not None:
+                steps["eagle_level8"] = StepBench(fast, fast_drafter, args.prefix).eagle_level(args.steps, False)
             result["steps"]["compiled"] = {k: v.record() for k, v in steps.items()}
             traced = CompiledForward(fast.lm, ahead_of_time=False)      # torch.compile at every capacity
             traced.warm((1, width_bucket(VERIFY_NODES)))
@@ -223,8 +233,8 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
             fast = None
     if args.e2e_prompts:
         tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
-        result["end_to_end"] = end_to_end(target_dir, eagle_dir, eager, fast, drafter, args.e2e_prompts,
-                                          args.max_new_tokens, tree)
+        result["end_to_end"] = end_to_end(target_dir, eagle_dir, eager, fast, (drafter, fast_drafter),
+                                          args.e2e_prompts, args.max_new_tokens, tree)
         result["end_to_end_tree"] = {"total_tokens": tree.total_tokens, "depth": tree.depth,
                                      "expand_k": tree.expand_k, "max_new_tokens": args.max_new_tokens}
     if args.startup:
@@ -237,7 +247,8 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
 
 def profile_markdown(result: dict) -> str:
     if "steps" not in result:
-        return f"start-up: {result['startup_s']} s"
+        return (f"start-up: {result['startup_s']} s (target {result['target_s']} s, "
+                f"EAGLE drafter {result['drafter_s']} s)")
     target = f"- target: `{result['target']}`, {result['prefix']} cached tokens before each step"
     lines = ["# specdec bench profile", "", f"- device: {result['device']}", target, "",
              "| path | step | wall ms | aten ops | compute-kernel ms | profiled ms | dispatch share |",
@@ -257,7 +268,7 @@ def profile_markdown(result: dict) -> str:
         lines += ["", "| path (interleaved) | target_step ms | target_verify16 ms |", "|---|---:|---:|"]
         for name, t in result["interleaved"].items():
             lines.append(f"| {name} | {t['target_step']:.2f} | {t['target_verify16']:.2f} |")
-    for key in ("compile_and_check_s", "compile_widths_s", "startup_s"):
+    for key in ("compile_and_check_s", "compile_widths_s", "drafter_compile_and_check_s", "startup_s"):
         if key in result:
             lines.append(f"- {key}: {result[key]}")
     return "\n".join(lines)

@@ -67,7 +67,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
               "--max-expand-k", str(max(10, tree.expand_k))]
     if kind in ("eagle", "eagle3"):                  # `serve drafter --eagle` tells the head's version
         head = cfg.eagle if kind == "eagle" else cfg.eagle3
-        return ["--eagle", head, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
+        return ["--eagle", head, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device,
+                "--compile", cfg.compile, *limits]
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":
@@ -124,7 +125,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
     with _threads_env(share):
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                      "--dtype", cfg.dtype, "--device", cfg.device,
-                                                     *solo, *internal],
+                                                     "--compile", cfg.compile, *solo, *internal],
                                 env_defaults=procs.solo_env() if solo else None,
                                 cores=None if verifier_core is None else frozenset([verifier_core])))
         mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal],

@@ -71,10 +71,10 @@ class Models:
                 from drafter.eagle import EagleDrafter
 
                 self._drafters[kind] = EagleDrafter(self._need(self.cfg.eagle, "EAGLE head"), self.cfg.target,
-                                                    device=self.cfg.device)
+                                                    device=self.cfg.device, compile=self.cfg.compile)
             elif kind == "eagle3":
                 self._drafters[kind] = Eagle3Drafter(self._need(self.cfg.eagle3, "EAGLE-3 head"), self.cfg.target,
-                                                     device=self.cfg.device)
+                                                     device=self.cfg.device, compile=self.cfg.compile)
             elif kind == "ngram":
                 from drafter.ngram import NgramDrafter
 

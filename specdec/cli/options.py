@@ -62,11 +62,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_compile_flag(g)
 
 
-def add_compile_flag(p) -> None:
+def add_compile_flag(p, what: str = "the target's one-token steps and tree verifies over fixed-shape KV "
+                                    "(specdec.compiled) and EAGLE heads' draft levels") -> None:
     p.add_argument("--compile", default="off", choices=COMPILE_MODES,
-                   help="torch.compile the target's one-token steps and tree verifies over fixed-shape KV "
-                        "(specdec.compiled): on, auto (on where a compiled step is measured faster) or off "
-                        "(default); compiled at start-up, cached in TORCHINDUCTOR_CACHE_DIR")
+                   help=f"compile {what}: on, auto (on where a compiled step is measured faster) or off "
+                        "(default); compiled at start-up, kept in TORCHINDUCTOR_CACHE_DIR")
 
 
 def resolved_min_tau(text: str) -> float | None:

@@ -139,6 +139,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled_head)")
     t = p.add_argument_group("draft tree (a request's 0 / unset knobs take these; larger ones are clamped)")
     t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
@@ -249,7 +250,7 @@ def _drafter_builder(args):
     def build():
         from drafter.eagle3 import load_eagle_drafter
 
-        return load_eagle_drafter(head, target, dtype=dtype, device=args.device, **sessions)
+        return load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
     return build
 
 

@@ -73,7 +73,7 @@ def _models(args) -> Models:
         drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype)
     else:
         drafter = ("--eagle", model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"), "--target", target,
-                   "--dtype", args.dtype)
+                   "--dtype", args.dtype, "--compile", args.compile)
     return Models(verifier, drafter, target)
 
 

@@ -121,7 +121,7 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         drafter = ["--draft-lm", _model_dir(args.draft_lm, "draft LM"), "--dtype", args.dtype]
     else:
         eagle = _model_dir(args.eagle or str(demo_path("eagle")), "EAGLE head")
-        drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype]
+        drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
     return verifier, drafter, target
 
 

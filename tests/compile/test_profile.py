@@ -39,7 +39,16 @@ def test_compiled_side_by_side(tiny_family, tmp_path):
                  "--e2e-prompts", "2", "--max-new-tokens", "12", "--total-tokens", "8", "--depth", "3",
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["steps"]["compiled"]) == {"target_step", "target_verify16"}
+    assert set(result["steps"]["compiled"]) == {"target_step", "target_verify16", "eagle_level8"}
     e2e = result["end_to_end"]
     assert set(e2e) == {"vanilla", "eagle2", "vanilla+compiled", "eagle2+compiled"}
     assert all(m["matches_vanilla"] for m in e2e.values())
+
+
+def test_startup_only_times_the_target_and_the_drafter(tiny_family, tmp_path, capsys):
+    out = tmp_path / "startup.json"
+    assert main(["bench", "profile", *_flags(tiny_family), "--startup-only", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["target_s"] > 0 and result["drafter_s"] > 0
+    assert result["startup_s"] == pytest.approx(result["target_s"] + result["drafter_s"], abs=2e-3)
+    assert "EAGLE drafter" in capsys.readouterr().out

@@ -9,15 +9,19 @@ import random
 import grpc
 import pytest
 import torch
+from services.helpers import channel_to, drafter_builder, rpc_error, start_drafter
+from trees import assert_same_tree
 
 from drafter.batch import DraftScheduler, draft_batch
-from services.helpers import channel_to, drafter_builder, rpc_error, start_drafter
 from specdec import kv, tensor_wire, wire
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
-from specdec.params import SamplingParams
-from specdec.params import TreeParams
+from specdec.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
-from specdec.v1.drafter_pb2 import DrafterPrefillRequest, DrafterReleaseRequest, DraftRequest
+from specdec.v1.drafter_pb2 import (
+    DrafterPrefillRequest,
+    DrafterReleaseRequest,
+    DraftRequest,
+)
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
 
 # Different methods, sizes and depths: trees of one batch stop at different levels.
@@ -33,18 +37,6 @@ CONFIGS = [
 ]
 PROMPT_LENGTHS = (4, 11, 23, 40, 7)
 MODEL_KINDS = ["eagle", "draft-lm"]
-
-
-def assert_same_tree(got, want):
-    assert not isinstance(got, Exception), got
-    assert got.tokens.tolist() == want.tokens.tolist()
-    assert got.parents.tolist() == want.parents.tolist()
-    # a padded forward may sum in another order: values agree to float rounding
-    assert torch.allclose(got.values, want.values, rtol=0, atol=1e-4), (got.values - want.values).abs().max()
-    assert (got.proposals or {}).keys() == (want.proposals or {}).keys()
-    for node, prop in (got.proposals or {}).items():
-        assert prop.tokens.tolist() == want.proposals[node].tokens.tolist()
-        assert torch.allclose(prop.probs, want.proposals[node].probs, rtol=0, atol=1e-5)
 
 
 class Sessions:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from trees import assert_same_tree
 
 from drafter.batch import draft_batch
 from drafter.eagle3 import Eagle3Drafter
@@ -21,17 +22,6 @@ CONFIGS = [TreeParams(method="eagle2", total_tokens=12, depth=4, expand_k=3),
            TreeParams(method="static", total_tokens=10, depth=3),
            TreeParams(method="eagle2", total_tokens=16, depth=6, expand_k=4)]
 PROMPT_LENGTHS = (4, 11, 23, 7)
-
-
-def assert_same_tree(got, want):
-    assert not isinstance(got, Exception), got
-    assert got.tokens.tolist() == want.tokens.tolist()
-    assert got.parents.tolist() == want.parents.tolist()
-    assert torch.allclose(got.values, want.values, rtol=0, atol=1e-4)
-    assert (got.proposals or {}).keys() == (want.proposals or {}).keys()
-    for node, prop in (got.proposals or {}).items():
-        assert prop.tokens.tolist() == want.proposals[node].tokens.tolist()
-        assert torch.allclose(prop.probs, want.proposals[node].probs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("head", ["eagle3", "eagle3-full"])

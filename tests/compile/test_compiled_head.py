@@ -1,0 +1,128 @@
+"""Compiled draft levels of EAGLE heads (``drafter.compiled_head``): the trees a
+compiled drafter drafts are the eager drafter's (greedy and sampled
+proposals, fed pairs included), generations stay token-identical to eager
+vanilla, levels the graphs do not cover run eagerly, and a head that fails to
+compile or to match its eager levels drafts eagerly with one log line."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from trees import assert_same_tree
+
+from drafter import compiled_head
+from drafter.eagle import EagleDrafter
+from specdec import kv
+from specdec.decoding import StopCriteria
+from specdec.local import generate
+from specdec.models import ModelSpec
+from specdec.params import SamplingParams, TreeParams
+from verifier.engine import TargetModel, VerifierEngine
+
+TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(total_tokens=10, depth=3, expand_k=8),
+         TreeParams(method="chain", total_tokens=6, depth=5)]
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_family):
+    """(compiled drafter, eager drafter) over the tiny family's EAGLE head."""
+    fast = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
+    assert fast.compiled is not None
+    return fast, EagleDrafter(tiny_family["eagle"], tiny_family["target"])
+
+
+def feed(drafters, sid, rng, gen, n, sampling=None):
+    tokens = [rng.randrange(drafters[0].vocab_size) for _ in range(n)]
+    feats = torch.randn(n - 1, drafters[0].hidden_size, generator=gen)
+    for d in drafters:
+        d.prefill(sid, tokens, feats, greedy=sampling is None, sampling=sampling)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_compiled_levels_draft_the_eager_trees(heads, sampled):
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    sampling = SamplingParams(temperature=0.9, seed=3) if sampled else None
+    for i, prompt in enumerate((5, 30, 12)):
+        sid = f"s{i}"
+        feed(heads, sid, rng, gen, prompt, sampling)
+        for cycle in range(4):
+            cfg = TREES[(i + cycle) % len(TREES)]
+            trees = [d.draft(sid, cfg) for d in heads]
+            assert_same_tree(*trees)
+            n = rng.randrange(1, 6)                      # a cycle's commit: fed through the compiled graphs
+            tokens = [rng.randrange(heads[0].vocab_size) for _ in range(n)]
+            feats = torch.randn(n, heads[0].hidden_size, generator=gen)
+            for d in heads:
+                d.commit(sid, tokens, feats)
+        sess = heads[0].sessions.get(sid)
+        assert kv.seq_len(sess.cache) == sess.fed
+        assert compiled_head.fixed_buffers(sess.cache) is not None      # still on the stacked buffer
+
+
+def test_levels_past_the_graphs_run_eagerly(heads):
+    fast, _ = heads
+    cache = fast.compiled.new_cache()
+    h = fast.hidden_size
+    wide = max(compiled_head.WIDTHS) + 1
+    assert fast.compiled.step(cache, torch.zeros(wide, dtype=torch.long), torch.zeros(wide, h),
+                              torch.arange(wide), torch.ones(wide, wide, dtype=torch.bool)) is None
+    full = compiled_head.HEAD_CAPACITY
+    with torch.inference_mode():
+        fast.head(fast.embed_tokens(torch.zeros(1, full - 1, dtype=torch.long)), torch.zeros(1, full - 1, h),
+                  torch.arange(full - 1)[None], None, cache)
+    assert fast.compiled.step(cache, torch.zeros(2, dtype=torch.long), torch.zeros(2, h), torch.full((2,), full),
+                              torch.ones(2, full + 1, dtype=torch.bool)) is None
+
+
+def test_generation_with_compiled_levels_is_plain_greedy_decoding(heads, tiny_family):
+    fast, _ = heads
+    verifier = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
+    stop = StopCriteria(max_new_tokens=24, eos_ids=frozenset())
+    for prompt in ([3, 17, 42, 9, 3, 17, 42], [5, 6, 7, 8, 5, 6, 9, 11]):
+        want = generate(verifier, None, prompt, SamplingParams(), stop, None).tokens
+        got = generate(verifier, fast, prompt, SamplingParams(), stop, TreeParams())
+        assert got.tokens == want and got.finish().drafted > 0       # a random head: few accepted
+
+
+def test_failed_compilation_drafts_eagerly_with_one_line(tiny_family, caplog, monkeypatch):
+    def broken(self, drafter, packed=True):
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    monkeypatch.setattr(compiled_head.CompiledHead, "__init__", broken)
+    with caplog.at_level(logging.WARNING, logger="drafter.compiled_head"):
+        drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
+    assert drafter.compiled is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "drafter.compiled_head"]
+    assert len(lines) == 1
+    assert "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
+
+
+def test_levels_that_differ_from_eager_ones_are_refused(tiny_family, caplog, monkeypatch):
+    real = compiled_head.CompiledHead.step
+
+    def off_by_a_little(self, *args):
+        got = real(self, *args)
+        return None if got is None else (got[0], got[1] + 0.01)
+
+    monkeypatch.setattr(compiled_head.CompiledHead, "step", off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="drafter.compiled_head"):
+        drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
+    assert drafter.compiled is None
+    assert any("differ from eager ones" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("eager_ms, compiled_ms, kept", [(10.0, 5.0, True), (5.0, 10.0, False)])
+def test_auto_keeps_compiled_levels_only_where_they_pay(tiny_family, monkeypatch, eager_ms, compiled_ms, kept):
+    times = iter([eager_ms, compiled_ms])           # compile_head times eager first, then compiled
+    monkeypatch.setattr(compiled_head, "time_level", lambda *args, **kwargs: next(times))
+    drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="auto")
+    assert (drafter.compiled is not None) == kept
+
+
+def test_off_is_eager_and_modes_are_checked(tiny_family):
+    assert EagleDrafter(tiny_family["eagle"], tiny_family["target"]).compiled is None
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="always")
