@@ -376,13 +376,17 @@ class CachedTreeDrafter(Drafter):
             k, used = len(nodes), len(slot)
             allowed = torch.zeros(k, committed + used + k, dtype=torch.bool)
             allowed[:, :committed] = True
+            rows, cols = [], []            # the draft slots each node sees: its ancestors' and its own
             for row, (node, parent) in enumerate(zip(nodes, parents)):
                 parent_of[node] = parent
                 a = parent
                 while a > 0:               # the root's input is committed, not a draft slot
-                    allowed[row, committed + slot[a]] = True
+                    rows.append(row)
+                    cols.append(committed + slot[a])
                     a = parent_of[a]
-                allowed[row, committed + used + row] = True
+                rows.append(row)
+                cols.append(committed + used + row)
+            allowed[rows, cols] = True
             positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
             slot_pos.extend(positions.tolist())
             parent_h = torch.stack([hidden[p] for p in parents])

@@ -35,9 +35,9 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
-from specdec import kv, masks
+from specdec import kv
 from specdec.compiled import (MIN_CAPACITY, PACKED_BUDGET, PAYS, FixedGraphs, FixedLayer, cache_shape,
-                              fixed_buffers, pad_mask, stacked_cache)
+                              fixed_buffers, stacked_cache)
 from specdec.models import COMPILE_MODES
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,7 @@ class CompiledHead:
         if fixed is None or width is None or past + width > fixed.stack.shape[4]:
             return None
         dev = self.device
-        capacity = fixed.stack.shape[4]
-        mask = pad_mask(masks.additive(allowed, self.dtype)[None, None], width, capacity).to(dev)
+        mask = self.padded_mask(allowed, width, fixed.stack.shape[4]).to(dev)
         pad = width - k
         tokens = torch.cat([tokens.to(dev), tokens.new_zeros(pad, device=dev)])[None]
         positions = torch.cat([positions.to(dev), positions[-1:].to(dev).expand(pad)])[None]
@@ -136,6 +135,17 @@ class CompiledHead:
         k_view, v_view = fixed.views[0]
         kv.adopt(cache, 0, k_view, v_view, past + k)
         return out[0, :k], logp[0, :k]
+
+    def padded_mask(self, allowed: torch.Tensor, width: int, capacity: int) -> torch.Tensor:
+        """``specdec.compiled.pad_mask`` of the additive mask of ``allowed`` [k, past + k],
+        built in one buffer: [1, 1, width, capacity]."""
+        k, seen = allowed.shape
+        mask = torch.zeros(width, capacity, dtype=self.dtype)
+        hidden = torch.ones(width, capacity, dtype=torch.bool)
+        hidden[:k, :seen] = ~allowed
+        pads = torch.arange(k, width)
+        hidden[pads, seen - k + pads] = False          # a pad query sees only its own slot
+        return mask.masked_fill_(hidden, torch.finfo(self.dtype).min)[None, None]
 
     def warm(self, widths=WIDTHS) -> float:
         """Build (or load) and run the graphs for ``widths`` ahead of traffic; seconds taken."""

@@ -95,10 +95,13 @@ def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         take = above | (tied & (tied.cumsum(-1) <= room))  # [f, V], k per row
         tok = take.nonzero()[:, 1].view(-1, k)  # [f, k]
         lp = logp.gather(-1, tok)
-    # best first, equal log-probs by token id: two stable sorts
-    tok, order = tok.sort(dim=-1, stable=True)
-    lp, order = lp.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-    return lp.float().clamp(max=0.0).cpu(), tok.gather(-1, order).cpu()
+    if k > 1 and not bool((lp[:, :-1] > lp[:, 1:]).all()):
+        # best first, equal log-probs by token id: two stable sorts (without ties
+        # topk's descending order is that order already)
+        tok, order = tok.sort(dim=-1, stable=True)
+        lp, order = lp.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+        tok = tok.gather(-1, order)
+    return lp.float().clamp(max=0.0).cpu(), tok.cpu()
 
 
 class _Pool:

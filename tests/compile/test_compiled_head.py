@@ -126,3 +126,15 @@ def test_off_is_eager_and_modes_are_checked(tiny_family):
     assert EagleDrafter(tiny_family["eagle"], tiny_family["target"]).compiled is None
     with pytest.raises(ValueError, match="compile must be one of"):
         EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="always")
+
+
+def test_padded_mask_is_the_padded_additive_mask(heads):
+    from specdec import masks
+    from specdec.compiled import pad_mask
+
+    fast, _ = heads
+    gen = torch.Generator().manual_seed(0)
+    for k, past, width in ((3, 5, 4), (1, 0, 1), (5, 20, 8), (8, 3, 8)):
+        allowed = torch.rand(k, past + k, generator=gen) < 0.5
+        want = pad_mask(masks.additive(allowed)[None, None], width, 64)
+        assert torch.equal(fast.compiled.padded_mask(allowed, width, 64), want)
