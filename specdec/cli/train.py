@@ -103,6 +103,12 @@ def add_parser(sub) -> None:
                     help="draft vocabulary size: the corpus's most frequent tokens (default V/4, at most 32000)")
     v3.add_argument("--ttt-steps", type=int, default=None,
                     help="training-time-test steps the head is unrolled for (default 7)")
+    v3.add_argument("--feature-layers", default=None, metavar="I,J,K",
+                    help="the three target hidden states the head reads, as HF hidden-state indices "
+                         "(the input of layer i; 0..L-1): default the reference's 2, L//2, L-3")
+    v3.add_argument("--init", default=None, metavar="HEAD_DIR",
+                    help="start from this EAGLE-3 head's weights and draft vocabulary (e.g. to fine-tune it "
+                         "on other feature layers) instead of the target's own tensors")
     _common(t, steps=800, batch=16, lr=1e-3)
     t.set_defaults(run=run_eagle, name="eagle")
 
@@ -148,7 +154,8 @@ def run_eagle(args) -> int:
     from specdec.models import require_model_dir
 
     require_model_dir(args.target, "target")
-    other = ("w_reg", "w_cls", "noise") if args.version == 3 else ("draft_vocab", "ttt_steps")
+    other = ("w_reg", "w_cls", "noise") if args.version == 3 else ("draft_vocab", "ttt_steps", "feature_layers",
+                                                                   "init")
     given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
     if given:
         raise UsageError(f"{', '.join(given)} do not apply to --version {args.version}")
@@ -175,9 +182,20 @@ def _run_eagle3(args) -> int:
         raise UsageError(f"--draft-vocab must be >= 1, got {args.draft_vocab}")
     if args.ttt_steps is not None and args.ttt_steps < 1:
         raise UsageError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    layers = ()
+    if args.feature_layers is not None:
+        try:
+            layers = tuple(int(i) for i in args.feature_layers.split(","))
+        except ValueError:
+            raise UsageError(f"--feature-layers must be three integers like 2,10,17, got {args.feature_layers!r}")
+        if len(layers) != 3:
+            raise UsageError(f"--feature-layers must name three layers, got {len(layers)}")
+    if args.init is not None and args.draft_vocab is not None:
+        raise UsageError("--draft-vocab does not apply with --init (the head's own vocabulary is kept)")
     defaults = Eagle3Options()
     opts = Eagle3Options(draft_vocab=args.draft_vocab or defaults.draft_vocab,
-                         ttt_steps=args.ttt_steps or defaults.ttt_steps)
+                         ttt_steps=args.ttt_steps or defaults.ttt_steps, feature_layers=layers,
+                         init=args.init)
     args.name = "eagle3"
     out = args.out or str(demo_path("eagle3"))
     train_texts, heldout = _corpus(args)

@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from drafter import eagle3_layouts as layouts
-from drafter.eagle3_head import Eagle3Head, head3_config, head3_config_for, save_head
+from drafter.eagle3_head import Eagle3Head, head3_config, head3_config_for, load_head3, save_head
 from drafter.eagle_head import TargetHead
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.train.data import eval_windows, sample_batch, tokenize_stream
+from specdec.errors import InvalidArgument
 from specdec.train.draft_vocab import DraftVocab, choose_draft_vocab, token_counts
 from specdec.train.eagle import calibration_record, write_calibration
 from specdec.train.loop import TrainConfig, train
@@ -46,6 +47,8 @@ MAX_DRAFT_VOCAB = 32000      # the reference's draft vocabulary (of Llama-3's 12
 class Eagle3Options:
     draft_vocab: int = 0              # 0: default_draft_vocab(V)
     ttt_steps: int = DEFAULT_STEPS
+    feature_layers: tuple[int, ...] = ()   # HF hidden-state indices; (): training_feature_layers
+    init: str | None = None           # a head directory to start from (its weights and draft vocabulary)
 
 
 def default_draft_vocab(vocab_size: int) -> int:
@@ -83,6 +86,23 @@ def new_head(target, vocab: DraftVocab, layers: tuple[int, ...]) -> Eagle3Head:
             head.midlayer.load_state_dict(last, strict=False)
     head = head.float()
     head.set_embedding(io.embed.float())
+    return head
+
+
+def head_from(init: Eagle3Head, target, layers: tuple[int, ...]) -> Eagle3Head:
+    """A head for ``target`` reading ``layers`` that starts from ``init``'s weights
+    and draft vocabulary (``init`` may have read other layers: its ``fc`` is kept
+    as the starting point for the new ones)."""
+    hidden = int(target.config.get_text_config(decoder=True).hidden_size)
+    if init.fc.in_features != 3 * hidden:
+        raise InvalidArgument(f"--init head reads {init.fc.in_features} features; 3 layers of this target's "
+                              f"{hidden} make {3 * hidden}")
+    ids = init.to_target_ids(torch.arange(init.draft_vocab_size))
+    head = new_head(target, DraftVocab(ids, init.t2d.numel(), 0.0), layers)
+    if head.config.hidden_size != init.config.hidden_size:
+        raise InvalidArgument(f"--init head is {init.config.hidden_size} wide; a head for this target is "
+                              f"{head.config.hidden_size}")
+    head.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
     return head
 
 
@@ -161,9 +181,21 @@ def train_eagle3(target_dir: Path, train_texts: list[str], heldout_texts: list[s
     heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
     text = target.config.get_text_config(decoder=True)
     vocab_size = int(text.vocab_size)
-    vocab = corpus_draft_vocab(train_stream, vocab_size, opts.draft_vocab or default_draft_vocab(vocab_size),
-                               tokenizer.eos_token_id)
-    head = new_head(target, vocab, training_feature_layers(int(text.num_hidden_layers)))
+    depth = int(text.num_hidden_layers)
+    layers = opts.feature_layers or training_feature_layers(depth)
+    if any(not 0 <= i < depth for i in layers):
+        raise InvalidArgument(f"feature layers must be HF hidden-state indices in 0..{depth - 1} "
+                              f"(the inputs of the target's {depth} layers), got {list(layers)}")
+    layers = tuple(sorted(layers))
+    if opts.init:
+        head = head_from(load_head3(opts.init, target_layers=depth), target, layers)
+        ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
+        counts = token_counts(train_stream, vocab_size)
+        vocab = DraftVocab(ids, vocab_size, float(counts[ids].sum()) / max(int(counts.sum()), 1))
+    else:
+        vocab = corpus_draft_vocab(train_stream, vocab_size, opts.draft_vocab or default_draft_vocab(vocab_size),
+                                   tokenizer.eos_token_id)
+        head = new_head(target, vocab, layers)
     heldout = eval_windows(heldout_stream, cfg.seq_len, max_windows=16)
 
     def loss_fn(step: int):
@@ -182,6 +214,7 @@ def train_eagle3(target_dir: Path, train_texts: list[str], heldout_texts: list[s
     save_head(head, out_dir)
     calibrate_head3(head, target, heldout_stream, out_dir, cfg.seq_len)
     summary = {"target": str(target_dir), "feature_layers": list(head.layers), "ttt_steps": opts.ttt_steps,
+               "init": opts.init,
                "draft_vocab": len(vocab), "draft_vocab_corpus_coverage": round(vocab.coverage, 4)}
     (Path(out_dir) / "training_log.json").write_text(json.dumps(
         {k: v for k, v in log.items() if k != "history"} | {"history_tail": log["history"][-20:]} | summary,

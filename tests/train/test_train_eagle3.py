@@ -249,3 +249,30 @@ def test_flags_of_the_other_version_are_refused(family, tmp_path, capsys, flags,
                  "--workdir", str(tmp_path), "--out", str(tmp_path / "out"), *flags]) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_init_starts_from_a_heads_weights_and_vocabulary_on_other_layers(family, trained3, tmp_path):
+    init = load_head3(trained3 / "out", target_layers=2)
+    flags = [f for f in TINY if f not in ("--draft-vocab", str(DRAFT_VOCAB))]
+    args = ["train", "eagle", "--version", "3", "--target", str(family["target"]), "--data", *family["data"],
+            "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "wd"), *flags, "--lr", "1e-12",
+            "--init", str(trained3 / "out"), "--feature-layers", "1,0,1"]
+    assert main(args) == 0
+    head = load_head3(tmp_path / "out", target_layers=2)
+    assert head.layers == (0, 1, 1)                                       # sorted low to high
+    assert torch.equal(head.d2t, init.d2t) and torch.equal(head.t2d, init.t2d)
+    for name, value in init.state_dict().items():                        # no step moved them (lr ~ 0)
+        assert torch.allclose(head.state_dict()[name].float(), value.float(), atol=1e-3), name
+    assert json.loads((tmp_path / "out" / "training_log.json").read_text())["init"] == str(trained3 / "out")
+
+
+@pytest.mark.parametrize("flags, needle", [(["--feature-layers", "1,2"], "three layers"),
+                                           (["--feature-layers", "a,b,c"], "three integers"),
+                                           (["--feature-layers", "0,1,2"], "0..1"),
+                                           (["--init", "x", "--draft-vocab", "8"], "--draft-vocab")])
+def test_bad_feature_layers_or_init_flags_exit_with_one_line(family, tmp_path, capsys, flags, needle):
+    assert main(["train", "eagle", "--version", "3", "--target", str(family["target"]), "--data", *family["data"],
+                 "--workdir", str(tmp_path), "--out", str(tmp_path / "out"), "--steps", "1", "--no-progress",
+                 *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
