@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -17,6 +18,7 @@ from services.helpers import channel_to
 from specdec.v1.common_pb2 import SamplingParams
 from specdec.v1.verifier_pb2 import VerifierPrefillRequest, VerifierReleaseRequest
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
+from running_stack import Tap
 
 LONG = {"prompt": "class Point:", "max_tokens": 400, "temperature": 0}
 
@@ -184,14 +186,36 @@ def test_not_ready_and_draining_are_503(api):
     assert httpx.get(api.root("eagle") + "/health", timeout=10).json() == {"status": "ok"}
 
 
-def test_a_client_leaving_a_stream_frees_both_sessions(api):
-    with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True},
-                      timeout=60) as resp:
-        next(resp.iter_raw())
-        assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1, "drafter-eagle": 1}
-    # well before 400 tokens could have been generated
-    assert api.wait_closed(timeout=1.0) == {"verifier": 0, "drafter-eagle": 0}
+@contextmanager
+def verifies_held(api, after: int):
+    """The verifier lets ``after`` more verifies through, then holds the rest
+    until the block ends: a generation stays open, however fast the models;
+    yields the tap (its ``sessions``: one entry per verify called)."""
+    tap = Tap(api.stack.servicer("verifier").engine, "verify")
+    tap.close(after=after)
+    try:
+        yield tap
+    finally:
+        tap.restore()
+
+
+def assert_left_early(api, tap) -> None:
+    """Both sessions freed, with the generation cut short: far fewer verifies
+    than its 400 tokens would take."""
+    assert api.wait_closed(timeout=5.0) == {"verifier": 0, "drafter-eagle": 0}
     assert wait_until(lambda: api.stack.servicer("eagle").active == 0)
+    assert len(tap.sessions) < 20
+
+
+def test_a_client_leaving_a_stream_frees_both_sessions(api):
+    with verifies_held(api, after=2) as tap:
+        with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True},
+                          timeout=60) as resp:
+            next(resp.iter_raw())
+            assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1,
+                                                                                     "drafter-eagle": 1}
+        tap.open()                          # the held verify returns to a cancelled request
+        assert_left_early(api, tap)
 
 
 def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
@@ -201,14 +225,16 @@ def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
     body = json.dumps(LONG).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
-    sock = socket.create_connection((host, int(port)))
-    try:
-        sock.sendall(head + body)
-        assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1, "drafter-eagle": 1}
-    finally:
-        sock.close()
-    assert api.wait_closed(timeout=1.0) == {"verifier": 0, "drafter-eagle": 0}
-    assert wait_until(lambda: api.stack.servicer("eagle").active == 0)
+    with verifies_held(api, after=2) as tap:
+        sock = socket.create_connection((host, int(port)))
+        try:
+            sock.sendall(head + body)
+            assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1,
+                                                                                     "drafter-eagle": 1}
+        finally:
+            sock.close()
+        tap.open()
+        assert_left_early(api, tap)
 
 
 def test_concurrent_streams_leaving_free_every_session(api):

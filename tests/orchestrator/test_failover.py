@@ -34,7 +34,8 @@ from specdec.params import TreeParams
 from specdec.tree import tree_from_lists
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
-from test_routing import Background, Tap, add_orchestrator, wait_for
+from running_stack import Tap
+from test_routing import Background, add_orchestrator, wait_for
 
 PROMPT = "class Point:"
 N = 40

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from running_stack import Stack
-from test_routing import Tap
+from running_stack import Tap
 from services.helpers import drafter_builder, rpc_error, verifier_builder
 from specdec.client import SpecdecClient
 from specdec.decoding import StopCriteria

@@ -11,50 +11,12 @@ import time
 
 import pytest
 
-from running_stack import Stack, start_orchestrator
+from running_stack import Stack, Tap, start_orchestrator
 from specdec.client import SpecdecClient, SpecdecResourceExhausted
 from specdec.metrics import REGISTRY
 
 PROMPT = "class Point:"
 N = 24
-
-
-class Tap:
-    """Wraps one engine method: records the session id of each call and, while
-    closed, holds the calls past a budget (``close(after=k)`` lets k more through)."""
-
-    def __init__(self, engine, method: str):
-        self.engine, self.method = engine, method
-        self.original = getattr(engine, method)
-        self.call = self.original          # what a let-through call runs
-        self.sessions: list[str] = []
-        self.held = 0                      # calls waiting at the tap now
-        self._limit: int | None = None
-        self._cond = threading.Condition()
-
-        def tapped(sid, *args, **kw):
-            with self._cond:
-                self.sessions.append(sid)
-                if self._limit is not None and len(self.sessions) > self._limit:
-                    self.held += 1
-                    self._cond.wait_for(lambda: self._limit is None, timeout=30)
-                    self.held -= 1
-            return self.call(sid, *args, **kw)
-
-        setattr(engine, method, tapped)
-
-    def close(self, after: int = 0) -> None:
-        with self._cond:
-            self._limit = len(self.sessions) + after
-
-    def open(self) -> None:
-        with self._cond:
-            self._limit = None
-            self._cond.notify_all()
-
-    def restore(self) -> None:
-        self.open()
-        setattr(self.engine, self.method, self.original)
 
 
 class Background:
