@@ -367,7 +367,7 @@ class CachedTreeDrafter(Drafter):
         slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
         parent_of: dict[int, int] = {0: -1}
 
-        slot_pos = torch.arange(committed).tolist()   # position of the token in each cache slot
+        slot_pos = torch.arange(committed)   # position of the token in each cache slot
 
         def expand(frontier: Frontier) -> torch.Tensor:
             if frontier.depth == 0:
@@ -388,9 +388,10 @@ class CachedTreeDrafter(Drafter):
                 cols.append(committed + used + row)
             allowed[rows, cols] = True
             positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
-            slot_pos.extend(positions.tolist())
+            nonlocal slot_pos
+            slot_pos = torch.cat([slot_pos, positions])
             parent_h = torch.stack([hidden[p] for p in parents])
-            out_h, logp = self.step(sess, frontier.tokens, parent_h, positions, allowed, torch.tensor(slot_pos))
+            out_h, logp = self.step(sess, frontier.tokens, parent_h, positions, allowed, slot_pos)
             for row, node in enumerate(nodes):
                 slot[node] = used + row
                 hidden[node] = out_h[row]

@@ -140,12 +140,12 @@ class CompiledHead:
         """``specdec.compiled.pad_mask`` of the additive mask of ``allowed`` [k, past + k],
         built in one buffer: [1, 1, width, capacity]."""
         k, seen = allowed.shape
-        mask = torch.zeros(width, capacity, dtype=self.dtype)
-        hidden = torch.ones(width, capacity, dtype=torch.bool)
-        hidden[:k, :seen] = ~allowed
-        pads = torch.arange(k, width)
-        hidden[pads, seen - k + pads] = False          # a pad query sees only its own slot
-        return mask.masked_fill_(hidden, torch.finfo(self.dtype).min)[None, None]
+        mask = torch.full((width, capacity), torch.finfo(self.dtype).min, dtype=self.dtype)
+        mask[:k, :seen].masked_fill_(allowed, 0.0)
+        if width > k:
+            pads = torch.arange(k, width)
+            mask[pads, seen - k + pads] = 0.0          # a pad query sees only its own slot
+        return mask[None, None]
 
     def warm(self, widths=WIDTHS) -> float:
         """Build (or load) and run the graphs for ``widths`` ahead of traffic; seconds taken."""

@@ -81,10 +81,10 @@ def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     """
     k = min(k, logp.shape[-1])
     lp, tok = torch.topk(logp, k, dim=-1)  # [f, k]
-    # NaNs and positives rank first, so checking the top entries is enough
-    if torch.isnan(lp).any():
-        raise ValueError("expand() returned NaN log-probs")
-    if (lp[:, 0] > _LOGP_SLACK).any():
+    # NaNs and positives rank first, so checking the top entries is enough (one test for both)
+    if not bool((lp[:, 0] <= _LOGP_SLACK).all()):
+        if torch.isnan(lp).any():
+            raise ValueError("expand() returned NaN log-probs")
         raise ValueError(f"expand() must return log-probabilities (<= 0), got {lp.max().item():.4g}")
     kth = lp[:, -1:]  # [f, 1]
     if not bool(((logp >= kth).sum(-1) == k).all()):

@@ -52,7 +52,9 @@ def add_parser(sub) -> None:
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
     add_compile_flag(g)
     p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
-                   help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts)")
+                   help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts), or "
+                        "'heldout': the model card's held-out prompts (the first 96 tokens of 12 standard-library "
+                        "files the demo models never trained on)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -184,8 +186,17 @@ def concurrency_plan(args):
         raise UsageError(f"--concurrency / --requests-per-level: {exc}") from None
 
 
-def load_prompts(path: str, limit: int | None) -> list[str]:
-    prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=path))
+HELDOUT = "heldout"      # --prompts heldout: the model card's held-out corpus prompts
+
+
+def load_prompts(path: str, limit: int | None, target: str | None = None) -> list[str]:
+    if path == HELDOUT:
+        from specdec.models import load_tokenizer
+        from specdec.train.card import heldout_prompt_texts
+
+        prompts = heldout_prompt_texts(load_tokenizer(target))
+    else:
+        prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=path))
     return prompts[:limit] if limit else prompts
 
 
@@ -202,7 +213,7 @@ def run(args) -> int:
         raise UsageError("--openai-url runs with the side-by-side bench only (not sweep or --concurrency)")
     plan = concurrency_plan(args) if args.concurrency else None
     cfg = config_from(args, sweep)
-    prompts = load_prompts(args.prompts, args.limit_prompts)
+    prompts = load_prompts(args.prompts, args.limit_prompts, cfg.target)
     if args.pin:
         args.threads = 1
     if args.threads:

@@ -137,6 +137,11 @@ def heldout_prompts(tokenizer, n: int = 12, prompt_tokens: int = 96) -> list[lis
     return prompts
 
 
+def heldout_prompt_texts(tokenizer, n: int = 12, prompt_tokens: int = 96) -> list[str]:
+    """``heldout_prompts`` as text (what ``specdec bench --prompts heldout`` runs)."""
+    return [tokenizer.decode(ids) for ids in heldout_prompts(tokenizer, n, prompt_tokens)]
+
+
 def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: int = 128,
                           head: str = "eagle") -> dict:
     """Greedy EAGLE-2 trees from the bundled ``head`` on held-out prompts: tau

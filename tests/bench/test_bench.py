@@ -251,3 +251,16 @@ def test_grpc_methods_match_in_process(tiny_family, prompt_file, tmp_path):
         m = methods[name]
         assert m["matches_vanilla"] is True and m["tau"] >= 1.0, name
         assert m["time_split"]["network_s"] > 0
+
+
+def test_heldout_prompts_are_the_model_cards(tiny_family):
+    from specdec.cli.bench import HELDOUT, load_prompts
+    from specdec.models import load_tokenizer
+    from specdec.train.card import heldout_prompts
+
+    texts = load_prompts(HELDOUT, 3, str(tiny_family["target"]))
+    tok = load_tokenizer(tiny_family["target"])
+    assert len(texts) == 3 and all(texts)
+    assert [tok.decode(ids) for ids in heldout_prompts(tok, 3)] == texts
+    bundled = [json.loads(line)["prompt"] for line in BUNDLED_PROMPTS.read_text().splitlines() if line.strip()]
+    assert not set(texts) & set(bundled)
