@@ -370,6 +370,7 @@ class CachedTreeDrafter(Drafter):
         slot_pos = torch.arange(committed)   # position of the token in each cache slot
 
         def expand(frontier: Frontier) -> torch.Tensor:
+            nonlocal slot_pos
             if frontier.depth == 0:
                 return root_logp[None]
             nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
@@ -388,7 +389,6 @@ class CachedTreeDrafter(Drafter):
                 cols.append(committed + used + row)
             allowed[rows, cols] = True
             positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
-            nonlocal slot_pos
             slot_pos = torch.cat([slot_pos, positions])
             parent_h = torch.stack([hidden[p] for p in parents])
             out_h, logp = self.step(sess, frontier.tokens, parent_h, positions, allowed, slot_pos)

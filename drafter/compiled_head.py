@@ -63,7 +63,7 @@ class HeadStep(torch.nn.Module):
         return out, self.drafter.logprobs(out)
 
 
-class Identity(torch.nn.Module):
+class HeadKey(torch.nn.Module):
     """What a head's packages are keyed by: its weights and the tensors its step reads besides them."""
 
     def __init__(self, drafter):
@@ -83,7 +83,7 @@ class CompiledHead:
         self.device = head.fc.weight.device
         self.layers, self.heads, self.head_dim = self._probe()
         sources = tuple({inspect.getfile(type(m)) for m in head.modules()} | {inspect.getfile(type(drafter))})
-        self.compiled = FixedGraphs(HeadStep(drafter).eval(), Identity(drafter), self.dtype, self.device,
+        self.steps = FixedGraphs(HeadStep(drafter).eval(), HeadKey(drafter), self.dtype, self.device,
                                     packed=packed, sources=sources,
                                     packaged_capacity=HEAD_CAPACITY)
 
@@ -110,7 +110,7 @@ class CompiledHead:
             pos = torch.arange(width, device=self.device)[None]
             parent = torch.zeros(1, width, self.drafter.hidden_size, dtype=self.dtype, device=self.device)
             return torch.zeros_like(pos), parent, pos, mask, pos[0], self.new_stack()
-        return self.compiled.get(width, HEAD_CAPACITY, example)
+        return self.steps.get(width, HEAD_CAPACITY, example)
 
     @torch.inference_mode()
     def step(self, cache, tokens: torch.Tensor, parent_hidden: torch.Tensor, positions: torch.Tensor,
@@ -223,7 +223,7 @@ def compile_head(drafter, mode: str) -> CompiledHead | None:
     if mode == "off":
         return None
     name = getattr(drafter, "name", "head")
-    weight_bytes = sum(t.numel() * t.element_size() for t in Identity(drafter).state_dict().values())
+    weight_bytes = sum(t.numel() * t.element_size() for t in HeadKey(drafter).state_dict().values())
     t = time.perf_counter()
     reason = None
     if weight_bytes * len(WIDTHS) > PACKED_BUDGET:

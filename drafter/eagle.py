@@ -54,10 +54,10 @@ class FeatureHeadDrafter(CachedTreeDrafter):
         tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
         feats = torch.stack(sess.features[start:end]).to(dev)
         positions = torch.arange(start, end, device=dev)
-        # the new pairs see every fed one and each other causally: a compiled level where one applies
-        allowed = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
         done = None
         if self.compiled is not None and kv.seq_len(sess.cache) == start:
+            # the new pairs see every fed one and each other causally: a compiled level where one applies
+            allowed = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
             done = self.compiled.step(sess.cache, tokens, feats, positions, allowed)
         sess.fed = end
         if done is not None:

@@ -237,17 +237,17 @@ class CompiledForward:
         self.lm = lm
         self.layers, self.heads, self.head_dim = self._probe()
         self.module = FixedStep(lm).eval()
-        self.compiled = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
+        self.steps = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
                                     packed, options)
 
     @property
     def packed(self) -> bool:
-        return self.compiled.packed
+        return self.steps.packed
 
     @property
     def packages(self):
         """Where this model's packages live (None: no packages)."""
-        return self.compiled.packages
+        return self.steps.packages
 
     @torch.inference_mode()
     def _probe(self) -> tuple[int, int, int]:
@@ -272,7 +272,7 @@ class CompiledForward:
         def example():
             pos = torch.arange(width, device=self.lm.device)[None]
             return torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity)
-        return self.compiled.get(width, capacity, example)
+        return self.steps.get(width, capacity, example)
 
     def accepts(self, cache, n: int) -> bool:
         """Whether a forward of n tokens on ``cache`` takes the compiled path."""
