@@ -36,13 +36,20 @@ import torch
 from transformers.cache_utils import Cache
 
 from specdec import kv
-from specdec.compiled import (MIN_CAPACITY, PACKED_BUDGET, PAYS, FixedGraphs, FixedLayer, cache_shape,
-                              fixed_buffers, stacked_cache)
+from specdec.compiled import (
+    PACKED_BUDGET,
+    PAYS,
+    FixedGraphs,
+    FixedLayer,
+    cache_shape,
+    fixed_buffers,
+    stacked_cache,
+)
 from specdec.models import COMPILE_MODES
 
 log = logging.getLogger(__name__)
 
-HEAD_CAPACITY = MIN_CAPACITY      # a session's committed tokens plus its tree's nodes, for most sessions
+HEAD_CAPACITY = 512               # a session's committed tokens plus its tree's nodes, for most sessions
 WIDTHS = (1, 2, 4, 8, 16)              # frontier widths compiled, at start-up (expand_k <= 16; wider: eager)
 
 
@@ -85,7 +92,7 @@ class CompiledHead:
         sources = tuple({inspect.getfile(type(m)) for m in head.modules()} | {inspect.getfile(type(drafter))})
         self.steps = FixedGraphs(HeadStep(drafter).eval(), HeadKey(drafter), self.dtype, self.device,
                                     packed=packed, sources=sources,
-                                    packaged_capacity=HEAD_CAPACITY)
+                                    packaged_capacities=(HEAD_CAPACITY,))
 
     @torch.inference_mode()
     def _probe(self) -> tuple[int, int, int]:

@@ -1,6 +1,9 @@
 """Standalone small causal LM drafter (classic speculative sampling, or a tree
 of its top-k proposals). It shares the target's tokenizer; any causal LM
-specdec can serve as a target can draft (``specdec.causal_lm``)."""
+specdec can serve as a target can draft (``specdec.causal_lm``). With
+``--compile`` its one-token steps and draft levels run the target's compiled
+fixed-shape forward (``specdec.compiled``) over the same kind of cache; a
+prompt's feed and sessions past the cache's capacity bucket run eagerly."""
 
 from __future__ import annotations
 
@@ -8,27 +11,38 @@ import torch
 
 from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
 from specdec.causal_lm import CausalLm
+from specdec.compiled import compile_target
 from specdec.models import ModelSpec, load_causal_lm
 
 
 class DraftLmDrafter(CachedTreeDrafter):
     name = "draft-lm"
 
-    def __init__(self, spec: ModelSpec | None = None, max_sessions: int = 64, ttl_s: float = 600.0, model=None):
+    def __init__(self, spec: ModelSpec | None = None, max_sessions: int = 64, ttl_s: float = 600.0, model=None,
+                 compile: str | None = None):
+        """``compile``: ``--compile`` for the draft LM's steps (default: the spec's, else off)."""
         self.lm = CausalLm(model if model is not None else load_causal_lm(spec))
+        mode = compile if compile is not None else (spec.compile if spec is not None else "off")
+        self.compiled = compile_target(self.lm, mode)      # None: eager steps
         self.model, self.body = self.lm.model, self.lm.body
         super().__init__(vocab_size=int(self.model.config.get_text_config(decoder=True).vocab_size),
                          max_sessions=max_sessions, ttl_s=ttl_s,
                          greedy_value_temperature=read_value_temperature(spec.path if spec is not None else None))
 
     def new_cache(self):
-        return self.lm.new_cache()
+        return self.lm.new_cache() if self.compiled is None else self.compiled.new_cache()
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.lm.logits(hidden), dim=-1)
 
     def _run(self, sess, tokens, positions, mask):
+        done = None
+        if self.compiled is not None:
+            self.compiled.fit(sess.cache, len(tokens))
+            done = self.compiled.forward(sess.cache, tokens[None], positions[None], mask)
+        if done is not None:
+            return done[0][0].to(self.lm.dtype), torch.log_softmax(done[1][0], dim=-1)
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]
         return out, self.logprobs(out)
 

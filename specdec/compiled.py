@@ -6,10 +6,14 @@ removes it only if the shapes stop changing from one step to the next, so the
 compiled path never lets them change, as gpt-fast does with a static cache:
 
 - the cache: a session's in-place cache (``specdec.kv.SlabLayer``) whose
-  layers are views into one stacked buffer [layers, 2, 1, heads, C, d]
-  allocated once at a *capacity bucket* (a power of two >= 512 slots),
-  zero-filled: every step gets the same shapes, and one K/V input instead of
-  one per layer (each input is a Dynamo guard and a wrapper argument);
+  layers are views into one stacked buffer [layers, 2, 1, heads, C, d] at a
+  *capacity bucket* (a power of two >= 256 slots), zero-filled: every step
+  gets the same shapes, and one K/V input instead of one per layer (each
+  input is a Dynamo guard and a wrapper argument). A session starts in the
+  smallest bucket and moves up (its filled slots copied once, ``fit``) when a
+  forward would pass its capacity: every step attends over all C slots, so
+  C follows the session's length, not the length it may grow to (a step
+  over 256 slots takes ~0.8x the one over 512 on the demo target);
 - the writes: the step writes its n new K/V into slots [L, L + n) of that
   buffer with one indexed write per layer (``FixedLayer``), slot indices as a
   tensor, so the length L is data, not shape; the cache length moves
@@ -20,7 +24,8 @@ compiled path never lets them change, as gpt-fast does with a static cache:
 - the width: n is padded up to the next of ``WIDTHS`` (1, 2, 4, ... 64); pad
   queries see only their own slot and their outputs are dropped.
 
-One graph per (width, capacity) pair. At the smallest capacity the graphs are
+One graph per (width, capacity) pair. At the smallest capacities
+(``PACKAGED_CAPACITIES``) the graphs are
 ahead-of-time compiled packages kept on disk (``specdec.compiled_aot``): a
 restart loads them instead of tracing the model again, and their calls skip
 Dynamo's guards and the Python wrapper. A small model's packages (weights
@@ -28,8 +33,9 @@ times ``WIDTHS`` within ``PACKED_BUDGET``) hold their own copy of the weights
 packed for inductor's CPP GEMM kernels, which beat a BLAS call per linear on
 these GEMV shapes; a larger model's packages run over its own parameters,
 one copy for all widths. Those of a default-sized tree are
-built or loaded at start-up (``STARTUP_WIDTHS``), others on first use; larger
-capacities (long sessions) use ``torch.compile`` on first use.
+built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity),
+others on first use; larger capacities (long sessions) use ``torch.compile``
+on first use.
 
 Prefill (a causal forward of several tokens) and batched verification stay eager. A model that
 fails to compile, or whose compiled logits differ from its eager ones on a
@@ -61,8 +67,9 @@ from specdec.models import COMPILE_MODES
 log = logging.getLogger(__name__)
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
-MIN_CAPACITY = 512                      # capacity buckets: powers of two from here (one for most sessions)
-PACKED_BUDGET = 1 << 30                 # packed weights (one copy per width) only while they fit in this
+PACKAGED_CAPACITIES = (256, 512)        # capacities with ahead-of-time packages (built at start-up)
+MIN_CAPACITY = PACKAGED_CAPACITIES[0]   # capacity buckets: powers of two from here
+PACKED_BUDGET = 1 << 30                 # packed weights (one copy per package) only while they fit in this
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
 # compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
@@ -183,48 +190,57 @@ def fixed_buffers(cache) -> FixedBuffers | None:
 
 class FixedGraphs:
     """The compiled graphs of one fixed-shape step module, one per (width,
-    capacity): at ``packaged_capacity`` AOTInductor packages kept on disk
+    capacity): at ``packaged_capacities`` AOTInductor packages kept on disk
     (``specdec.compiled_aot``) when ``ahead_of_time``, packed (their own copy
     of the weights, for inductor's CPP GEMM) for a small ``model`` on CPU or
     when ``packed``; at larger capacities (or without packages) ``torch.compile``."""
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  ahead_of_time: bool = True, packed: bool | None = None, options: dict | None = None,
-                 sources: tuple[str, ...] = (), packaged_capacity: int = MIN_CAPACITY):
+                 sources: tuple[str, ...] = (), packaged_capacities: tuple[int, ...] = PACKAGED_CAPACITIES):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.module = module
         self.options = options
         self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
         self.packages = compiled_aot.package_dir(module, model, dtype, device, sources) if ahead_of_time else None
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-        if packed is None:               # one packed copy of the weights per width: small models only
-            packed = device.type == "cpu" and weight_bytes * len(WIDTHS) <= PACKED_BUDGET
+        if packed is None:               # one packed copy of the weights per package: small models only
+            packed = device.type == "cpu" and weight_bytes * len(WIDTHS) * len(packaged_capacities) <= PACKED_BUDGET
         self.packed = ahead_of_time and packed
         self.weights = compiled_aot.shared_weights(module) if ahead_of_time and not self.packed else None
         self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
-        self.packaged_capacity = packaged_capacity
+        self.packaged_capacities = tuple(packaged_capacities)
+
+    def on_disk(self, width: int, capacity: int, example: Callable[[], tuple]) -> bool:
+        """Build the package for (width, capacity) if it is missing, without
+        loading it; False where that graph is no package (``torch.compile``)."""
+        if self.packages is None or capacity not in self.packaged_capacities:
+            return False
+        compiled_aot.ensure_package(self.module, example, self.packages, width, capacity, self.weights is None)
+        return True
 
     def get(self, width: int, capacity: int, example: Callable[[], tuple]):
         """The compiled step for (width, capacity); ``example()``: inputs of its
         shapes (for a package built here)."""
         key = (width, capacity)
         if key not in self.graphs:
-            if self.packages is None or capacity != self.packaged_capacity:
+            if self.packages is None or capacity not in self.packaged_capacities:
                 if self.traced is None:
                     self.traced = torch.compile(self.module, dynamic=False, options=self.options)
                 self.graphs[key] = self.traced
             else:
-                self.graphs[key] = compiled_aot.load_or_build(self.module, example(), self.packages, width,
+                self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width,
                                                               capacity, self.weights)
         return self.graphs[key]
 
 
-def stacked_cache(cache, stack: torch.Tensor):
+def stacked_cache(cache, stack: torch.Tensor, length: int = 0):
     """Make ``cache`` (SlabLayers) a compiled-path cache over ``stack``
-    [layers, 2, 1, heads, C, d], every layer a view into it, none filled."""
+    [layers, 2, 1, heads, C, d], every layer a view into it, its first
+    ``length`` slots filled."""
     views = [(stack[i, 0], stack[i, 1]) for i in range(stack.shape[0])]
     for i, (k, v) in enumerate(views):
-        kv.adopt(cache, i, k, v, 0)
+        kv.adopt(cache, i, k, v, length)
     cache.fixed_buffers = FixedBuffers(stack, views)
     return cache
 
@@ -262,17 +278,41 @@ class CompiledForward:
 
     def new_cache(self, capacity: int = 0):
         """A session cache of ``capacity_bucket(capacity)`` zeroed slots per
-        layer, every layer a view into one stacked buffer."""
+        layer, every layer a view into one stacked buffer; ``fit`` moves it
+        up the buckets as it fills (``capacity``: the slots it needs now, not
+        the most it may grow to)."""
         with torch.inference_mode():
             return stacked_cache(self.lm.new_cache(), self.new_stack(capacity_bucket(capacity)))
+
+    @torch.inference_mode()
+    def fit(self, cache, n: int) -> None:
+        """Before a forward of ``n`` tokens on ``cache`` (eager or compiled):
+        move a compiled-path cache too small for it (padded to its width) to
+        the capacity bucket that holds it, its filled slots copied once and
+        the layers' views replaced. Other caches are left as they are (an
+        eager cache grows by itself)."""
+        fixed = fixed_buffers(cache)
+        length = kv.seq_len(cache)
+        slots = length + (width_bucket(n) or n)
+        if fixed is None or slots <= fixed.stack.shape[4]:
+            return
+        stack = self.new_stack(capacity_bucket(slots))
+        stack[:, :, :, :, :length] = fixed.stack[:, :, :, :, :length]
+        stacked_cache(cache, stack, length)
 
     def graph(self, width: int, capacity: int, mask):
         """The compiled step for (width, capacity); ``mask`` is a padded one of
         the shape it takes (for a package built here)."""
-        def example():
-            pos = torch.arange(width, device=self.lm.device)[None]
-            return torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity)
-        return self.steps.get(width, capacity, example)
+        return self.steps.get(width, capacity, functools.partial(self._example, width, capacity, mask))
+
+    def _example(self, width: int, capacity: int, mask=None) -> tuple:
+        """Inputs of the step's shapes at (width, capacity); ``mask``: a padded one (None: a causal one)."""
+        pos = torch.arange(width, device=self.lm.device)[None]
+        if mask is None:
+            mask = self.lm.masks(causal_allowed(width, 0)[None], pos.cpu(), pos.cpu())
+            mask = {kind: pad_mask(m, width, capacity) for kind, m in mask.items()} if isinstance(mask, dict) \
+                else pad_mask(mask, width, capacity)
+        return torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity)
 
     def accepts(self, cache, n: int) -> bool:
         """Whether a forward of n tokens on ``cache`` takes the compiled path."""
@@ -307,14 +347,21 @@ class CompiledForward:
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], logits[:, :n]
 
-    def warm(self, widths=WIDTHS, capacity: int = MIN_CAPACITY) -> float:
-        """Build (or load) and run the graphs for ``widths`` at one capacity ahead of traffic; seconds taken."""
+    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES) -> float:
+        """Ahead of traffic, the graphs for ``widths`` at ``capacities``: built
+        (or loaded) and run at the first capacity; at the others packages are
+        built where missing and loaded on first use (a load takes ~40 ms for
+        the demo target: loading them all would double a warm start-up);
+        seconds taken."""
         t = time.perf_counter()
-        for width in widths:
-            cache = self.new_cache(capacity)
-            k_pos = torch.arange(width)[None]
-            mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
-            self.forward(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask)
+        for i, capacity in enumerate(capacities):
+            for width in widths:
+                if i and self.steps.on_disk(width, capacity, functools.partial(self._example, width, capacity)):
+                    continue
+                cache = self.new_cache(capacity)
+                k_pos = torch.arange(width)[None]
+                mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
+                self.forward(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask)
         return time.perf_counter() - t
 
 

@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -157,11 +158,18 @@ def load_package(path: Path, weights: dict[str, torch.Tensor] | None):
     return runner
 
 
-def load_or_build(step: torch.nn.Module, example: tuple, root: Path, width: int, capacity: int,
+def ensure_package(step: torch.nn.Module, example: Callable[[], tuple], root: Path, width: int, capacity: int,
+                   packed: bool) -> Path:
+    """The package for (width, capacity) in ``root``, built there first if
+    absent (at the shapes of ``example()``)."""
+    path = package_path(root, width, capacity, packed)
+    if not path.exists():
+        build_package(step, example(), path, packed)
+    return path
+
+
+def load_or_build(step: torch.nn.Module, example: Callable[[], tuple], root: Path, width: int, capacity: int,
                   weights: dict[str, torch.Tensor] | None):
     """The compiled step for (width, capacity): loaded from ``root``, built
     there first if absent; packed when ``weights`` is None."""
-    path = package_path(root, width, capacity, packed=weights is None)
-    if not path.exists():
-        build_package(step, example, path, packed=weights is None)
-    return load_package(path, weights)
+    return load_package(ensure_package(step, example, root, width, capacity, weights is None), weights)

@@ -107,8 +107,9 @@ class TargetModel:
 
     def new_cache(self, capacity: int = 0):
         """A cache that grows in place (``specdec.kv``); ``capacity``: slots to allocate up front
-        (with compiled forwards: a fixed capacity bucket, ``specdec.compiled``)."""
-        return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache(capacity)
+        (with compiled forwards: the smallest capacity bucket, moved up as
+        the session fills, ``specdec.compiled``)."""
+        return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache()
 
     def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
@@ -143,6 +144,8 @@ class TargetModel:
         ``output_hidden_states`` indices: EAGLE-3's features) concatenated
         [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
         Without layers the compiled forward runs where it applies (``specdec.compiled``)."""
+        if self.compiled is not None:
+            self.compiled.fit(cache, tokens.shape[1])      # a session's buffer follows its length
         if not layers:
             out = None if self.compiled is None else self.compiled.forward(cache, tokens, positions, mask)
             if out is not None:

@@ -72,7 +72,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":
-        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
+        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, "--device", cfg.device, "--compile", cfg.compile,
+                *limits]
     raise ValueError(f"unknown drafter kind {kind!r}")
 
 

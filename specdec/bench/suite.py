@@ -82,7 +82,7 @@ class Models:
             elif kind == "draft-lm":
                 from drafter.draft_lm import DraftLmDrafter
 
-                self._drafters[kind] = DraftLmDrafter(model=self.assistant())
+                self._drafters[kind] = DraftLmDrafter(model=self.assistant(), compile=self.cfg.compile)
             else:
                 raise ValueError(f"unknown drafter kind {kind!r}")
         return self._drafters[kind]

@@ -139,7 +139,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled_head)")
+    add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled_head) "
+                        "and a draft LM's steps (specdec.compiled)")
     t = p.add_argument_group("draft tree (a request's 0 / unset knobs take these; larger ones are clamped)")
     t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
@@ -236,7 +237,7 @@ def _drafter_builder(args):
         return build
     if args.draft_lm:
         spec = ModelSpec(path=model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
-                         device=args.device)
+                         device=args.device, compile=args.compile)
 
         def build():
             from drafter.draft_lm import DraftLmDrafter

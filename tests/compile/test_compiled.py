@@ -26,7 +26,7 @@ SMALL_TREE = TreeParams(total_tokens=8, depth=3, expand_k=4)     # verify widths
 
 
 def test_buckets():
-    assert [compiled.capacity_bucket(n) for n in (1, 512, 513, 2000)] == [512, 512, 1024, 2048]
+    assert [compiled.capacity_bucket(n) for n in (0, 1, 256, 257, 512, 513, 2000)] == [256, 256, 256, 512, 512, 1024, 2048]
     assert [compiled.width_bucket(n) for n in (1, 3, 16, 17, 64, 65)] == [1, 4, 16, 32, 64, None]
 
 
@@ -103,6 +103,31 @@ def test_non_llama_family_greedy_identical(family_dir):
     assert _tokens(fast, None, prompts, n=16) == want
     ngram = NgramDrafter(fast.target.vocab_size)
     assert _tokens(fast, ngram, prompts, TreeParams(total_tokens=6, depth=4), n=16) == want
+
+
+def test_a_session_moves_up_the_capacity_buckets_as_it_fills(tiny_family):
+    from drafter.ngram import NgramDrafter
+
+    path = str(tiny_family["target"])
+    eager = VerifierEngine(TargetModel(ModelSpec(path)))
+    fast = VerifierEngine(TargetModel(ModelSpec(path, compile="on")))
+    small = compiled.MIN_CAPACITY
+    prompt = [(7 * i) % 60 + 1 for i in range(small - 30)]
+    want = _tokens(eager, None, [prompt], n=60)
+    assert _tokens(fast, None, [prompt], n=60) == want
+    assert _tokens(fast, NgramDrafter(fast.target.vocab_size), [prompt], SMALL_TREE, n=60) == want
+    cache = fast.target.new_cache(4096)
+    assert cache.fixed_buffers.stack.shape[4] == small           # the smallest bucket, whatever the reservation
+    ids = torch.tensor(prompt)
+    fast.target.forward(cache, ids, torch.arange(len(ids)), None)
+    before = cache.fixed_buffers.stack
+    for step in range(40):                                       # one token at a time across the bucket's end
+        n = len(prompt) + step
+        fast.target.forward(cache, torch.tensor([step % 50]), torch.tensor([n]), None)
+    fixed = compiled.fixed_buffers(cache)
+    assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
+    assert torch.equal(fixed.stack[:, :, :, :, :len(prompt)], before[:, :, :, :, :len(prompt)])
+    assert (fixed.stack[:, :, :, :, kv.seq_len(cache):] == 0).all()
 
 
 def test_failed_compilation_falls_back_to_eager_with_one_line(family_dir, caplog, monkeypatch):
