@@ -109,6 +109,7 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
         n = sizes[b]
         result, logprobs = r.sess.decide(r.tree, logits[b, :n])
         path = [0] + result.accepted
+        target.fit(r.sess.cache, len(path))
         kv.append_slots(r.sess.cache, batch_cache, b, P + torch.tensor(path, device=device))   # the accepted slots
         committed = result.tokens(r.tree)
         r.sess.commit(committed)

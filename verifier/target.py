@@ -111,6 +111,13 @@ class TargetModel:
         the session fills, ``specdec.compiled``)."""
         return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache()
 
+    def fit(self, cache, n: int) -> None:
+        """Before ``n`` slots are written to ``cache``: with compiled forwards,
+        a session's buffer moved up to the capacity bucket that holds them
+        (``CompiledForward.fit``), so it stays on the compiled path."""
+        if self.compiled is not None:
+            self.compiled.fit(cache, n)
+
     def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
         return self.lm.masks(allowed, q_pos, k_pos)
@@ -144,8 +151,7 @@ class TargetModel:
         ``output_hidden_states`` indices: EAGLE-3's features) concatenated
         [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
         Without layers the compiled forward runs where it applies (``specdec.compiled``)."""
-        if self.compiled is not None:
-            self.compiled.fit(cache, tokens.shape[1])      # a session's buffer follows its length
+        self.fit(cache, tokens.shape[1])
         if not layers:
             out = None if self.compiled is None else self.compiled.forward(cache, tokens, positions, mask)
             if out is not None:

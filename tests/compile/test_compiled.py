@@ -130,6 +130,27 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(tiny_family):
     assert (fixed.stack[:, :, :, :, kv.seq_len(cache):] == 0).all()
 
 
+def test_batched_verifies_keep_a_session_on_its_stacked_buffer_across_buckets(tiny_family):
+    from specdec.tree_layout import tree_from_lists
+
+    path = str(tiny_family["target"])
+    eager = VerifierEngine(TargetModel(ModelSpec(path)))
+    fast = VerifierEngine(TargetModel(ModelSpec(path, compile="on")))
+    small = compiled.MIN_CAPACITY
+    prompts = [[(5 * i + b) % 70 + 1 for i in range(small - 4)] for b in range(2)]
+    want = _tokens(eager, None, prompts, n=12)
+    roots = [fast.prefill(f"b{b}", p, GREEDY, max_new_tokens=12).token for b, p in enumerate(prompts)]
+    got = [[r] for r in roots]
+    for _ in range(11):                     # root-only trees, batched: one token a session a verify
+        results = fast.verify_batch([(f"b{b}", tree_from_lists([got[b][-1]], [-1])) for b in range(2)])
+        for b, result in enumerate(results):
+            got[b] += result.tokens
+    assert got == want
+    for b in range(2):
+        fixed = compiled.fixed_buffers(fast.sessions.get(f"b{b}").cache)
+        assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
+
+
 def test_failed_compilation_falls_back_to_eager_with_one_line(family_dir, caplog, monkeypatch):
     def broken(self, lm):
         raise RuntimeError("no C++ compiler\nsecond line")
