@@ -83,6 +83,13 @@ class _FeatureHeadModel:
     def forward(self, tokens, feats, positions, mask, cache) -> torch.Tensor:
         return self.d.head(self.d.embed_tokens(tokens), feats, positions, mask, cache)
 
+    def new_cache(self):
+        """An eager cache for a batch (a compiled head's session caches are one-row stacked buffers)."""
+        return kv.new_cache(self.d.head.config)
+
+    def fit(self, cache, n: int) -> None:
+        """Before n slots are appended to a session's cache: a compiled head's buffer has one fixed size."""
+
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.d.logprobs(hidden)
 
@@ -103,6 +110,15 @@ class _LmModel:
 
     def forward(self, tokens, feats, positions, mask, cache) -> torch.Tensor:
         return self.d.lm.hidden(cache, tokens, positions, mask)
+
+    def new_cache(self):
+        """An eager cache for a batch (compiled session caches are one-row stacked buffers)."""
+        return self.d.lm.new_cache()
+
+    def fit(self, cache, n: int) -> None:
+        """Before n slots are appended to a session's cache: a compiled one moves up a capacity bucket if needed."""
+        if self.d.compiled is not None:
+            self.d.compiled.fit(cache, n)
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.d.logprobs(hidden)
@@ -247,7 +263,7 @@ class _Batch:
     def __init__(self, drafter: CachedTreeDrafter, model, rows: list[_Row]):
         self.model, self.rows = model, list(rows)
         self.P = max(r.prefix for r in rows)
-        self.cache = drafter.new_cache()
+        self.cache = model.new_cache()
         # the position of the token in each batch slot [B, L]: a prefix's slot i holds position i
         self.key_positions = torch.arange(self.P).expand(len(rows), self.P)
         # room past the prefixes for the inputs fed now and the tree levels: they are written in place
@@ -299,6 +315,7 @@ class _Batch:
         last = hidden[[b for b, _, _ in fed], [m - 1 for _, _, m in fed]]   # [b', H]
         logp = self.model.logprobs(last)
         for j, (b, row, m) in enumerate(fed):
+            self.model.fit(row.sess.cache, m)
             kv.append_slots(row.sess.cache, self.cache, b, torch.arange(P, P + m, device=self.model.device))
             row.sess.fed += m
             # copies: a view would keep the whole batch output alive with the session

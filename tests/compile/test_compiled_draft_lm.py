@@ -12,6 +12,7 @@ import random
 import pytest
 from trees import assert_same_tree
 
+from drafter.batch import draft_batch
 from drafter.draft_lm import DraftLmDrafter
 from specdec import compiled, kv
 from specdec.decoding import StopCriteria
@@ -91,6 +92,33 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(drafters):
     assert kv.seq_len(sess.cache) > small
     fixed = compiled.fixed_buffers(sess.cache)
     assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
+
+
+def test_batched_drafting_of_fresh_and_long_sessions_matches_eager(drafters):
+    """A batch of sessions with empty caches (the batch cache is an eager one,
+    not a one-row stacked buffer), then sessions crossing a capacity bucket
+    through the batch's feed: the eager drafter's trees, and the compiled
+    sessions stay on their stacked buffers."""
+    fast, slow = drafters
+    rng = random.Random(3)
+    small = compiled.capacity_bucket(0)
+    prompts = {"f0": 5, "f1": 9, "near": small - 4}
+    for sid, n in prompts.items():
+        tokens = [rng.randrange(fast.vocab_size) for _ in range(n)]
+        for d in drafters:
+            d.prefill(f"batch-{sid}", tokens)
+    cfg = TreeParams(total_tokens=8, depth=3, expand_k=2)
+    for cycle in range(3):
+        items = []
+        for sid in prompts:
+            commit = [rng.randrange(fast.vocab_size) for _ in range(3)] if cycle else []
+            items.append((f"batch-{sid}", commit, None, cfg))
+        for got, want in zip(draft_batch(fast, items), draft_batch(slow, items)):
+            assert_same_tree(got, want)
+    for sid in prompts:
+        assert compiled.fixed_buffers(fast.sessions.get(f"batch-{sid}").cache) is not None
+    crossed = fast.sessions.get("batch-near").cache
+    assert kv.seq_len(crossed) > small and crossed.fixed_buffers.stack.shape[4] == compiled.capacity_bucket(small + 1)
 
 
 def test_generation_with_a_compiled_draft_lm_is_plain_greedy_decoding(drafters, tiny_family):

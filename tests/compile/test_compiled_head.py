@@ -87,6 +87,20 @@ def test_generation_with_compiled_levels_is_plain_greedy_decoding(heads, tiny_fa
         assert got.tokens == want and got.finish().drafted > 0       # a random head: few accepted
 
 
+def test_a_batch_of_fresh_sessions_drafts_the_eager_trees(heads):
+    """Sessions with empty caches batched together: the batch runs on an eager
+    cache, not on a one-row stacked buffer (which cannot take the batch's rows)."""
+    from drafter.batch import draft_batch
+
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    cfg = TreeParams(total_tokens=8, depth=3, expand_k=2)
+    for sid, n in (("fresh0", 5), ("fresh1", 8)):
+        feed(heads, sid, rng, gen, n)
+    items = [("fresh0", [], None, cfg), ("fresh1", [], None, cfg)]
+    for got, want in zip(draft_batch(heads[0], items), draft_batch(heads[1], items)):
+        assert_same_tree(got, want)
+
+
 def test_failed_compilation_drafts_eagerly_with_one_line(tiny_family, caplog, monkeypatch):
     def broken(self, drafter, packed=True):
         raise RuntimeError("no C++ compiler\nsecond line")
