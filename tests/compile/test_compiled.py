@@ -174,8 +174,8 @@ def test_compile_mode_is_checked():
 
 
 @pytest.mark.parametrize("eager_ms, compiled_ms, kept", [(10.0, 5.0, True), (5.0, 10.0, False)])
-def test_auto_keeps_compiled_only_where_it_pays(family_dir, caplog, monkeypatch, eager_ms, compiled_ms, kept):
-    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
+def test_auto_keeps_compiled_only_where_it_pays(tiny_family, caplog, monkeypatch, eager_ms, compiled_ms, kept):
+    target = TargetModel(ModelSpec(str(tiny_family["target"])))         # its packages: the other tests' own
     times = iter([eager_ms, compiled_ms])           # compile_target times eager first, then compiled
     monkeypatch.setattr(compiled, "time_step", lambda *args, **kwargs: next(times))
     with caplog.at_level(logging.INFO, logger="specdec.compiled"):
