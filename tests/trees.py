@@ -1,4 +1,4 @@
-"""Assertions on draft trees shared by the drafter tests."""
+"""Assertions on draft trees and drafters shared by the drafter tests."""
 
 import torch
 
@@ -15,3 +15,20 @@ def assert_same_tree(got, want):
     for node, prop in (got.proposals or {}).items():
         assert prop.tokens.tolist() == want.proposals[node].tokens.tolist()
         assert torch.allclose(prop.probs, want.proposals[node].probs, rtol=0, atol=1e-5)
+
+
+def assert_drafts_plain_greedy(drafter, target_dir, tree):
+    """Greedy generations with ``drafter`` over the target in ``target_dir``
+    are plain greedy decoding's tokens, and the drafter did draft."""
+    from specdec.decoding import StopCriteria
+    from specdec.local import generate
+    from specdec.models import ModelSpec
+    from specdec.params import SamplingParams
+    from verifier.engine import TargetModel, VerifierEngine
+
+    verifier = VerifierEngine(TargetModel(ModelSpec(str(target_dir))))
+    stop = StopCriteria(max_new_tokens=24, eos_ids=frozenset())
+    for prompt in ([3, 17, 42, 9, 3, 17, 42], [5, 6, 7, 8, 5, 6, 9, 11]):
+        want = generate(verifier, None, prompt, SamplingParams(), stop, None).tokens
+        got = generate(verifier, drafter, prompt, SamplingParams(), stop, tree)
+        assert got.tokens == want and got.finish().drafted > 0       # a random drafter: few accepted

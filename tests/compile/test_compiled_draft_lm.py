@@ -10,16 +10,13 @@ import logging
 import random
 
 import pytest
-from trees import assert_same_tree
+from trees import assert_drafts_plain_greedy, assert_same_tree
 
 from drafter.batch import draft_batch
 from drafter.draft_lm import DraftLmDrafter
 from specdec import compiled, kv
-from specdec.decoding import StopCriteria
-from specdec.local import generate
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams, TreeParams
-from verifier.engine import TargetModel, VerifierEngine
 
 TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(method="chain", total_tokens=6, depth=5),
          TreeParams(total_tokens=10, depth=3, expand_k=8)]
@@ -122,13 +119,7 @@ def test_batched_drafting_of_fresh_and_long_sessions_matches_eager(drafters):
 
 
 def test_generation_with_a_compiled_draft_lm_is_plain_greedy_decoding(drafters, tiny_family):
-    fast, _ = drafters
-    verifier = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
-    stop = StopCriteria(max_new_tokens=24, eos_ids=frozenset())
-    for prompt in ([3, 17, 42, 9, 3, 17, 42], [5, 6, 7, 8, 5, 6, 9, 11]):
-        want = generate(verifier, None, prompt, SamplingParams(), stop, None).tokens
-        got = generate(verifier, fast, prompt, SamplingParams(), stop, TreeParams(total_tokens=8, depth=4))
-        assert got.tokens == want and got.finish().drafted > 0
+    assert_drafts_plain_greedy(drafters[0], tiny_family["target"], TreeParams(total_tokens=8, depth=4))
 
 
 def test_a_draft_lm_that_fails_to_compile_drafts_eagerly(tiny_family, caplog, monkeypatch):

@@ -11,16 +11,12 @@ import random
 
 import pytest
 import torch
-from trees import assert_same_tree
+from trees import assert_drafts_plain_greedy, assert_same_tree
 
 from drafter import compiled_head
 from drafter.eagle import EagleDrafter
 from specdec import kv
-from specdec.decoding import StopCriteria
-from specdec.local import generate
-from specdec.models import ModelSpec
 from specdec.params import SamplingParams, TreeParams
-from verifier.engine import TargetModel, VerifierEngine
 
 TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(total_tokens=10, depth=3, expand_k=8),
          TreeParams(method="chain", total_tokens=6, depth=5)]
@@ -78,13 +74,7 @@ def test_levels_past_the_graphs_run_eagerly(heads):
 
 
 def test_generation_with_compiled_levels_is_plain_greedy_decoding(heads, tiny_family):
-    fast, _ = heads
-    verifier = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
-    stop = StopCriteria(max_new_tokens=24, eos_ids=frozenset())
-    for prompt in ([3, 17, 42, 9, 3, 17, 42], [5, 6, 7, 8, 5, 6, 9, 11]):
-        want = generate(verifier, None, prompt, SamplingParams(), stop, None).tokens
-        got = generate(verifier, fast, prompt, SamplingParams(), stop, TreeParams())
-        assert got.tokens == want and got.finish().drafted > 0       # a random head: few accepted
+    assert_drafts_plain_greedy(heads[0], tiny_family["target"], TreeParams())
 
 
 def test_a_batch_of_fresh_sessions_drafts_the_eager_trees(heads):
