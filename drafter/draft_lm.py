@@ -1,9 +1,10 @@
 """Standalone small causal LM drafter (classic speculative sampling, or a tree
 of its top-k proposals). It shares the target's tokenizer; any causal LM
 specdec can serve as a target can draft (``specdec.causal_lm``). With
-``--compile`` its one-token steps and draft levels run the target's compiled
-fixed-shape forward (``specdec.compiled``) over the same kind of cache; a
-prompt's feed and sessions past the cache's capacity bucket run eagerly."""
+``--compile`` its one-token steps, a commit's feed and its draft levels run
+the target's compiled fixed-shape forward (``specdec.compiled``) over the
+same kind of cache, which moves up the capacity buckets as the session
+fills; a prompt's feed runs eagerly."""
 
 from __future__ import annotations
 

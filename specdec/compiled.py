@@ -137,6 +137,13 @@ def pad_mask(mask: torch.Tensor, width: int, capacity: int) -> torch.Tensor:
     return out
 
 
+def padded(mask, width: int, capacity: int):
+    """``pad_mask`` of a model's mask, one tensor or one per layer type."""
+    if isinstance(mask, dict):
+        return {kind: pad_mask(m, width, capacity) for kind, m in mask.items()}
+    return pad_mask(mask, width, capacity)
+
+
 class FixedStep(torch.nn.Module):
     """The fixed-shape forward every compiled graph runs: a causal LM over one
     stacked cache buffer [layers, 2, 1, heads, C, d] (K at [:, 0], V at [:, 1])."""
@@ -292,9 +299,11 @@ class CompiledForward:
         the layers' views replaced. Other caches are left as they are (an
         eager cache grows by itself)."""
         fixed = fixed_buffers(cache)
+        if fixed is None:
+            return
         length = kv.seq_len(cache)
         slots = length + (width_bucket(n) or n)
-        if fixed is None or slots <= fixed.stack.shape[4]:
+        if slots <= fixed.stack.shape[4]:
             return
         stack = self.new_stack(capacity_bucket(slots))
         stack[:, :, :, :, :length] = fixed.stack[:, :, :, :, :length]
@@ -309,9 +318,7 @@ class CompiledForward:
         """Inputs of the step's shapes at (width, capacity); ``mask``: a padded one (None: a causal one)."""
         pos = torch.arange(width, device=self.lm.device)[None]
         if mask is None:
-            mask = self.lm.masks(causal_allowed(width, 0)[None], pos.cpu(), pos.cpu())
-            mask = {kind: pad_mask(m, width, capacity) for kind, m in mask.items()} if isinstance(mask, dict) \
-                else pad_mask(mask, width, capacity)
+            mask = padded(self.lm.masks(causal_allowed(width, 0)[None], pos.cpu(), pos.cpu()), width, capacity)
         return torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity)
 
     def accepts(self, cache, n: int) -> bool:
@@ -333,10 +340,7 @@ class CompiledForward:
         if mask is None:
             k_pos = torch.cat([torch.arange(past), positions[0].cpu()])[None]
             mask = self.lm.masks(causal_allowed(n, past)[None], positions.cpu(), k_pos)
-        if isinstance(mask, dict):
-            mask = {kind: pad_mask(m, width, capacity) for kind, m in mask.items()}
-        else:
-            mask = pad_mask(mask, width, capacity)
+        mask = padded(mask, width, capacity)
         dev = self.lm.device
         pad = width - n
         tokens = torch.cat([tokens.to(dev), tokens.new_zeros(1, pad, device=dev)], dim=1)
@@ -350,9 +354,9 @@ class CompiledForward:
     def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES) -> float:
         """Ahead of traffic, the graphs for ``widths`` at ``capacities``: built
         (or loaded) and run at the first capacity; at the others packages are
-        built where missing and loaded on first use (a load takes ~40 ms for
-        the demo target: loading them all would double a warm start-up);
-        seconds taken."""
+        built where missing and opened on first use (~40 ms each for the
+        demo target: opening them all here took a warm start-up from 1.9x
+        to 2.5x the eager one); seconds taken."""
         t = time.perf_counter()
         for i, capacity in enumerate(capacities):
             for width in widths:

@@ -70,7 +70,8 @@ def _models(args) -> Models:
     if args.ngram:
         drafter = ("--ngram", "--target", target)
     elif args.draft_lm:
-        drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype, "--compile", args.compile)
+        drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
+                   "--compile", args.compile)
     else:
         drafter = ("--eagle", model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"), "--target", target,
                    "--dtype", args.dtype, "--compile", args.compile)

@@ -118,7 +118,8 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     elif args.ngram:
         drafter = ["--ngram", "--target", target]
     elif args.draft_lm:
-        drafter = ["--draft-lm", _model_dir(args.draft_lm, "draft LM"), "--dtype", args.dtype, "--compile", args.compile]
+        drafter = ["--draft-lm", _model_dir(args.draft_lm, "draft LM"), "--dtype", args.dtype,
+                   "--compile", args.compile]
     else:
         eagle = _model_dir(args.eagle or str(demo_path("eagle")), "EAGLE head")
         drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
