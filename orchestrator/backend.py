@@ -129,12 +129,18 @@ class Backend(ABC):
         """What a failed call is to the session. Past the request's deadline it is
         DEADLINE_EXCEEDED whatever the transport said: a session stream's call
         ends at that deadline, and a step racing its end may see INTERNAL
-        ("Internal error from Core") or a call already finished instead."""
+        ("Internal error from Core") or a call already finished instead. A
+        backend's CANCELLED is UNAVAILABLE: a stopping server cancels its calls."""
         if self.deadline.passed():
             return BackendError(self.role, name, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded",
                                 self.endpoint.address)
         if isinstance(exc, BackendError):
             return exc
+        if exc.code() == grpc.StatusCode.CANCELLED:
+            # A call this process cancels raises asyncio.CancelledError, not a status: CANCELLED
+            # came from the backend, which cancels its calls when it stops. It is gone.
+            return BackendError(self.role, name, grpc.StatusCode.UNAVAILABLE,
+                                f"the backend cancelled the call (stopping): {exc.details()}", self.endpoint.address)
         return BackendError(self.role, name, exc.code(), exc.details(), self.endpoint.address)
 
     async def step(self, name: str, request):
@@ -154,6 +160,14 @@ class Backend(ABC):
             self.close_stream()
             raise BackendError(self.role, name, grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
                                details or "the session stream had ended", self.endpoint.address) from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INTERNAL:
+                raise
+            # grpc's own INTERNAL ("Internal error from Core"): the core could not send the
+            # step, the connection went (a stopping backend)
+            self.close_stream()
+            raise BackendError(self.role, name, grpc.StatusCode.UNAVAILABLE,
+                               f"the session stream broke: {exc.debug_error_string()}", self.endpoint.address) from None
         answer = await stream.read()
         self.stepping = False
         if answer == grpc.aio.EOF or answer.WhichOneof("step") != field:

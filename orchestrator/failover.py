@@ -30,8 +30,9 @@ bytes: same dtype, row-major [n, H] each, so the bytes of [n1, H] then
 Which failures move a session (``MOVE_CODES``): the backend is gone
 (UNAVAILABLE, which connection errors are too) or no longer knows the session
 (NOT_FOUND: restarted or evicted). Opening a session may also meet a full
-server (RESOURCE_EXHAUSTED): try the next. INVALID_ARGUMENT,
-FAILED_PRECONDITION, DEADLINE_EXCEEDED and CANCELLED are never retried.
+server (RESOURCE_EXHAUSTED): try the next. A backend answering CANCELLED is
+stopping (it cancels its calls): that is UNAVAILABLE too (``Backend.failure``).
+INVALID_ARGUMENT, FAILED_PRECONDITION and DEADLINE_EXCEEDED are never retried.
 
 Pinning, calls under the request's deadline, transport time and release are
 ``orchestrator.backend``'s.
@@ -61,8 +62,8 @@ log = logging.getLogger("specdec.orchestrator")
 
 MOVE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND})
 OPEN_MOVE_CODES = MOVE_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
-# Failures that end the request whichever backend reports them.
-FATAL_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+# Failures that end the request whichever backend reports them (its deadline passed).
+FATAL_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED})
 # A request gives up moving a role's session after this many moves (a server
 # that keeps forgetting sessions must not keep a request spinning).
 MAX_MOVES = 8

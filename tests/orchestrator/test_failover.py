@@ -27,7 +27,7 @@ from running_stack import Stack, alive
 from services.helpers import channel_to, drafter_builder, rpc_error, start_verifier, verifier_builder
 from specdec import tensor_wire, wire
 from specdec.client import SpecdecClient, SpecdecClientError, SpecdecUnavailable
-from specdec.errors import FailedPrecondition
+from specdec.errors import FailedPrecondition, SpecdecError
 from specdec.metrics import REGISTRY
 from specdec.params import SamplingParams
 from specdec.params import TreeParams
@@ -230,6 +230,39 @@ def test_backend_forgetting_the_session_is_not_found_and_it_moves(stack, referen
         stream = gen.result()
     assert stream.token_ids == reference
     assert sample("specdec_failovers_total", role=role) == moved + 1
+
+
+class Cancelled(SpecdecError):
+    code = "CANCELLED"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("role", ["drafter", "verifier"])
+def test_a_backend_cancelling_a_call_is_gone_and_the_session_moves(stack, reference, pair, role):
+    """A stopping server cancels the calls in flight: CANCELLED from a backend
+    moves the session like UNAVAILABLE (it used to end the request)."""
+    names, taps = pair
+    group = names["d"] if role == "drafter" else names["v"]
+    moved = sample("specdec_failovers_total", role=role)
+    fallbacks = sum(sample("specdec_fallback_total", reason=r) for r in ("drafter_error", "drafters_unavailable"))
+    cancelled = []
+    for name in group:
+        def cancel_once(sid, *args, name=name, **kw):
+            if not cancelled:
+                cancelled.append(name)
+                raise Cancelled("server stopping (test)")
+            return taps[name].original(sid, *args, **kw)
+        taps[name].call = cancel_once
+    with SpecdecClient(stack.address("fo"), timeout=60) as client:
+        stream = client.complete(PROMPT, max_new_tokens=N)
+    assert stream.token_ids == reference
+    assert sample("specdec_failovers_total", role=role) == moved + 1
+    other = next(n for n in group if n != cancelled[0])
+    assert taps[other].sessions                   # it went on on the other server
+    if role == "drafter":
+        assert stream.stats.draft_tokens > 0
+        assert sum(sample("specdec_fallback_total", reason=r)
+                   for r in ("drafter_error", "drafters_unavailable")) == fallbacks
 
 
 @pytest.mark.timeout(120)
