@@ -190,6 +190,7 @@ class Pool:
         self._token = token
         self._resolver = resolver
         self._fits = fits
+        self._ties = random.Random()     # its own generator: the process's global one is left to others
         for address in discovery.static:
             self._add(address, via_dns=False)
 
@@ -285,7 +286,7 @@ class Pool:
         free = [e for e in candidates if not e.full]
         if free:
             lowest = min(e.load for e in free)
-            endpoint = random.choice([e for e in free if e.load == lowest])
+            endpoint = self._ties.choice([e for e in free if e.load == lowest])
             endpoint.pinned += 1
             return endpoint, ""
         known = len([e for e in self.endpoints.values() if not e.draining])
