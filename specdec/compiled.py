@@ -37,6 +37,15 @@ built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity),
 others on first use; larger capacities (long sessions) use ``torch.compile``
 on first use.
 
+EAGLE-3 drafters read the residual streams entering three of the target's
+layers: their sessions' forwards take a second set of graphs
+(``capture_layers``) that also return the streams of up to ``CAPTURED``
+layers, picked by an index tensor (data, not shape: one set serves any
+head). It is built only where such sessions are expected (``--compile-
+feature-layers``, or an in-process EAGLE-3 drafter): returning the streams
+costs ~7% of a one-token step, which EAGLE-1/2 and plain decoding do not pay.
+Without it those sessions run eagerly (one log line says so).
+
 Prefill (a causal forward of several tokens) and batched verification stay eager. A model that
 fails to compile, or whose compiled logits differ from its eager ones on a
 check at load, runs eagerly with one log line saying why (``compile_target``).
@@ -74,6 +83,7 @@ PAYS = 0.9                              # auto: compiled must take at most this 
 # compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
 STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
+CAPTURED = 3                            # residual streams a capturing graph returns (an EAGLE-3 head reads 3)
 
 
 def capacity_bucket(slots: int) -> int:
@@ -146,22 +156,30 @@ def padded(mask, width: int, capacity: int):
 
 class FixedStep(torch.nn.Module):
     """The fixed-shape forward every compiled graph runs: a causal LM over one
-    stacked cache buffer [layers, 2, 1, heads, C, d] (K at [:, 0], V at [:, 1])."""
+    stacked cache buffer [layers, 2, 1, heads, C, d] (K at [:, 0], V at [:, 1]);
+    with ``captures``, also the residual streams entering that many layers."""
 
-    def __init__(self, lm: CausalLm):
+    def __init__(self, lm: CausalLm, captures: int = 0):
         super().__init__()
         self.model = lm.model              # registered, so export and the packages see its weights by name
         self.lm = lm
+        self.captures = captures
         self.cache_keyword = kv.cache_keyword(type(lm.body).forward)     # looked up outside the traced forward
 
-    def forward(self, tokens, positions, mask, slots, stack):
+    def forward(self, tokens, positions, mask, slots, stack, layers=None):
         """tokens, positions [1, nb]; mask [1, 1, nb, C] (or per layer type);
-        slots [nb]; stack as above, the nb new slots written in place.
-        Returns (features [1, nb, H] fp32, logits [1, nb, V])."""
-        layers = [FixedLayer(stack, i, slots) for i in range(stack.shape[0])]
-        hidden = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                              **{self.cache_keyword: Cache(layers=layers)}).last_hidden_state
-        return hidden.float(), self.lm.logits(hidden)
+        slots [nb]; stack as above, the nb new slots written in place; layers
+        [captures] HF hidden-state indices (with captures). Returns (features
+        [1, nb, H] fp32, logits [1, nb, V]), with captures (features, the
+        streams entering ``layers`` [1, nb, captures * H] fp32, logits)."""
+        cache = Cache(layers=[FixedLayer(stack, i, slots) for i in range(stack.shape[0])])
+        out = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                           output_hidden_states=self.captures > 0, **{self.cache_keyword: cache})
+        hidden = out.last_hidden_state
+        if not self.captures:
+            return hidden.float(), self.lm.logits(hidden)
+        streams = torch.stack(out.hidden_states[:stack.shape[0]]).index_select(0, layers)   # [k, 1, nb, H]
+        return hidden.float(), streams.permute(1, 2, 0, 3).flatten(2).float(), self.lm.logits(hidden)
 
 
 @dataclass(frozen=True)
@@ -204,12 +222,14 @@ class FixedGraphs:
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  ahead_of_time: bool = True, packed: bool | None = None, options: dict | None = None,
-                 sources: tuple[str, ...] = (), packaged_capacities: tuple[int, ...] = PACKAGED_CAPACITIES):
+                 sources: tuple[str, ...] = (), packaged_capacities: tuple[int, ...] = PACKAGED_CAPACITIES,
+                 variant: str = ""):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.module = module
         self.options = options
         self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
-        self.packages = compiled_aot.package_dir(module, model, dtype, device, sources) if ahead_of_time else None
+        self.packages = (compiled_aot.package_dir(module, model, dtype, device, sources, variant)
+                         if ahead_of_time else None)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         if packed is None:               # one packed copy of the weights per package: small models only
             packed = device.type == "cpu" and weight_bytes * len(WIDTHS) * len(packaged_capacities) <= PACKED_BUDGET
@@ -262,6 +282,22 @@ class CompiledForward:
         self.module = FixedStep(lm).eval()
         self.steps = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
                                     packed, options)
+        self.capturing: FixedGraphs | None = None      # ``capture_layers``: graphs returning residual streams too
+        self._settings = (ahead_of_time, packed, options)
+
+    def capture_layers(self) -> None:
+        """Add the graphs that also return the residual streams entering up to
+        ``CAPTURED`` layers (EAGLE-3 features); built on ``warm(captures=True)``
+        or first use."""
+        if self.capturing is None:
+            ahead_of_time, packed, options = self._settings
+            self.capturing = FixedGraphs(FixedStep(self.lm, CAPTURED).eval(), self.lm.model, self.lm.dtype,
+                                         torch.device(self.lm.device), ahead_of_time, packed, options,
+                                         variant=f"captures{CAPTURED}")
+
+    def captures(self, layers: tuple[int, ...]) -> bool:
+        """Whether a forward asking for the streams entering ``layers`` can take the compiled path."""
+        return not layers or (self.capturing is not None and len(layers) <= CAPTURED)
 
     @property
     def packed(self) -> bool:
@@ -309,31 +345,41 @@ class CompiledForward:
         stack[:, :, :, :, :length] = fixed.stack[:, :, :, :, :length]
         stacked_cache(cache, stack, length)
 
-    def graph(self, width: int, capacity: int, mask):
-        """The compiled step for (width, capacity); ``mask`` is a padded one of
-        the shape it takes (for a package built here)."""
-        return self.steps.get(width, capacity, functools.partial(self._example, width, capacity, mask))
+    def graph(self, width: int, capacity: int, mask, captures: bool = False):
+        """The compiled step for (width, capacity), capturing or not; ``mask``
+        is a padded one of the shape it takes (for a package built here)."""
+        graphs = self.capturing if captures else self.steps
+        return graphs.get(width, capacity, functools.partial(self._example, width, capacity, mask, captures))
 
-    def _example(self, width: int, capacity: int, mask=None) -> tuple:
+    def _example(self, width: int, capacity: int, mask=None, captures: bool = False) -> tuple:
         """Inputs of the step's shapes at (width, capacity); ``mask``: a padded one (None: a causal one)."""
         pos = torch.arange(width, device=self.lm.device)[None]
         if mask is None:
             mask = padded(self.lm.masks(causal_allowed(width, 0)[None], pos.cpu(), pos.cpu()), width, capacity)
-        return torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity)
+        example = (torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity))
+        return example + (torch.arange(CAPTURED, device=self.lm.device),) if captures else example
 
     def accepts(self, cache, n: int) -> bool:
         """Whether a forward of n tokens on ``cache`` takes the compiled path."""
         fixed, width = fixed_buffers(cache), width_bucket(n)
         return fixed is not None and width is not None and kv.seq_len(cache) + width <= fixed.stack.shape[4]
 
-    @torch.inference_mode()
     def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
         """As ``CausalLm.hidden`` + ``logits`` for tokens, positions [1, n]:
         (features [1, n, H] fp32, logits [1, n, V]); None where the compiled
         path does not apply (the caller runs eagerly)."""
+        out = self.run(cache, tokens, positions, mask)
+        return None if out is None else (out[0], out[2])
+
+    @torch.inference_mode()
+    def run(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...] = ()):
+        """``forward``, plus the residual streams entering ``layers`` (as
+        ``CausalLm.hidden_and_layers``): (features, streams [1, n, len(layers)
+        H] fp32 or None without layers, logits); None where the compiled path
+        does not apply."""
         n = tokens.shape[1]
-        if (mask is None and n > 1) or not self.accepts(cache, n):
-            return None                  # a prefill (causal, several tokens), or no fixed-shape cache
+        if (mask is None and n > 1) or not self.accepts(cache, n) or not self.captures(layers):
+            return None                  # a prefill (causal, several tokens), no fixed-shape cache, or no such graphs
         past, width = kv.seq_len(cache), width_bucket(n)
         fixed = cache.fixed_buffers
         capacity = fixed.stack.shape[4]
@@ -346,26 +392,36 @@ class CompiledForward:
         tokens = torch.cat([tokens.to(dev), tokens.new_zeros(1, pad, device=dev)], dim=1)
         positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(1, pad)], dim=1)
         slots = torch.arange(past, past + width, device=dev)
-        hidden, logits = self.graph(width, capacity, mask)(tokens, positions, mask, slots, fixed.stack)
+        args = (tokens, positions, mask, slots, fixed.stack)
+        if layers:                       # the last index repeated up to CAPTURED, its copies dropped below
+            index = torch.tensor(list(layers) + [layers[-1]] * (CAPTURED - len(layers)), device=dev)
+            hidden, streams, logits = self.graph(width, capacity, mask, captures=True)(*args, index)
+            streams = streams[:, :n, :len(layers) * hidden.shape[-1]]
+        else:
+            (hidden, logits), streams = self.graph(width, capacity, mask)(*args), None
         for i, (k, v) in enumerate(fixed.views):
             kv.adopt(cache, i, k, v, past + n)
-        return hidden[:, :n], logits[:, :n]
+        return hidden[:, :n], streams, logits[:, :n]
 
-    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES) -> float:
-        """Ahead of traffic, the graphs for ``widths`` at ``capacities``: built
-        (or loaded) and run at the first capacity; at the others packages are
-        built where missing and opened on first use (~40 ms each for the
-        demo target: opening them all here took a warm start-up from 1.9x
-        to 2.5x the eager one); seconds taken."""
+    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False) -> float:
+        """Ahead of traffic, the graphs for ``widths`` at ``capacities`` (the
+        capturing ones with ``captures``): built (or loaded) and run at the
+        first capacity; at the others packages are built where missing and
+        opened on first use (~40 ms each for the demo target: opening them
+        all here took a warm start-up from 1.9x to 2.5x the eager one);
+        seconds taken."""
         t = time.perf_counter()
+        graphs = self.capturing if captures else self.steps
+        layers = tuple(range(CAPTURED)) if captures else ()
         for i, capacity in enumerate(capacities):
             for width in widths:
-                if i and self.steps.on_disk(width, capacity, functools.partial(self._example, width, capacity)):
+                example = functools.partial(self._example, width, capacity, None, captures)
+                if i and graphs.on_disk(width, capacity, example):
                     continue
                 cache = self.new_cache(capacity)
                 k_pos = torch.arange(width)[None]
                 mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
-                self.forward(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask)
+                self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, layers)
         return time.perf_counter() - t
 
 
@@ -375,11 +431,23 @@ def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Te
     return hidden.float(), lm.logits(hidden)
 
 
+def eager_run(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
+              layers: tuple[int, ...] = ()):
+    """The eager forward ``CompiledForward.run`` stands in for: (features fp32,
+    the streams entering ``layers`` fp32 or None, logits)."""
+    if not layers:
+        hidden, streams = lm.hidden(cache, tokens, positions, mask), None
+    else:
+        hidden, streams = lm.hidden_and_layers(cache, tokens, positions, mask, layers)
+        streams = streams.float()
+    return hidden.float(), streams, lm.logits(hidden)
+
+
 @torch.inference_mode()
-def check_compiled(compiled: CompiledForward) -> str | None:
+def check_compiled(compiled: CompiledForward, layers: tuple[int, ...] = ()) -> str | None:
     """Why the compiled forward cannot serve this model (None: it can): after
     an eager prefix, a one-token step and a 3-node tree must give the eager
-    logits and leave the cache as long."""
+    logits (and the streams entering ``layers``) and leave the cache as long."""
     lm = compiled.lm
     vocab = int(lm.config.get_text_config(decoder=True).vocab_size)
     seq = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(0))
@@ -388,21 +456,23 @@ def check_compiled(compiled: CompiledForward) -> str | None:
     tree = torch.stack([seq[5], seq[0], seq[1]])
     k_pos = torch.cat([torch.arange(5), tree_pos])[None]
     allowed = torch.cat([torch.ones(3, 5, dtype=torch.bool), ancestor], dim=1)[None]
-    logits = {}
-    for run, step in (("compiled", compiled.forward), ("eager", functools.partial(eager_forward, lm))):
+    outputs = {}
+    for run, step in (("compiled", compiled.run), ("eager", functools.partial(eager_run, lm))):
         cache = compiled.new_cache(16)
         lm.hidden(cache, seq[None, :4], torch.arange(4)[None], None)
-        one = step(cache, seq[None, 4:5], torch.tensor([[4]]), None)
+        one = step(cache, seq[None, 4:5], torch.tensor([[4]]), None, layers)
         if one is None:
             return "a one-token step does not take the compiled path"
-        tree_out = step(cache, tree[None], tree_pos[None], lm.masks(allowed, tree_pos[None], k_pos))
+        tree_out = step(cache, tree[None], tree_pos[None], lm.masks(allowed, tree_pos[None], k_pos), layers)
         if kv.seq_len(cache) != 8:
             return f"the {run} path left {kv.seq_len(cache)} cached slots, not 8"
-        logits[run] = (one[1], tree_out[1])
-    for got, want in zip(logits["compiled"], logits["eager"]):
+        outputs[run] = {f"{what} {name}": t for what, out in (("step", one), ("tree", tree_out))
+                        for name, t in (("streams", out[1]), ("logits", out[2])) if t is not None}
+    for name, want in outputs["eager"].items():
+        got = outputs["compiled"][name]
         err = float((got - want).abs().max() / (1.0 + want.abs().max()))
         if not err <= (1e-4 if lm.dtype == torch.float32 else 5e-2):
-            return f"compiled logits differ from eager ones (relative error {err:.2g})"
+            return f"compiled {name} differ from eager ones (relative error {err:.2g})"
     return None
 
 
@@ -419,10 +489,11 @@ def time_step(lm: CausalLm, step, cache, prefix: int = 64, repeats: int = 20) ->
     return sorted(times[2:])[repeats // 2] * 1000
 
 
-def compile_target(lm: CausalLm, mode: str) -> CompiledForward | None:
+def compile_target(lm: CausalLm, mode: str, captures: bool = False) -> CompiledForward | None:
     """The compiled forward of ``lm`` for ``--compile MODE``, or None (eager):
     off; compilation or the check failed (one log line says why); or, with
-    auto, a compiled one-token step is not faster than the eager one."""
+    auto, a compiled one-token step is not faster than the eager one. With
+    ``captures``, the graphs that return feature layers too (``compile_captures``)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "off":
@@ -449,4 +520,33 @@ def compile_target(lm: CausalLm, mode: str) -> CompiledForward | None:
     kept = "packed" if compiled.packed else "shared"
     log.info("compiled forwards on for model type %r (%.1f s to build or load widths %s and check; %s weights "
              "in the ahead-of-time packages)", kind, time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)), kept)
+    if captures:
+        compile_captures(compiled)
     return compiled
+
+
+def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None = None) -> bool:
+    """Add the graphs that also return the residual streams EAGLE-3 drafters
+    read (``CompiledForward.capture_layers``), checked against eager and
+    warmed at ``widths`` (None: ``STARTUP_WIDTHS``); False, with one log
+    line, where that fails (sessions asking for layers then run eagerly)."""
+    if compiled.capturing is not None:
+        return True
+    kind = getattr(compiled.lm.config, "model_type", "?")
+    t = time.perf_counter()
+    try:
+        compiled.capture_layers()
+        layers = tuple(sorted({0, compiled.layers // 2, compiled.layers - 1}))[:CAPTURED]
+        reason = check_compiled(compiled, layers)
+        if reason is None:
+            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means: those sessions run eagerly
+        reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    if reason is not None:
+        compiled.capturing = None
+        log.warning("compiled forwards returning feature layers off for model type %r: %s; sessions that ask "
+                    "for layers (EAGLE-3 drafters) run eagerly", kind, reason)
+        return False
+    log.info("compiled forwards returning up to %d feature layers on for model type %r (%.1f s)", CAPTURED, kind,
+             time.perf_counter() - t)
+    return True

@@ -93,11 +93,12 @@ def code_fingerprint(step: torch.nn.Module, sources: tuple[str, ...] = ()) -> st
 
 
 def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                sources: tuple[str, ...] = ()) -> Path:
-    """Where the packages of ``step`` over ``model`` at ``dtype`` on ``device`` live."""
+                sources: tuple[str, ...] = (), variant: str = "") -> Path:
+    """Where the packages of ``step`` over ``model`` at ``dtype`` on ``device``
+    live; ``variant`` tells apart steps of one class that return different things."""
     machine = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8]
     key = (f"{model_fingerprint(model)}-{code_fingerprint(step, sources)}-torch{torch.__version__}-"
-           f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}")
+           f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}" + (f"-{variant}" if variant else ""))
     return Path(cache_dir()) / "specdec-aot" / key
 
 

@@ -46,6 +46,8 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
         from drafter.eagle3 import load_eagle_drafter
 
         drafter = load_eagle_drafter(choice.path, target.path, device=target.device, compile=target.compile)
+        if getattr(drafter, "feature_layers", ()):      # EAGLE-3: its verifies return feature layers
+            verifier.target.compile_feature_layers()
     elif choice.kind == "draft-lm":
         from drafter.draft_lm import DraftLmDrafter
 

@@ -27,6 +27,7 @@ class ModelSpec:
     device: str = "cpu"
     attn_implementation: str = "auto"   # one of ATTN_IMPLEMENTATIONS
     compile: str = "off"                # one of COMPILE_MODES: compiled target forwards (specdec.compiled)
+    compile_layers: bool = False        # with compile: also the forwards returning feature layers (EAGLE-3)
 
     def __post_init__(self):
         if self.compile not in COMPILE_MODES:

@@ -94,6 +94,17 @@ def solo_env() -> dict[str, str]:
     return {"GOMP_SPINCOUNT": SOLO_SPINCOUNT}
 
 
+def feature_layer_flags(eagle_head: str | None, compile_mode: str) -> list[str]:
+    """``--compile-feature-layers`` for a compiled verifier whose drafter runs
+    ``eagle_head`` when that is an EAGLE-3 head (its sessions' forwards then
+    return feature layers, compiled too); else nothing."""
+    if eagle_head is None or compile_mode == "off":
+        return []
+    from drafter.eagle3 import is_eagle3_head  # torch: only for a compiled EAGLE stack
+
+    return ["--compile-feature-layers"] if is_eagle3_head(eagle_head) else []
+
+
 def spawn(name: str, argv: list[str], module: str = "specdec.cli.main", threads: int | None = None,
           env_defaults: dict[str, str] | None = None, cores: frozenset[int] | None = None) -> Child:
     """Start ``python -m module *argv``; ``threads``: its OMP_NUM_THREADS unless

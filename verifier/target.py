@@ -7,6 +7,7 @@ a tree passes before any forward, shared by single and batched verification.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -16,13 +17,15 @@ import torch.distributed as dist
 from specdec import kv
 from specdec.acceptance import Acceptance, accept
 from specdec.causal_lm import CausalLm
-from specdec.compiled import compile_target
+from specdec.compiled import compile_captures, compile_target, eager_run
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.masks import tree_allowed
 from specdec.models import ModelSpec, load_causal_lm
 from specdec.params import SamplingParams, TokenLogprob
 from specdec.sampling import History, token_logprobs
 from specdec.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,7 +97,8 @@ class TargetModel:
         self.num_layers = int(self.config.get_text_config(decoder=True).num_hidden_layers)
         self.device = self.lm.device
         self.kv_bytes_per_token = self._measure_kv_bytes()
-        self.compiled = compile_target(self.lm, spec.compile)     # None: eager forwards
+        self.compiled = compile_target(self.lm, spec.compile, spec.compile_layers)     # None: eager forwards
+        self._told_eager_layers = False
 
     def _measure_kv_bytes(self) -> int:
         """K and V bytes per token, every layer, every key/value head, all ranks
@@ -110,6 +114,12 @@ class TargetModel:
         (with compiled forwards: the smallest capacity bucket, moved up as
         the session fills, ``specdec.compiled``)."""
         return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache()
+
+    def compile_feature_layers(self) -> bool:
+        """With compiled forwards, add those returning feature layers (EAGLE-3
+        sessions', ``specdec.compiled.compile_captures``) if not built yet:
+        what an in-process EAGLE-3 drafter asks of its target. Whether they are on."""
+        return self.compiled is not None and compile_captures(self.compiled)
 
     def fit(self, cache, n: int) -> None:
         """Before ``n`` slots are written to ``cache``: with compiled forwards,
@@ -150,16 +160,17 @@ class TargetModel:
         feature), the residual stream entering each of ``layers`` (HF
         ``output_hidden_states`` indices: EAGLE-3's features) concatenated
         [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
-        Without layers the compiled forward runs where it applies (``specdec.compiled``)."""
+        The compiled forward runs where it applies (``specdec.compiled``;
+        with layers, where its capturing graphs were built)."""
         self.fit(cache, tokens.shape[1])
-        if not layers:
-            out = None if self.compiled is None else self.compiled.forward(cache, tokens, positions, mask)
-            if out is not None:
-                return out[0], None, out[1]
-            hidden = self.lm.hidden(cache, tokens, positions, mask)
-            return hidden.float(), None, self.lm.logits(hidden)
-        hidden, captured = self.lm.hidden_and_layers(cache, tokens, positions, mask, layers)
-        return hidden.float(), captured.float(), self.lm.logits(hidden)
+        out = None if self.compiled is None else self.compiled.run(cache, tokens, positions, mask, layers)
+        if out is not None:
+            return out
+        if layers and self.compiled is not None and not self.compiled.captures(layers) and not self._told_eager_layers:
+            self._told_eager_layers = True
+            log.warning("sessions asking for %d feature layers (EAGLE-3 drafters) verify eagerly: start the verifier "
+                        "with --compile-feature-layers to compile their forwards too", len(layers))
+        return eager_run(self.lm, cache, tokens, positions, mask, layers)
 
     def check_feature_layers(self, layers) -> tuple[int, ...]:
         layers = tuple(int(i) for i in layers)

@@ -61,13 +61,17 @@ class GrpcMethod:
                       ahead_draft_s=s.ahead_draft_s, ahead_committed=s.ahead_committed)
 
 
+def eagle_head(cfg: BenchConfig, kind: str) -> str | None:
+    """The EAGLE head directory a drafter of ``kind`` runs (None: no EAGLE head)."""
+    return {"eagle": cfg.eagle, "eagle3": cfg.eagle3}.get(kind)
+
+
 def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     tree = cfg.tree
     limits = ["--max-total-tokens", str(max(64, tree.total_tokens)), "--max-depth", str(max(8, tree.depth)),
               "--max-expand-k", str(max(10, tree.expand_k))]
     if kind in ("eagle", "eagle3"):                  # `serve drafter --eagle` tells the head's version
-        head = cfg.eagle if kind == "eagle" else cfg.eagle3
-        return ["--eagle", head, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device,
+        return ["--eagle", eagle_head(cfg, kind), "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device,
                 "--compile", cfg.compile, *limits]
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
@@ -126,7 +130,8 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
     with _threads_env(share):
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                      "--dtype", cfg.dtype, "--device", cfg.device,
-                                                     "--compile", cfg.compile, *solo, *internal],
+                                                     "--compile", cfg.compile, *solo, *internal,
+                                                     *procs.feature_layer_flags(eagle_head(cfg, kind), cfg.compile)],
                                 env_defaults=procs.solo_env() if solo else None,
                                 cores=None if verifier_core is None else frozenset([verifier_core])))
         mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal],

@@ -75,6 +75,7 @@ class Models:
             elif kind == "eagle3":
                 self._drafters[kind] = Eagle3Drafter(self._need(self.cfg.eagle3, "EAGLE-3 head"), self.cfg.target,
                                                      device=self.cfg.device, compile=self.cfg.compile)
+                self.target.compile_feature_layers()       # its verifies return feature layers
             elif kind == "ngram":
                 from drafter.ngram import NgramDrafter
 

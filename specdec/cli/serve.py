@@ -112,6 +112,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="auto (default): specdec's SDPA where the model allows, else its best; or force sdpa / eager")
     add_compile_flag(p)
+    p.add_argument("--compile-feature-layers", action="store_true",
+                   help="with --compile: also compile the forwards of sessions that ask for feature layers "
+                        "(EAGLE-3 drafters read three layers' residual streams); without it they verify eagerly. "
+                        "specdec up, soak and bench set it for an EAGLE-3 head")
     p.add_argument("--feature-dtype", default="float32", choices=("float32", "float16"),
                    help="dtype of the features sent to EAGLE drafters")
     p.add_argument("--tp", type=int, default=1,
@@ -180,7 +184,8 @@ def run_verifier(args) -> int:
     _check_sessions(args)
     cfg = server_config_from(args)
     spec = ModelSpec(path=model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
-                     device=args.device, attn_implementation=args.attn_implementation, compile=args.compile)
+                     device=args.device, attn_implementation=args.attn_implementation, compile=args.compile,
+                     compile_layers=args.compile_feature_layers)
     from verifier.service import VerifierService, VerifierServiceConfig
 
     if args.tp < 1:

@@ -25,6 +25,7 @@ from pathlib import Path
 from specdec.cli.generate import add_model_flags
 from specdec.cli.options import model_dir
 from specdec.errors import UsageError
+from specdec.procs import feature_layer_flags
 from specdec.soak.run import DEFAULT_KILLS, Backend, Soak, SoakConfig, SoakError
 from specdec.soak.stack import ROLES, Models, SoakStack, StackError
 
@@ -73,8 +74,9 @@ def _models(args) -> Models:
         drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
                    "--compile", args.compile)
     else:
-        drafter = ("--eagle", model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"), "--target", target,
-                   "--dtype", args.dtype, "--compile", args.compile)
+        eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
+        drafter = ("--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile)
+        verifier += tuple(feature_layer_flags(eagle, args.compile))
     return Models(verifier, drafter, target)
 
 

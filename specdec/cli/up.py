@@ -32,8 +32,8 @@ from specdec.cli.stack import ORCHESTRATOR_PORTS
 from specdec.errors import UsageError
 from specdec.models import demo_path
 from specdec.params import REQUEST_METHODS, VANILLA
-from specdec.procs import (Child, ChildDied, check_alive, ignore_stop_signals, solo_env, solo_threads, spawn, stop,
-                           threads_per_process, wait_listening, wait_serving)
+from specdec.procs import (Child, ChildDied, check_alive, feature_layer_flags, ignore_stop_signals, solo_env,
+                           solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
 
 DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -123,6 +123,7 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     else:
         eagle = _model_dir(args.eagle or str(demo_path("eagle")), "EAGLE head")
         drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
+        verifier += feature_layer_flags(eagle, args.compile)
     return verifier, drafter, target
 
 
