@@ -36,15 +36,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from specdec import kv
-from specdec.compiled import (
-    PACKED_BUDGET,
-    PAYS,
-    FixedGraphs,
-    FixedLayer,
-    cache_shape,
-    fixed_buffers,
-    stacked_cache,
-)
+from specdec.compiled import PACKED_BUDGET, PAYS, FixedGraphs
+from specdec.fixed_kv import FixedLayer, cache_shape, fixed_buffers, stacked_cache
 from specdec.models import COMPILE_MODES
 
 log = logging.getLogger(__name__)
@@ -144,7 +137,7 @@ class CompiledHead:
         return out[0, :k], logp[0, :k]
 
     def padded_mask(self, allowed: torch.Tensor, width: int, capacity: int) -> torch.Tensor:
-        """``specdec.compiled.pad_mask`` of the additive mask of ``allowed`` [k, past + k],
+        """``specdec.fixed_kv.pad_mask`` of the additive mask of ``allowed`` [k, past + k],
         built in one buffer: [1, 1, width, capacity]."""
         k, seen = allowed.shape
         mask = torch.full((width, capacity), torch.finfo(self.dtype).min, dtype=self.dtype)

@@ -15,7 +15,7 @@ compiled path never lets them change, as gpt-fast does with a static cache:
   C follows the session's length, not the length it may grow to (a step
   over 256 slots takes ~0.8x the one over 512 on the demo target);
 - the writes: the step writes its n new K/V into slots [L, L + n) of that
-  buffer with one indexed write per layer (``FixedLayer``), slot indices as a
+  buffer with one indexed write per layer (``specdec.fixed_kv``), slot indices as a
   tensor, so the length L is data, not shape; the cache length moves
   afterwards, outside;
 - the mask: the forward's additive mask [1, 1, n, L + n] (tree or causal, per
@@ -59,16 +59,17 @@ over the same fixed shapes); that is not exercised on this project's machines.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from specdec import compiled_aot, kv
 from specdec.causal_lm import CausalLm
+from specdec.fixed_kv import FixedLayer, cache_shape, fixed_buffers, padded, stacked_cache
 from specdec.knobs import DEFAULT_TOTAL_TOKENS
 from specdec.masks import causal_allowed
 from specdec.models import COMPILE_MODES
@@ -96,62 +97,6 @@ def capacity_bucket(slots: int) -> int:
 
 def width_bucket(n: int) -> int | None:
     return next((w for w in WIDTHS if w >= n), None)
-
-
-class FixedLayer(CacheLayerMixin):
-    """Layer ``index`` of a stacked cache [layers, 2, 1, heads, C, d] inside a
-    compiled forward: ``update`` writes the new K/V at ``slots`` [n] and
-    returns the layer's whole buffers [1, heads, C, d].
-
-    The write indexes the stacked buffer itself (an ``index_put_`` on the graph
-    input), not a per-layer view of it: a write through a view of an input is
-    replayed by the compiler as a copy of the whole buffer, every layer."""
-
-    is_compileable = True
-
-    def __init__(self, stack: torch.Tensor, index: int, slots: torch.Tensor):
-        super().__init__()
-        self.stack, self.slots = stack, slots
-        self.keys, self.values = stack[index, 0], stack[index, 1]
-        self.layer = torch.full((1,), index, dtype=torch.long, device=stack.device)
-        self.kv = torch.arange(2, device=stack.device)[:, None]       # [2, 1]: K, V rows
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states, value_states [1, heads, n, d] -> [2, n, 1, heads, d], the indexed dims first
-        new = torch.stack([key_states, value_states]).permute(0, 3, 1, 2, 4)
-        self.stack[self.layer, self.kv, :, :, self.slots] = new
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-def pad_mask(mask: torch.Tensor, width: int, capacity: int) -> torch.Tensor:
-    """An additive mask [B, 1, n, L + n] as [B, 1, width, capacity]: unseen
-    slots get the dtype's minimum; pad query j (j >= n) sees only slot L + j."""
-    B, _, n, k = mask.shape
-    out = mask.new_full((B, 1, width, capacity), torch.finfo(mask.dtype).min)
-    out[:, :, :n, :k] = mask
-    pads = torch.arange(n, width)
-    out[:, :, pads, k - n + pads] = 0
-    return out
-
-
-def padded(mask, width: int, capacity: int):
-    """``pad_mask`` of a model's mask, one tensor or one per layer type."""
-    if isinstance(mask, dict):
-        return {kind: pad_mask(m, width, capacity) for kind, m in mask.items()}
-    return pad_mask(mask, width, capacity)
 
 
 class FixedStep(torch.nn.Module):
@@ -182,37 +127,6 @@ class FixedStep(torch.nn.Module):
         return hidden.float(), streams.permute(1, 2, 0, 3).flatten(2).float(), self.lm.logits(hidden)
 
 
-@dataclass(frozen=True)
-class FixedBuffers:
-    """A compiled-path cache's one buffer and the per-layer (K, V) views its SlabLayers hold."""
-
-    stack: torch.Tensor                              # [layers, 2, 1, heads, C, d]
-    views: list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def cache_shape(cache) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a filled cache; every layer must agree (one stacked buffer)."""
-    shapes = {(layer.keys.shape[1], layer.keys.shape[3]) for layer in cache.layers}
-    if len(shapes) != 1:
-        raise ValueError(f"layers differ in K/V shape {sorted(shapes)}: no one stacked buffer")
-    (heads, dim), = shapes
-    return len(cache.layers), heads, dim
-
-
-def fixed_buffers(cache) -> FixedBuffers | None:
-    """The stacked buffer of a cache from ``CompiledForward.new_cache``, while
-    every layer still holds its view (a grown or re-batched layer does not)."""
-    fixed = getattr(cache, "fixed_buffers", None)
-    layers = getattr(cache, "layers", None)
-    if fixed is None or not layers or len(layers) != len(fixed.views):
-        return None
-    for layer, (k, v) in zip(layers, fixed.views):
-        held = getattr(layer, "buffers", (None, None))
-        if held[0] is not k or held[1] is not v:
-            return None
-    return fixed
-
-
 class FixedGraphs:
     """The compiled graphs of one fixed-shape step module, one per (width,
     capacity): at ``packaged_capacities`` AOTInductor packages kept on disk
@@ -228,6 +142,7 @@ class FixedGraphs:
         self.module = module
         self.options = options
         self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
+        sources = (*sources, inspect.getfile(FixedLayer))     # every step writes its K/V through it
         self.packages = (compiled_aot.package_dir(module, model, dtype, device, sources, variant)
                          if ahead_of_time else None)
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -259,17 +174,6 @@ class FixedGraphs:
                 self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width,
                                                               capacity, self.weights)
         return self.graphs[key]
-
-
-def stacked_cache(cache, stack: torch.Tensor, length: int = 0):
-    """Make ``cache`` (SlabLayers) a compiled-path cache over ``stack``
-    [layers, 2, 1, heads, C, d], every layer a view into it, its first
-    ``length`` slots filled."""
-    views = [(stack[i, 0], stack[i, 1]) for i in range(stack.shape[0])]
-    for i, (k, v) in enumerate(views):
-        kv.adopt(cache, i, k, v, length)
-    cache.fixed_buffers = FixedBuffers(stack, views)
-    return cache
 
 
 class CompiledForward:
@@ -403,20 +307,21 @@ class CompiledForward:
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], streams, logits[:, :n]
 
-    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False) -> float:
+    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False,
+             open_first: bool = True) -> float:
         """Ahead of traffic, the graphs for ``widths`` at ``capacities`` (the
         capturing ones with ``captures``): built (or loaded) and run at the
-        first capacity; at the others packages are built where missing and
-        opened on first use (~40 ms each for the demo target: opening them
-        all here took a warm start-up from 1.9x to 2.5x the eager one);
-        seconds taken."""
+        first capacity (with ``open_first``); elsewhere packages are built
+        where missing and opened on first use (~40 ms each for the demo
+        target: opening them all here took a warm start-up from 1.9x to
+        2.5x the eager one); seconds taken."""
         t = time.perf_counter()
         graphs = self.capturing if captures else self.steps
         layers = tuple(range(CAPTURED)) if captures else ()
         for i, capacity in enumerate(capacities):
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures)
-                if i and graphs.on_disk(width, capacity, example):
+                if (i or not open_first) and graphs.on_disk(width, capacity, example):
                     continue
                 cache = self.new_cache(capacity)
                 k_pos = torch.arange(width)[None]
@@ -539,7 +444,8 @@ def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None =
         layers = tuple(sorted({0, compiled.layers // 2, compiled.layers - 1}))[:CAPTURED]
         reason = check_compiled(compiled, layers)
         if reason is None:
-            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True)
+            # opened on first use: EAGLE-3 sessions pay ~40 ms once per width, every start-up does not
+            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True, open_first=False)
     except Exception as exc:  # noqa: BLE001 - any failure means: those sessions run eagerly
         reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:

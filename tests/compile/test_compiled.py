@@ -14,7 +14,7 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec import compiled, kv
+from specdec import compiled, fixed_kv, kv
 from specdec.decoding import StopCriteria
 from specdec.local import generate
 from specdec.models import ModelSpec, demo_path, load_tokenizer
@@ -34,7 +34,7 @@ def test_pad_mask_hides_unused_slots_and_pads_see_themselves():
     low = torch.finfo(torch.float32).min
     mask = torch.zeros(1, 1, 3, 7)                      # 3 queries after 4 cached slots
     mask[0, 0, 0, 5:] = low
-    out = compiled.pad_mask(mask, 4, 16)
+    out = fixed_kv.pad_mask(mask, 4, 16)
     assert out.shape == (1, 1, 4, 16)
     assert torch.equal(out[:, :, :3, :7], mask)
     assert (out[:, :, :3, 7:] == low).all()
@@ -124,7 +124,7 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(tiny_family):
     for step in range(40):                                       # one token at a time across the bucket's end
         n = len(prompt) + step
         fast.target.forward(cache, torch.tensor([step % 50]), torch.tensor([n]), None)
-    fixed = compiled.fixed_buffers(cache)
+    fixed = fixed_kv.fixed_buffers(cache)
     assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
     assert torch.equal(fixed.stack[:, :, :, :, :len(prompt)], before[:, :, :, :, :len(prompt)])
     assert (fixed.stack[:, :, :, :, kv.seq_len(cache):] == 0).all()
@@ -147,7 +147,7 @@ def test_batched_verifies_keep_a_session_on_its_stacked_buffer_across_buckets(ti
             got[b] += result.tokens
     assert got == want
     for b in range(2):
-        fixed = compiled.fixed_buffers(fast.sessions.get(f"b{b}").cache)
+        fixed = fixed_kv.fixed_buffers(fast.sessions.get(f"b{b}").cache)
         assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
 
 
@@ -216,7 +216,7 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
     assert (stack[:, :, :, :, 5:] == 0).all()                          # nothing written past the length
     with torch.inference_mode():
         kv.select_rows(cache, torch.tensor([0]))                    # layers re-allocated: not the stack's views
-    assert compiled.fixed_buffers(cache) is None and not forward.accepts(cache, 1)
+    assert fixed_kv.fixed_buffers(cache) is None and not forward.accepts(cache, 1)
 
 
 def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, monkeypatch):

@@ -14,7 +14,7 @@ from trees import assert_drafts_plain_greedy, assert_same_tree
 
 from drafter.batch import draft_batch
 from drafter.draft_lm import DraftLmDrafter
-from specdec import compiled, kv
+from specdec import compiled, fixed_kv, kv
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams, TreeParams
 
@@ -49,7 +49,7 @@ def test_compiled_steps_draft_the_eager_trees(drafters, sampled):
             for d in drafters:
                 d.commit(sid, commit)
         sess = drafters[0].sessions.get(sid)
-        assert compiled.fixed_buffers(sess.cache) is not None      # still on the stacked buffer
+        assert fixed_kv.fixed_buffers(sess.cache) is not None      # still on the stacked buffer
 
 
 def test_one_token_steps_take_the_compiled_path(drafters, monkeypatch):
@@ -87,7 +87,7 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(drafters):
             d.commit("long", commit)
     sess = fast.sessions.get("long")
     assert kv.seq_len(sess.cache) > small
-    fixed = compiled.fixed_buffers(sess.cache)
+    fixed = fixed_kv.fixed_buffers(sess.cache)
     assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
 
 
@@ -113,7 +113,7 @@ def test_batched_drafting_of_fresh_and_long_sessions_matches_eager(drafters):
         for got, want in zip(draft_batch(fast, items), draft_batch(slow, items)):
             assert_same_tree(got, want)
     for sid in prompts:
-        assert compiled.fixed_buffers(fast.sessions.get(f"batch-{sid}").cache) is not None
+        assert fixed_kv.fixed_buffers(fast.sessions.get(f"batch-{sid}").cache) is not None
     crossed = fast.sessions.get("batch-near").cache
     assert kv.seq_len(crossed) > small and crossed.fixed_buffers.stack.shape[4] == compiled.capacity_bucket(small + 1)
 

@@ -134,7 +134,7 @@ def test_off_is_eager_and_modes_are_checked(tiny_family):
 
 def test_padded_mask_is_the_padded_additive_mask(heads):
     from specdec import masks
-    from specdec.compiled import pad_mask
+    from specdec.fixed_kv import pad_mask
 
     fast, _ = heads
     gen = torch.Generator().manual_seed(0)
