@@ -112,7 +112,8 @@ def markdown(result: dict) -> str:
         "# specdec bench",
         "",
         f"- device: {result['device']}",
-        f"- target: `{result['target']}`",
+        f"- target: `{result['target']}`"
+        + (f"; compiled forwards: `--compile {result['compile']}`" if result.get("compile") else ""),
         f"- temperature: {result['temperature']}, prompts: {result['prompts']}, "
         f"max_new_tokens: {result['max_new_tokens']}, repeats: {result.get('repeats', 1)}",
         f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}"

@@ -85,6 +85,7 @@ def test_report_files(greedy_run):
     md = (report / "results.md").read_text()
     assert "| method | speedup vs vanilla |" in md and "| eagle2 |" in md and "bonus token included" in md
     assert "Calibration (eagle2)" in md
+    assert result["compile"] == "off" and "compiled forwards: `--compile off`" in md
     for name in ("speedup.png", "acceptance_per_position.png", "calibration.png"):
         assert (report / name).read_bytes()[:8] == PNG_MAGIC, name
     cal = result["calibration"]
