@@ -5,6 +5,7 @@ compiled target are plain greedy decoding and, sampled, the eager stack's
 tokens; without the capturing graphs those sessions verify eagerly (one log
 line); a compiled verifier is told to build them for an EAGLE-3 head only."""
 
+import argparse
 import logging
 
 import pytest
@@ -145,3 +146,16 @@ def test_a_compiled_verifier_is_told_to_build_them_for_an_eagle3_head_only(famil
     assert feature_layer_flags(str(family3["eagle3"]), "off") == []
     assert feature_layer_flags(str(family3["eagle"]), "on") == []
     assert feature_layer_flags(None, "on") == []
+
+
+@pytest.mark.parametrize("head,compile_mode,told", [("eagle3", "on", True), ("eagle", "on", False),
+                                                    ("eagle3", "off", False)])
+def test_up_and_soak_start_the_verifier_with_it_for_an_eagle3_head(family3, head, compile_mode, told):
+    from specdec.cli.soak import _models
+    from specdec.cli.up import _model_argv
+
+    args = argparse.Namespace(target=str(family3["target"]), eagle=str(family3[head]), draft_lm=None, ngram=False,
+                              dtype="float32", compile=compile_mode, method="eagle2")
+    verifier, drafter, _ = _model_argv(args)
+    assert ("--compile-feature-layers" in verifier) is told and drafter[:2] == ["--eagle", str(family3[head])]
+    assert ("--compile-feature-layers" in _models(args).verifier_argv) is told
