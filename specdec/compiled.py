@@ -307,21 +307,20 @@ class CompiledForward:
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], streams, logits[:, :n]
 
-    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False,
-             open_first: bool = True) -> float:
+    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False) -> float:
         """Ahead of traffic, the graphs for ``widths`` at ``capacities`` (the
         capturing ones with ``captures``): built (or loaded) and run at the
-        first capacity (with ``open_first``); elsewhere packages are built
-        where missing and opened on first use (~40 ms each for the demo
-        target: opening them all here took a warm start-up from 1.9x to
-        2.5x the eager one); seconds taken."""
+        first capacity, where a package's first run costs 70-140 ms (the
+        demo target) that no request should pay; at the others packages are
+        built where missing and opened on first use (opening them all here
+        took a warm start-up from 1.9x to 2.5x the eager one); seconds taken."""
         t = time.perf_counter()
         graphs = self.capturing if captures else self.steps
         layers = tuple(range(CAPTURED)) if captures else ()
         for i, capacity in enumerate(capacities):
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures)
-                if (i or not open_first) and graphs.on_disk(width, capacity, example):
+                if i and graphs.on_disk(width, capacity, example):
                     continue
                 cache = self.new_cache(capacity)
                 k_pos = torch.arange(width)[None]
@@ -444,8 +443,7 @@ def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None =
         layers = tuple(sorted({0, compiled.layers // 2, compiled.layers - 1}))[:CAPTURED]
         reason = check_compiled(compiled, layers)
         if reason is None:
-            # opened on first use: EAGLE-3 sessions pay ~40 ms once per width, every start-up does not
-            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True, open_first=False)
+            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True)
     except Exception as exc:  # noqa: BLE001 - any failure means: those sessions run eagerly
         reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:
