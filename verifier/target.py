@@ -17,7 +17,7 @@ import torch.distributed as dist
 from specdec import kv
 from specdec.acceptance import Acceptance, accept
 from specdec.causal_lm import CausalLm
-from specdec.compiled import compile_captures, compile_target, eager_run
+from specdec.compiled import CAPTURED, compile_captures, compile_target, eager_run
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.masks import tree_allowed
 from specdec.models import ModelSpec, load_causal_lm
@@ -168,8 +168,9 @@ class TargetModel:
             return out
         if layers and self.compiled is not None and not self.compiled.captures(layers) and not self._told_eager_layers:
             self._told_eager_layers = True
-            log.warning("sessions asking for %d feature layers (EAGLE-3 drafters) verify eagerly: start the verifier "
-                        "with --compile-feature-layers to compile their forwards too", len(layers))
+            why = ("start the verifier with --compile-feature-layers to compile their forwards too"
+                   if self.compiled.capturing is None else f"compiled forwards return at most {CAPTURED}")
+            log.warning("sessions asking for %d feature layers verify eagerly: %s", len(layers), why)
         return eager_run(self.lm, cache, tokens, positions, mask, layers)
 
     def check_feature_layers(self, layers) -> tuple[int, ...]:
