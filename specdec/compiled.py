@@ -33,9 +33,13 @@ times ``WIDTHS`` within ``PACKED_BUDGET``) hold their own copy of the weights
 packed for inductor's CPP GEMM kernels, which beat a BLAS call per linear on
 these GEMV shapes; a larger model's packages run over its own parameters,
 one copy for all widths. Those of a default-sized tree are
-built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity),
-others on first use; larger capacities (long sessions) use ``torch.compile``
-on first use.
+built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity)
+and opened and run once at the first capacity; those past it are opened on a
+background thread once the model is up (``open_later``: the first session to
+pass 256 slots no longer pays ~180 ms for them), others on first use; larger
+capacities (long sessions) use ``torch.compile`` on first use. A package's
+key digests the traced code only (``specdec.fixed_step``, ``specdec.fixed_kv``),
+so editing this module keeps the packages on disk.
 
 EAGLE-3 drafters read the residual streams entering three of the target's
 layers: their sessions' forwards take a second set of graphs
@@ -58,18 +62,20 @@ over the same fixed shapes); that is not exercised on this project's machines.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache
 
 from specdec import compiled_aot, kv
 from specdec.causal_lm import CausalLm
 from specdec.fixed_kv import FixedLayer, cache_shape, fixed_buffers, padded, stacked_cache
+from specdec.fixed_step import FixedStep
 from specdec.knobs import DEFAULT_TOTAL_TOKENS
 from specdec.masks import causal_allowed
 from specdec.models import COMPILE_MODES
@@ -85,6 +91,7 @@ PAYS = 0.9                              # auto: compiled must take at most this 
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
 STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
 CAPTURED = 3                            # residual streams a capturing graph returns (an EAGLE-3 head reads 3)
+OPEN_LATER_JOIN_S = 10.0                # at exit, how long to wait for the graph being opened in the background
 
 
 def capacity_bucket(slots: int) -> int:
@@ -97,34 +104,6 @@ def capacity_bucket(slots: int) -> int:
 
 def width_bucket(n: int) -> int | None:
     return next((w for w in WIDTHS if w >= n), None)
-
-
-class FixedStep(torch.nn.Module):
-    """The fixed-shape forward every compiled graph runs: a causal LM over one
-    stacked cache buffer [layers, 2, 1, heads, C, d] (K at [:, 0], V at [:, 1]);
-    with ``captures``, also the residual streams entering that many layers."""
-
-    def __init__(self, lm: CausalLm, captures: int = 0):
-        super().__init__()
-        self.model = lm.model              # registered, so export and the packages see its weights by name
-        self.lm = lm
-        self.captures = captures
-        self.cache_keyword = kv.cache_keyword(type(lm.body).forward)     # looked up outside the traced forward
-
-    def forward(self, tokens, positions, mask, slots, stack, layers=None):
-        """tokens, positions [1, nb]; mask [1, 1, nb, C] (or per layer type);
-        slots [nb]; stack as above, the nb new slots written in place; layers
-        [captures] HF hidden-state indices (with captures). Returns (features
-        [1, nb, H] fp32, logits [1, nb, V]), with captures (features, the
-        streams entering ``layers`` [1, nb, captures * H] fp32, logits)."""
-        cache = Cache(layers=[FixedLayer(stack, i, slots) for i in range(stack.shape[0])])
-        out = self.lm.body(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                           output_hidden_states=self.captures > 0, **{self.cache_keyword: cache})
-        hidden = out.last_hidden_state
-        if not self.captures:
-            return hidden.float(), self.lm.logits(hidden)
-        streams = torch.stack(out.hidden_states[:stack.shape[0]]).index_select(0, layers)   # [k, 1, nb, H]
-        return hidden.float(), streams.permute(1, 2, 0, 3).flatten(2).float(), self.lm.logits(hidden)
 
 
 class FixedGraphs:
@@ -151,6 +130,7 @@ class FixedGraphs:
         self.packed = ahead_of_time and packed
         self.weights = compiled_aot.shared_weights(module) if ahead_of_time and not self.packed else None
         self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
+        self.opening: dict[tuple[int, int], threading.Lock] = {}   # held while that graph is opened
         self.packaged_capacities = tuple(packaged_capacities)
 
     def on_disk(self, width: int, capacity: int, example: Callable[[], tuple]) -> bool:
@@ -165,15 +145,19 @@ class FixedGraphs:
         """The compiled step for (width, capacity); ``example()``: inputs of its
         shapes (for a package built here)."""
         key = (width, capacity)
-        if key not in self.graphs:
-            if self.packages is None or capacity not in self.packaged_capacities:
-                if self.traced is None:
-                    self.traced = torch.compile(self.module, dynamic=False, options=self.options)
-                self.graphs[key] = self.traced
-            else:
-                self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width,
-                                                              capacity, self.weights)
-        return self.graphs[key]
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph
+        with self.opening.setdefault(key, threading.Lock()):     # opened once, by whichever thread comes first
+            if key not in self.graphs:
+                if self.packages is None or capacity not in self.packaged_capacities:
+                    if self.traced is None:
+                        self.traced = torch.compile(self.module, dynamic=False, options=self.options)
+                    self.graphs[key] = self.traced
+                else:
+                    self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width,
+                                                                  capacity, self.weights)
+            return self.graphs[key]
 
 
 class CompiledForward:
@@ -187,6 +171,7 @@ class CompiledForward:
         self.steps = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
                                     packed, options)
         self.capturing: FixedGraphs | None = None      # ``capture_layers``: graphs returning residual streams too
+        self.opener: threading.Thread | None = None    # the last ``open_later`` thread
         self._settings = (ahead_of_time, packed, options)
 
     def capture_layers(self) -> None:
@@ -312,21 +297,61 @@ class CompiledForward:
         capturing ones with ``captures``): built (or loaded) and run at the
         first capacity, where a package's first run costs 70-140 ms (the
         demo target) that no request should pay; at the others packages are
-        built where missing and opened on first use (opening them all here
-        took a warm start-up from 1.9x to 2.5x the eager one); seconds taken."""
+        built where missing, and ``open_later`` opens them after start-up
+        (opening them all here took a warm start-up from 1.9x to 2.5x the
+        eager one); seconds taken."""
         t = time.perf_counter()
         graphs = self.capturing if captures else self.steps
-        layers = tuple(range(CAPTURED)) if captures else ()
         for i, capacity in enumerate(capacities):
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures)
-                if i and graphs.on_disk(width, capacity, example):
-                    continue
-                cache = self.new_cache(capacity)
-                k_pos = torch.arange(width)[None]
-                mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
-                self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, layers)
+                if not (i and graphs.on_disk(width, capacity, example)):
+                    self._first_run(width, capacity, captures)
         return time.perf_counter() - t
+
+    def _first_run(self, width: int, capacity: int, captures: bool = False) -> None:
+        """Open the graph for (width, capacity) and run it once, on a throwaway cache."""
+        cache = self.new_cache(capacity)
+        k_pos = torch.arange(width)[None]
+        mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
+        self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, tuple(range(CAPTURED)) if captures else ())
+
+    def open_later(self, widths=STARTUP_WIDTHS, captures: tuple[bool, ...] = (False,)) -> threading.Thread:
+        """Open and run once, on a background thread, the packaged graphs that
+        ``warm`` left on disk (capacities past the first): their opening and
+        first run (~180 ms for the demo target at 512 slots) would otherwise
+        stall the first session to pass 256 slots. Requests go on meanwhile;
+        one that needs a graph being opened waits for it (``FixedGraphs.get``).
+        ``captures``: which sets, plain (False) and capturing (True). At exit
+        the thread stops after the graph in hand."""
+        stop = threading.Event()
+        thread = threading.Thread(target=self._open_rest, args=(widths, captures, stop), daemon=True,
+                                  name="specdec-open-graphs")
+
+        def finish() -> None:
+            stop.set()
+            thread.join(timeout=OPEN_LATER_JOIN_S)
+
+        atexit.register(finish)
+        thread.start()
+        self.opener = thread
+        return thread
+
+    def _open_rest(self, widths, captures: tuple[bool, ...], stop: threading.Event) -> None:
+        t = time.perf_counter()
+        try:
+            for capturing in captures:
+                for capacity in PACKAGED_CAPACITIES[1:]:
+                    for width in widths:
+                        if stop.is_set():
+                            return
+                        self._first_run(width, capacity, capturing)
+        except Exception as exc:  # noqa: BLE001 - the graph is opened again on first use, where it fails loudly
+            log.warning("opening the compiled graphs past %d slots ahead of use failed (%s: %s); they open on "
+                        "first use", MIN_CAPACITY, type(exc).__name__, exc)
+            return
+        log.debug("compiled graphs past %d slots opened in the background (%.2f s)", MIN_CAPACITY,
+                  time.perf_counter() - t)
 
 
 def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
@@ -425,15 +450,19 @@ def compile_target(lm: CausalLm, mode: str, captures: bool = False) -> CompiledF
     log.info("compiled forwards on for model type %r (%.1f s to build or load widths %s and check; %s weights "
              "in the ahead-of-time packages)", kind, time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)), kept)
     if captures:
-        compile_captures(compiled)
+        compile_captures(compiled, open_later=False)
+    compiled.open_later(captures=(False, True) if compiled.capturing is not None else (False,))
     return compiled
 
 
-def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None = None) -> bool:
+def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None = None,
+                     open_later: bool = True) -> bool:
     """Add the graphs that also return the residual streams EAGLE-3 drafters
     read (``CompiledForward.capture_layers``), checked against eager and
-    warmed at ``widths`` (None: ``STARTUP_WIDTHS``); False, with one log
-    line, where that fails (sessions asking for layers then run eagerly)."""
+    warmed at ``widths`` (None: ``STARTUP_WIDTHS``), the larger capacities'
+    opened in the background (``open_later``, unless the caller does); False,
+    with one log line, where that fails (sessions asking for layers then run
+    eagerly)."""
     if compiled.capturing is not None:
         return True
     kind = getattr(compiled.lm.config, "model_type", "?")
@@ -453,4 +482,6 @@ def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None =
         return False
     log.info("compiled forwards returning up to %d feature layers on for model type %r (%.1f s)", CAPTURED, kind,
              time.perf_counter() - t)
+    if open_later:
+        compiled.open_later(STARTUP_WIDTHS if widths is None else widths, captures=(True,))
     return True
