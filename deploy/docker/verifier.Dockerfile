@@ -35,8 +35,10 @@ RUN pip install . \
 
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
+# A C++ compiler and the Python headers: inductor builds the compiled forwards
+# (--compile, SPECDEC_COMPILE) at start-up; without them they run eagerly.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 \
+ && apt-get install -y --no-install-recommends python3 g++ python3-dev \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 specdec \
  && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin specdec

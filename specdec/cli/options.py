@@ -62,11 +62,21 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     add_compile_flag(g)
 
 
+def compile_mode(text: str) -> str:
+    """--compile's value, from the flag or SPECDEC_COMPILE: one of COMPILE_MODES.
+    A type rather than ``choices`` alone: argparse checks ``choices`` only on
+    values given on the command line, never on a default read from the environment."""
+    mode = str(text).lower()
+    if mode not in COMPILE_MODES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(COMPILE_MODES)}, got {text!r}")
+    return mode
+
+
 def add_compile_flag(p, what: str = "the target's one-token steps and tree verifies over fixed-shape KV "
                                     "(specdec.compiled) and EAGLE heads' draft levels") -> None:
-    p.add_argument("--compile", default="off", choices=COMPILE_MODES,
+    p.add_argument("--compile", type=compile_mode, default=env("SPECDEC_COMPILE", "off"), choices=COMPILE_MODES,
                    help=f"compile {what}: on, auto (on where a compiled step is measured faster) or off "
-                        "(default); compiled at start-up, kept in TORCHINDUCTOR_CACHE_DIR")
+                        "(env SPECDEC_COMPILE; default off); compiled at start-up, kept in TORCHINDUCTOR_CACHE_DIR")
 
 
 def resolved_min_tau(text: str) -> float | None:

@@ -195,6 +195,34 @@ def test_models_come_read_only_from_the_claim(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_compiled_forwards_knob_and_cache_volume(rendered, overlay, monkeypatch):
+    """The verifier and drafter take --compile from SPECDEC_COMPILE (auto on
+    CPU, where it is measured to pay; off on the untested CUDA path) and keep
+    the compiled packages on a writable volume of their own, the root
+    filesystem being read-only: a size-limited emptyDir per pod, or in the gpu
+    overlays a claim every pod shares."""
+    r = rendered[overlay]
+    claims = objects(r, "PersistentVolumeClaim")
+    for role in ("verifier", "drafter"):
+        d = objects(r, "Deployment")[role]
+        env = knobs(r, d)
+        assert env["SPECDEC_COMPILE"] == ("auto" if overlay == "dev-cpu" else "off"), f"{overlay}/{role}"
+        for name, value in env.items():
+            if name.startswith("SPECDEC_"):
+                monkeypatch.setenv(name, value)
+        assert role_parser(role).parse_known_args(expanded_args(r, d))[0].compile == env["SPECDEC_COMPILE"]
+        (mount,) = [m for m in container(d)["volumeMounts"] if m["mountPath"] == env["TORCHINDUCTOR_CACHE_DIR"]]
+        assert not mount.get("readOnly"), f"{overlay}/{role}"
+        volume = {v["name"]: v for v in pod_spec(d)["volumes"]}[mount["name"]]
+        if overlay == "dev-cpu":
+            assert set(volume) == {"name", "emptyDir"} and volume["emptyDir"]["sizeLimit"], f"{overlay}/{role}"
+        else:
+            assert set(volume) == {"name", "persistentVolumeClaim"}, f"{overlay}/{role}"
+            claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+            assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "pods on many nodes share it"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_are_native_grpc(rendered, overlay):
     """The GPU roles are probed over gRPC; the orchestrator over its HTTP API
     (/health mirrors the gRPC readiness), which checks both of its servers."""

@@ -1,0 +1,40 @@
+"""Shared flags of specdec.cli.options: --compile and its variable SPECDEC_COMPILE."""
+
+import pytest
+
+from specdec.cli.main import build_parser, main
+
+SERVE = (["verifier", "serve"], ["drafter", "serve"])
+
+
+@pytest.mark.parametrize("argv", SERVE)
+def test_compile_defaults_to_off_without_the_variable(argv, monkeypatch):
+    monkeypatch.delenv("SPECDEC_COMPILE", raising=False)
+    assert build_parser().parse_args(argv).compile == "off"
+    monkeypatch.setenv("SPECDEC_COMPILE", "")          # set but empty: unset
+    assert build_parser().parse_args(argv).compile == "off"
+
+
+@pytest.mark.parametrize("argv", SERVE)
+def test_compile_default_comes_from_the_variable_and_the_flag_wins(argv, monkeypatch):
+    monkeypatch.setenv("SPECDEC_COMPILE", "AUTO")
+    assert build_parser().parse_args(argv).compile == "auto"
+    assert build_parser().parse_args([*argv, "--compile", "off"]).compile == "off"
+    monkeypatch.setenv("SPECDEC_COMPILE", "bogus")     # never read when the flag is given
+    assert build_parser().parse_args([*argv, "--compile", "on"]).compile == "on"
+
+
+@pytest.mark.parametrize("argv, env", [(["verifier", "serve"], "bogus"), (["drafter", "serve"], "yes"),
+                                       (["verifier", "serve", "--compile", "fast"], None)])
+def test_a_bad_compile_mode_is_a_usage_error(argv, env, monkeypatch, capsys):
+    if env is None:
+        monkeypatch.delenv("SPECDEC_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("SPECDEC_COMPILE", env)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert line.endswith(f"argument --compile: must be one of auto, on, off, got {env or 'fast'!r}"), err
+    assert "Traceback" not in err
