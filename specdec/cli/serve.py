@@ -5,7 +5,7 @@ Flags, with environment equivalents where a deployment sets them:
   (SPECDEC_METRICS_PORT; "off" disables), --auth-token (SPECDEC_AUTH_TOKEN),
   --tls-cert / --tls-key / --tls-client-ca (SPECDEC_TLS_CERT, SPECDEC_TLS_KEY,
   SPECDEC_TLS_CLIENT_CA), --drain-s (SPECDEC_DRAIN_S), --log-level
-  (SPECDEC_LOG_LEVEL). A flag wins over its variable.
+  (SPECDEC_LOG_LEVEL), --compile (SPECDEC_COMPILE). A flag wins over its variable.
 
 On start the server prints one JSON line on stdout,
 ``{"event": "listening", "port": N, "metrics_port": M}`` (the ports chosen
