@@ -35,8 +35,8 @@ these GEMV shapes; a larger model's packages run over its own parameters,
 one copy for all widths. Those of a default-sized tree are
 built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity)
 and opened and run once at the first capacity; those past it are opened on a
-background thread once the model is up (``open_later``: the first session to
-pass 256 slots no longer pays ~180 ms for them), others on first use; larger
+background thread as the first session opens (``open_later``: the first
+session to pass 256 slots no longer pays ~180 ms for them), others on first use; larger
 capacities (long sessions) use ``torch.compile`` on first use. A package's
 key digests the traced code only (``specdec.fixed_step``, ``specdec.fixed_kv``),
 so editing this module keeps the packages on disk.
@@ -171,7 +171,8 @@ class CompiledForward:
         self.steps = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
                                     packed, options)
         self.capturing: FixedGraphs | None = None      # ``capture_layers``: graphs returning residual streams too
-        self.opener: threading.Thread | None = None    # the last ``open_later`` thread
+        self.due: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []   # ``open_later``'s (widths, sets)
+        self.opener: threading.Thread | None = None    # the last thread opening them (``session_opened``)
         self._settings = (ahead_of_time, packed, options)
 
     def capture_layers(self) -> None:
@@ -297,7 +298,7 @@ class CompiledForward:
         capturing ones with ``captures``): built (or loaded) and run at the
         first capacity, where a package's first run costs 70-140 ms (the
         demo target) that no request should pay; at the others packages are
-        built where missing, and ``open_later`` opens them after start-up
+        built where missing, and ``open_later`` opens them once sessions start
         (opening them all here took a warm start-up from 1.9x to 2.5x the
         eager one); seconds taken."""
         t = time.perf_counter()
@@ -316,17 +317,26 @@ class CompiledForward:
         mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
         self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, tuple(range(CAPTURED)) if captures else ())
 
-    def open_later(self, widths=STARTUP_WIDTHS, captures: tuple[bool, ...] = (False,)) -> threading.Thread:
-        """Open and run once, on a background thread, the packaged graphs that
-        ``warm`` left on disk (capacities past the first): their opening and
-        first run (~180 ms for the demo target at 512 slots) would otherwise
-        stall the first session to pass 256 slots. Requests go on meanwhile;
-        one that needs a graph being opened waits for it (``FixedGraphs.get``).
-        ``captures``: which sets, plain (False) and capturing (True). At exit
-        the thread stops after the graph in hand."""
+    def open_later(self, widths=STARTUP_WIDTHS, captures: tuple[bool, ...] = (False,)) -> None:
+        """Have the packaged graphs that ``warm`` left on disk (capacities past
+        the first) opened and run once on a background thread, started as the
+        first session after this call opens (``session_opened``): their opening
+        and first run (~180 ms for the demo target at 512 slots) would
+        otherwise stall the first session to pass 256 slots, and started at
+        once they would slow whatever else the process starts (an in-process
+        drafter). Requests go on meanwhile; one that needs a graph being opened
+        waits for it (``FixedGraphs.get``). ``captures``: which sets, plain
+        (False) and capturing (True)."""
+        self.due.append((tuple(widths), tuple(captures)))
+
+    def session_opened(self) -> None:
+        """A session is opening: start opening what ``open_later`` asked for, if
+        anything. At exit the thread stops after the graph in hand."""
+        if not self.due:
+            return
+        due, self.due = self.due, []
         stop = threading.Event()
-        thread = threading.Thread(target=self._open_rest, args=(widths, captures, stop), daemon=True,
-                                  name="specdec-open-graphs")
+        thread = threading.Thread(target=self._open_rest, args=(due, stop), daemon=True, name="specdec-open-graphs")
 
         def finish() -> None:
             stop.set()
@@ -335,17 +345,17 @@ class CompiledForward:
         atexit.register(finish)
         thread.start()
         self.opener = thread
-        return thread
 
-    def _open_rest(self, widths, captures: tuple[bool, ...], stop: threading.Event) -> None:
+    def _open_rest(self, due: list[tuple[tuple[int, ...], tuple[bool, ...]]], stop: threading.Event) -> None:
         t = time.perf_counter()
         try:
-            for capturing in captures:
-                for capacity in PACKAGED_CAPACITIES[1:]:
-                    for width in widths:
-                        if stop.is_set():
-                            return
-                        self._first_run(width, capacity, capturing)
+            for widths, captures in due:
+                for capturing in captures:
+                    for capacity in PACKAGED_CAPACITIES[1:]:
+                        for width in widths:
+                            if stop.is_set():
+                                return
+                            self._first_run(width, capacity, capturing)
         except Exception as exc:  # noqa: BLE001 - the graph is opened again on first use, where it fails loudly
             log.warning("opening the compiled graphs past %d slots ahead of use failed (%s: %s); they open on "
                         "first use", MIN_CAPACITY, type(exc).__name__, exc)

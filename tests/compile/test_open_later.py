@@ -1,5 +1,5 @@
 """The packaged graphs past the first capacity open on a background thread
-once a compiled target is up (``CompiledForward.open_later``), so the first
+as a compiled target's first session opens (``CompiledForward.open_later``), so the first
 session to pass 256 slots does not stall on opening them: each graph opens
 once whichever thread asks first, a failure there leaves them to open on
 first use with one log line, and a process exiting while they open exits
@@ -24,6 +24,8 @@ LARGER = compiled.PACKAGED_CAPACITIES[1]
 
 def test_graphs_past_the_first_capacity_open_in_the_background(tiny_family):
     target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
+    assert target.compiled.opener is None           # start-up is left alone: they open with the first session
+    target.new_cache()
     opener = target.compiled.opener
     opener.join(timeout=120)
     assert not opener.is_alive()
@@ -62,7 +64,9 @@ def test_a_failure_opening_ahead_leaves_the_graphs_to_first_use_with_one_line(ti
 
     monkeypatch.setattr(forward, "_first_run", broken)
     with caplog.at_level(logging.WARNING, logger="specdec.compiled"):
-        forward.open_later((1,)).join(timeout=60)
+        forward.open_later((1,))
+        forward.session_opened()
+        forward.opener.join(timeout=60)
     lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
     assert len(lines) == 1 and "RuntimeError: disk gone" in lines[0] and "first use" in lines[0]
     assert (1, LARGER) not in forward.steps.graphs
@@ -82,7 +86,7 @@ def test_a_failure_opening_ahead_leaves_the_graphs_to_first_use_with_one_line(ti
 
 def test_a_process_exiting_while_graphs_open_exits_cleanly(tiny_family):
     script = ("import sys; from specdec.models import ModelSpec; from verifier.engine import TargetModel; "
-              "t = TargetModel(ModelSpec(sys.argv[1], compile='on')); "
+              "t = TargetModel(ModelSpec(sys.argv[1], compile='on')); t.new_cache(); "
               "print('opening' if t.compiled.opener.is_alive() else 'opened')")
     done = subprocess.run([sys.executable, "-c", script, str(tiny_family["target"])], capture_output=True,
                           text=True, timeout=300)
