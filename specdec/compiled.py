@@ -33,10 +33,11 @@ times ``WIDTHS`` within ``PACKED_BUDGET``) hold their own copy of the weights
 packed for inductor's CPP GEMM kernels, which beat a BLAS call per linear on
 these GEMV shapes; a larger model's packages run over its own parameters,
 one copy for all widths. Those of a default-sized tree are
-built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity)
-and opened and run once at the first capacity; those past it are opened on a
-background thread as the first session opens (``open_later``: the first
-session to pass 256 slots no longer pays ~180 ms for them), others on first use; larger
+built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity);
+those of a root-only cycle and a default tree (``READY_WIDTHS``) are opened
+and run once at the first capacity before readiness, the rest on a background
+thread as the first session opens (``session_opened``: the first session to
+pass 256 slots no longer pays ~180 ms for them), others on first use; larger
 capacities (long sessions) use ``torch.compile`` on first use. A package's
 key digests the traced code only (``specdec.fixed_step``, ``specdec.fixed_kv``),
 so editing this module keeps the packages on disk.
@@ -90,6 +91,9 @@ PAYS = 0.9                              # auto: compiled must take at most this 
 # compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
 STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
+# of those, opened and run before readiness: a root-only cycle's and a default tree's (the check at load
+# opens a 3-node tree's, 4); the others open in the background with the first session (``session_opened``)
+READY_WIDTHS = (1, next(w for w in WIDTHS if w >= DEFAULT_TOTAL_TOKENS))
 CAPTURED = 3                            # residual streams a capturing graph returns (an EAGLE-3 head reads 3)
 OPEN_LATER_JOIN_S = 10.0                # at exit, how long to wait for the graph being opened in the background
 
@@ -171,7 +175,7 @@ class CompiledForward:
         self.steps = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
                                     packed, options)
         self.capturing: FixedGraphs | None = None      # ``capture_layers``: graphs returning residual streams too
-        self.due: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []   # ``open_later``'s (widths, sets)
+        self.due: list[tuple[int, int, bool]] = []     # (width, capacity, captures) ``warm`` left on disk
         self.opener: threading.Thread | None = None    # the last thread opening them (``session_opened``)
         self._settings = (ahead_of_time, packed, options)
 
@@ -293,12 +297,13 @@ class CompiledForward:
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], streams, logits[:, :n]
 
-    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False) -> float:
+    def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False,
+             ready: tuple[int, ...] | None = None) -> float:
         """Ahead of traffic, the graphs for ``widths`` at ``capacities`` (the
-        capturing ones with ``captures``): built (or loaded) and run at the
-        first capacity, where a package's first run costs 70-140 ms (the
-        demo target) that no request should pay; at the others packages are
-        built where missing, and ``open_later`` opens them once sessions start
+        capturing ones with ``captures``), packages built where missing: those
+        of ``ready`` widths (None: all) at the first capacity opened and run
+        now, since a package's first run costs 70-140 ms (the demo target);
+        the others left to ``session_opened`` to open in the background
         (opening them all here took a warm start-up from 1.9x to 2.5x the
         eager one); seconds taken."""
         t = time.perf_counter()
@@ -306,8 +311,10 @@ class CompiledForward:
         for i, capacity in enumerate(capacities):
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures)
-                if not (i and graphs.on_disk(width, capacity, example)):
+                if i == 0 and (ready is None or width in ready):
                     self._first_run(width, capacity, captures)
+                elif graphs.on_disk(width, capacity, example):
+                    self.due.append((width, capacity, captures))
         return time.perf_counter() - t
 
     def _first_run(self, width: int, capacity: int, captures: bool = False) -> None:
@@ -317,21 +324,15 @@ class CompiledForward:
         mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
         self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, tuple(range(CAPTURED)) if captures else ())
 
-    def open_later(self, widths=STARTUP_WIDTHS, captures: tuple[bool, ...] = (False,)) -> None:
-        """Have the packaged graphs that ``warm`` left on disk (capacities past
-        the first) opened and run once on a background thread, started as the
-        first session after this call opens (``session_opened``): their opening
-        and first run (~180 ms for the demo target at 512 slots) would
-        otherwise stall the first session to pass 256 slots, and started at
-        once they would slow whatever else the process starts (an in-process
-        drafter). Requests go on meanwhile; one that needs a graph being opened
-        waits for it (``FixedGraphs.get``). ``captures``: which sets, plain
-        (False) and capturing (True)."""
-        self.due.append((tuple(widths), tuple(captures)))
-
     def session_opened(self) -> None:
-        """A session is opening: start opening what ``open_later`` asked for, if
-        anything. At exit the thread stops after the graph in hand."""
+        """A session is opening: start opening the packaged graphs ``warm`` left
+        on disk, on a background thread, if any are left. Opened on first use
+        instead, a graph's opening and first run (~180 ms for the demo target
+        at 512 slots) stall that step; opened at start-up, they lengthen it
+        and slow whatever else the process starts (an in-process drafter).
+        Requests go on meanwhile; one that needs a graph being opened waits
+        for it (``FixedGraphs.get``). At exit the thread stops after the graph
+        in hand."""
         if not self.due:
             return
         due, self.due = self.due, []
@@ -346,22 +347,25 @@ class CompiledForward:
         thread.start()
         self.opener = thread
 
-    def _open_rest(self, due: list[tuple[tuple[int, ...], tuple[bool, ...]]], stop: threading.Event) -> None:
+    def open_all(self) -> None:
+        """Open, on this thread, the graphs ``session_opened`` would open in the
+        background (a measurement that wants none of that work in its timed region)."""
+        due, self.due = self.due, []
+        for width, capacity, captures in due:
+            self._first_run(width, capacity, captures)
+
+    def _open_rest(self, due: list[tuple[int, int, bool]], stop: threading.Event) -> None:
         t = time.perf_counter()
         try:
-            for widths, captures in due:
-                for capturing in captures:
-                    for capacity in PACKAGED_CAPACITIES[1:]:
-                        for width in widths:
-                            if stop.is_set():
-                                return
-                            self._first_run(width, capacity, capturing)
+            for width, capacity, captures in due:
+                if stop.is_set():
+                    return
+                self._first_run(width, capacity, captures)
         except Exception as exc:  # noqa: BLE001 - the graph is opened again on first use, where it fails loudly
-            log.warning("opening the compiled graphs past %d slots ahead of use failed (%s: %s); they open on "
-                        "first use", MIN_CAPACITY, type(exc).__name__, exc)
+            log.warning("opening compiled graphs in the background failed (%s: %s); they open on first use",
+                        type(exc).__name__, exc)
             return
-        log.debug("compiled graphs past %d slots opened in the background (%.2f s)", MIN_CAPACITY,
-                  time.perf_counter() - t)
+        log.debug("%d compiled graphs opened in the background (%.2f s)", len(due), time.perf_counter() - t)
 
 
 def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
@@ -443,7 +447,9 @@ def compile_target(lm: CausalLm, mode: str, captures: bool = False) -> CompiledF
         compiled = CompiledForward(lm)
         reason = check_compiled(compiled) if lm.alibi is None else ALIBI_REASON
         if reason is None:
-            compiled.warm(STARTUP_WIDTHS)
+            # a verifier started for EAGLE-3 heads verifies their trees with the capturing set:
+            # of the plain one, only a root-only cycle's (plain decoding) before readiness
+            compiled.warm(STARTUP_WIDTHS, ready=READY_WIDTHS[:1] if captures else READY_WIDTHS)
     except Exception as exc:  # noqa: BLE001 - any failure means: run this model eagerly
         reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:
@@ -460,19 +466,16 @@ def compile_target(lm: CausalLm, mode: str, captures: bool = False) -> CompiledF
     log.info("compiled forwards on for model type %r (%.1f s to build or load widths %s and check; %s weights "
              "in the ahead-of-time packages)", kind, time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)), kept)
     if captures:
-        compile_captures(compiled, open_later=False)
-    compiled.open_later(captures=(False, True) if compiled.capturing is not None else (False,))
+        compile_captures(compiled)
     return compiled
 
 
-def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None = None,
-                     open_later: bool = True) -> bool:
+def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None = None) -> bool:
     """Add the graphs that also return the residual streams EAGLE-3 drafters
     read (``CompiledForward.capture_layers``), checked against eager and
-    warmed at ``widths`` (None: ``STARTUP_WIDTHS``), the larger capacities'
-    opened in the background (``open_later``, unless the caller does); False,
-    with one log line, where that fails (sessions asking for layers then run
-    eagerly)."""
+    warmed at ``widths`` (None: ``STARTUP_WIDTHS``, opened now at
+    ``READY_WIDTHS``, the rest in the background); False, with one log line,
+    where that fails (sessions asking for layers then run eagerly)."""
     if compiled.capturing is not None:
         return True
     kind = getattr(compiled.lm.config, "model_type", "?")
@@ -482,7 +485,8 @@ def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None =
         layers = tuple(sorted({0, compiled.layers // 2, compiled.layers - 1}))[:CAPTURED]
         reason = check_compiled(compiled, layers)
         if reason is None:
-            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True)
+            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True,
+                          ready=READY_WIDTHS if widths is None else None)
     except Exception as exc:  # noqa: BLE001 - any failure means: those sessions run eagerly
         reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:
@@ -492,6 +496,4 @@ def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None =
         return False
     log.info("compiled forwards returning up to %d feature layers on for model type %r (%.1f s)", CAPTURED, kind,
              time.perf_counter() - t)
-    if open_later:
-        compiled.open_later(STARTUP_WIDTHS if widths is None else widths, captures=(True,))
     return True

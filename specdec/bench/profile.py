@@ -23,8 +23,10 @@ interleaved run by run with the eager path and a ``torch.compile``-only path
 without the ahead-of-time packages: ``interleaved``), and
 ``--e2e-prompts N`` decodes N bundled prompts with vanilla and eagle2 on the
 eager and the compiled verifier side by side (interleaved, as ``specdec
-bench`` does). ``--startup`` times the start-up (load, compile and check of the target
-and the EAGLE drafter) in fresh processes: eager, compiled with an empty inductor cache (cold) and
+bench`` does). ``--startup`` times the start-up (load, compile and check of
+the target and the EAGLE drafter; for an EAGLE-3 head, the target's forwards
+returning feature layers too, as a verifier started for it builds them) in
+fresh processes: eager, compiled with an empty inductor cache (cold) and
 compiled again with that cache (warm: TORCHINDUCTOR_CACHE_DIR).
 """
 
@@ -44,12 +46,14 @@ import torch
 
 from drafter.base import DraftSession
 from drafter.eagle import EagleDrafter
+from drafter.eagle3 import load_eagle_drafter
 from specdec import kv
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
 from specdec.compiled import WIDTHS, CompiledForward, compile_target, width_bucket
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_tokenizer
 from specdec.params import SamplingParams, TreeParams
+from specdec.procs import feature_layer_flags
 from specdec.tree_layout import tree_from_lists
 from verifier.engine import TargetModel, VerifierEngine
 
@@ -192,12 +196,17 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
     args.target_dir, args.eagle_dir = target_dir, eagle_dir
     spec = ModelSpec(path=target_dir, dtype=args.dtype, device=args.device)
     if args.startup_only:
+        # as the services start: for an EAGLE-3 head the verifier also builds the forwards
+        # returning feature layers (``--compile-feature-layers``, ``specdec.procs``)
+        layers = bool(feature_layer_flags(eagle_dir, args.compile))
         t = time.perf_counter()
-        TargetModel(ModelSpec(path=target_dir, dtype=args.dtype, device=args.device, compile=args.compile))
+        TargetModel(ModelSpec(path=target_dir, dtype=args.dtype, device=args.device, compile=args.compile,
+                              compile_layers=layers))
         target_s = time.perf_counter() - t
-        EagleDrafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
+        load_eagle_drafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
         total = time.perf_counter() - t
-        return {"startup_s": round(total, 3), "target_s": round(target_s, 3), "drafter_s": round(total - target_s, 3)}
+        return {"startup_s": round(total, 3), "target_s": round(target_s, 3), "drafter_s": round(total - target_s, 3),
+                "feature_layers": layers}
     eager = TargetModel(spec)
     drafter = EagleDrafter(eagle_dir, target_dir, device=args.device)
     bench = StepBench(eager, drafter, args.prefix)
@@ -215,6 +224,7 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
         if fast.compiled is not None:
             t = time.perf_counter()             # every width a tree of up to 16 nodes pads to
             fast.compiled.warm(tuple(w for w in WIDTHS if w <= width_bucket(max(VERIFY_NODES, args.total_tokens))))
+            fast.compiled.open_all()            # none of it in the background while steps are timed
             result["compile_widths_s"] = round(time.perf_counter() - t, 3)
             steps = bench.target_steps(fast.forward_batch, fast.new_cache, args.steps, profile=False)
             t = time.perf_counter()
@@ -247,7 +257,8 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
 
 def profile_markdown(result: dict) -> str:
     if "steps" not in result:
-        return (f"start-up: {result['startup_s']} s (target {result['target_s']} s, "
+        layers = " with the forwards returning feature layers (EAGLE-3 head)" if result.get("feature_layers") else ""
+        return (f"start-up: {result['startup_s']} s (target {result['target_s']} s{layers}, "
                 f"EAGLE drafter {result['drafter_s']} s)")
     target = f"- target: `{result['target']}`, {result['prefix']} cached tokens before each step"
     lines = ["# specdec bench profile", "", f"- device: {result['device']}", target, "",

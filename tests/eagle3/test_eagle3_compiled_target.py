@@ -40,6 +40,7 @@ def stacks(family3):
     eager, fast = (build_local(ModelSpec(str(family3["target"])), choice) for _ in range(2))
     forward = compiled.CompiledForward(fast.verifier.target.lm)
     assert compiled.compile_captures(forward, widths=(TREE.total_tokens,))
+    forward.open_all()            # nothing left to open in the background: the forwards counted below are the tests'
     fast.verifier.target.compiled = forward
     return eager, fast
 
@@ -159,3 +160,25 @@ def test_up_and_soak_start_the_verifier_with_it_for_an_eagle3_head(family3, head
     verifier, drafter, _ = _model_argv(args)
     assert ("--compile-feature-layers" in verifier) is told and drafter[:2] == ["--eagle", str(family3[head])]
     assert ("--compile-feature-layers" in _models(args).verifier_argv) is told
+
+
+
+@pytest.mark.parametrize("head, layers", [("eagle3", True), ("eagle", False)])
+def test_the_startup_profile_starts_the_target_as_a_verifier_for_the_head_would(family3, tmp_path, capsys, head,
+                                                                                  layers, monkeypatch):
+    import json
+
+    from specdec.bench import profile
+    from specdec.cli.main import main
+
+    built = []                    # what was started (not compiled here: the spec and the head are the point)
+    monkeypatch.setattr(profile, "TargetModel", lambda spec: built.append(spec))
+    monkeypatch.setattr(profile, "load_eagle_drafter", lambda head_dir, target_dir, **kw: built.append((head_dir, kw)))
+    out = tmp_path / "startup.json"
+    assert main(["bench", "profile", "--target", str(family3["target"]), "--eagle", str(family3[head]),
+                 "--threads", "1", "--compile", "on", "--startup-only", "--json", str(out)]) == 0
+    spec, (head_dir, kw) = built
+    assert spec.compile == "on" and spec.compile_layers is layers
+    assert head_dir == str(family3[head]) and kw["compile"] == "on"
+    assert json.loads(out.read_text())["feature_layers"] is layers
+    assert ("feature layers (EAGLE-3 head)" in capsys.readouterr().out) is layers
