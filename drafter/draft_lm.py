@@ -31,10 +31,7 @@ class DraftLmDrafter(CachedTreeDrafter):
                          greedy_value_temperature=read_value_temperature(spec.path if spec is not None else None))
 
     def new_cache(self):
-        if self.compiled is None:
-            return self.lm.new_cache()
-        self.compiled.session_opened()          # graphs left to open in the background start now
-        return self.compiled.new_cache()
+        return self.lm.new_cache() if self.compiled is None else self.compiled.new_cache()
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""

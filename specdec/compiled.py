@@ -35,9 +35,9 @@ these GEMV shapes; a larger model's packages run over its own parameters,
 one copy for all widths. Those of a default-sized tree are
 built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity);
 those of a root-only cycle and a default tree (``READY_WIDTHS``) are opened
-and run once at the first capacity before readiness, the rest on a background
-thread as the first session opens (``session_opened``: the first session to
-pass 256 slots no longer pays ~180 ms for them), others on first use; larger
+and run once at the first capacity before readiness, the rest by the verifier
+service while no request is in flight (``open_next``: the first session to
+pass 256 slots no longer pays ~180 ms for them), or on first use; larger
 capacities (long sessions) use ``torch.compile`` on first use. A package's
 key digests the traced code only (``specdec.fixed_step``, ``specdec.fixed_kv``),
 so editing this module keeps the packages on disk.
@@ -63,7 +63,6 @@ over the same fixed shapes); that is not exercised on this project's machines.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import inspect
 import logging
@@ -92,10 +91,9 @@ PAYS = 0.9                              # auto: compiled must take at most this 
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
 STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
 # of those, opened and run before readiness: a root-only cycle's and a default tree's (the check at load
-# opens a 3-node tree's, 4); the others open in the background with the first session (``session_opened``)
+# opens a 3-node tree's, 4); the others open while the server is idle (``open_next``) or on first use
 READY_WIDTHS = (1, next(w for w in WIDTHS if w >= DEFAULT_TOTAL_TOKENS))
 CAPTURED = 3                            # residual streams a capturing graph returns (an EAGLE-3 head reads 3)
-OPEN_LATER_JOIN_S = 10.0                # at exit, how long to wait for the graph being opened in the background
 
 
 def capacity_bucket(slots: int) -> int:
@@ -176,7 +174,6 @@ class CompiledForward:
                                     packed, options)
         self.capturing: FixedGraphs | None = None      # ``capture_layers``: graphs returning residual streams too
         self.due: list[tuple[int, int, bool]] = []     # (width, capacity, captures) ``warm`` left on disk
-        self.opener: threading.Thread | None = None    # the last thread opening them (``session_opened``)
         self._settings = (ahead_of_time, packed, options)
 
     def capture_layers(self) -> None:
@@ -303,7 +300,7 @@ class CompiledForward:
         capturing ones with ``captures``), packages built where missing: those
         of ``ready`` widths (None: all) at the first capacity opened and run
         now, since a package's first run costs 70-140 ms (the demo target);
-        the others left to ``session_opened`` to open in the background
+        the others left to ``open_next`` (a server opens them while idle)
         (opening them all here took a warm start-up from 1.9x to 2.5x the
         eager one); seconds taken."""
         t = time.perf_counter()
@@ -313,7 +310,7 @@ class CompiledForward:
                 example = functools.partial(self._example, width, capacity, None, captures)
                 if i == 0 and (ready is None or width in ready):
                     self._first_run(width, capacity, captures)
-                elif graphs.on_disk(width, capacity, example):
+                elif (width, capacity) not in graphs.graphs and graphs.on_disk(width, capacity, example):
                     self.due.append((width, capacity, captures))
         return time.perf_counter() - t
 
@@ -324,48 +321,23 @@ class CompiledForward:
         mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
         self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, tuple(range(CAPTURED)) if captures else ())
 
-    def session_opened(self) -> None:
-        """A session is opening: start opening the packaged graphs ``warm`` left
-        on disk, on a background thread, if any are left. Opened on first use
-        instead, a graph's opening and first run (~180 ms for the demo target
-        at 512 slots) stall that step; opened at start-up, they lengthen it
-        and slow whatever else the process starts (an in-process drafter).
-        Requests go on meanwhile; one that needs a graph being opened waits
-        for it (``FixedGraphs.get``). At exit the thread stops after the graph
-        in hand."""
+    def open_next(self) -> bool:
+        """Open and run once the next graph ``warm`` left on disk; whether one was
+        left. Opening a package holds the GIL for its whole load (~70 ms for the
+        demo target), which would stall any step running beside it: a server
+        calls this on its engine's worker thread while no request is in flight
+        (``verifier.service``); graphs still left open on first use."""
         if not self.due:
-            return
-        due, self.due = self.due, []
-        stop = threading.Event()
-        thread = threading.Thread(target=self._open_rest, args=(due, stop), daemon=True, name="specdec-open-graphs")
-
-        def finish() -> None:
-            stop.set()
-            thread.join(timeout=OPEN_LATER_JOIN_S)
-
-        atexit.register(finish)
-        thread.start()
-        self.opener = thread
+            return False
+        width, capacity, captures = self.due.pop(0)
+        self._first_run(width, capacity, captures)
+        return True
 
     def open_all(self) -> None:
-        """Open, on this thread, the graphs ``session_opened`` would open in the
-        background (a measurement that wants none of that work in its timed region)."""
-        due, self.due = self.due, []
-        for width, capacity, captures in due:
-            self._first_run(width, capacity, captures)
-
-    def _open_rest(self, due: list[tuple[int, int, bool]], stop: threading.Event) -> None:
-        t = time.perf_counter()
-        try:
-            for width, capacity, captures in due:
-                if stop.is_set():
-                    return
-                self._first_run(width, capacity, captures)
-        except Exception as exc:  # noqa: BLE001 - the graph is opened again on first use, where it fails loudly
-            log.warning("opening compiled graphs in the background failed (%s: %s); they open on first use",
-                        type(exc).__name__, exc)
-            return
-        log.debug("%d compiled graphs opened in the background (%.2f s)", len(due), time.perf_counter() - t)
+        """Open every graph ``warm`` left on disk (a measurement that wants none
+        of that work in its timed region)."""
+        while self.open_next():
+            pass
 
 
 def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):

@@ -46,6 +46,8 @@ from specdec.sessions import DEFAULT_LEASE_S
 
 log = logging.getLogger("specdec.server")
 
+IDLE_POLL_S = 0.05                      # how often ``when_idle`` looks for an idle moment
+
 
 class EngineServicer:
     """Base of the verifier and drafter servicers.
@@ -74,6 +76,8 @@ class EngineServicer:
         self.stats = metrics.SessionStats(self.role)
         self.sessions = None                # SessionTable, once loaded
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-engine")
+        self._jobs: set[Future] = set()     # queued or running on it
+        self._idle_work: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
         self._closed = False
 
@@ -90,9 +94,41 @@ class EngineServicer:
         """``fn(*args)`` on the worker thread -> (result, seconds it ran);
         ``opening``: the call opens a session (for the solo-threads count)."""
         ctx = contextvars.copy_context()       # keeps the request id in worker-thread logs
-        future = asyncio.get_running_loop().run_in_executor(self._executor, ctx.run, self._timed, fn, args,
-                                                            opening)
+        future = asyncio.wrap_future(self._submit(ctx.run, self._timed, fn, args, opening))
         return await (asyncio.shield(future) if shield else future)
+
+    def _submit(self, fn: Callable, *args) -> Future:
+        """``fn(*args)`` queued on the worker thread, counted until it ends (``idle``)."""
+        job = self._executor.submit(fn, *args)
+        self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return job
+
+    @property
+    def idle(self) -> bool:
+        """No engine call queued or running and no session open."""
+        return not self._jobs and self.sessions is not None and len(self.sessions) == 0
+
+    def start_when_idle(self, fn: Callable[[], bool], every_s: float = IDLE_POLL_S) -> None:
+        """Call ``fn()`` on the worker thread whenever the servicer is ``idle``,
+        until it returns False (nothing left to do): work that would stall a
+        request's step if it ran beside one (opening compiled graphs holds the
+        GIL). A request that comes meanwhile waits for that one call."""
+        self._idle_work = asyncio.create_task(self._when_idle(fn, every_s))
+
+    async def _when_idle(self, fn: Callable[[], bool], every_s: float) -> None:
+        while not self._closed:
+            await asyncio.sleep(every_s)
+            if not self.idle:
+                continue
+            try:
+                more, _ = await self.run(fn)
+            except Exception as exc:   # noqa: BLE001 - the work is an optimisation: what is left happens on first use
+                log.warning("work left for idle moments failed; left to first use",
+                            extra={"role": self.role, "error": f"{type(exc).__name__}: {exc}"})
+                return
+            if not more:
+                return
 
     def release_session(self, sid: str) -> bool:
         """On the worker thread: free session ``sid``; whether it was open."""
@@ -104,7 +140,7 @@ class EngineServicer:
         none). An RPC that ends while the call is queued skips it; one that ends
         while it runs gets the session released when it lands."""
         ctx = contextvars.copy_context()
-        job = self._executor.submit(ctx.run, self._timed, self._open, (sid, owner, fn, args), True)
+        job = self._submit(ctx.run, self._timed, self._open, (sid, owner, fn, args), True)
         try:
             result = await asyncio.shield(asyncio.wrap_future(job))
         except asyncio.CancelledError:
@@ -240,8 +276,9 @@ class EngineServicer:
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._idle_work):
+            if task is not None:
+                task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.stats.close()
 

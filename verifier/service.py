@@ -78,6 +78,10 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
                                             self.config.max_batch)
         self._refresh_stats()
         self.start_sweeper(getattr(engine, "ttl_s", None))
+        compiled = getattr(engine.target, "compiled", None)
+        if compiled is not None and compiled.due:
+            # compiled graphs left for later open while no request is in flight (``CompiledForward.open_next``)
+            self.start_when_idle(compiled.open_next)
         log.info("verifier loaded", extra={"load_s": round(seconds, 3), "warm_up_s": round(warm_s, 3),
                                            "vocab_size": engine.target.vocab_size})
 

@@ -113,10 +113,7 @@ class TargetModel:
         """A cache that grows in place (``specdec.kv``); ``capacity``: slots to allocate up front
         (with compiled forwards: the smallest capacity bucket, moved up as
         the session fills, ``specdec.compiled``)."""
-        if self.compiled is None:
-            return self.lm.new_cache(capacity)
-        self.compiled.session_opened()          # graphs left to open in the background start now
-        return self.compiled.new_cache()
+        return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache()
 
     def compile_feature_layers(self) -> bool:
         """With compiled forwards, add those returning feature layers (EAGLE-3

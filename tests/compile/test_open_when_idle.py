@@ -1,0 +1,127 @@
+"""A compiled target opens a root-only cycle's and a default tree's graphs
+before readiness and leaves the rest of its packaged graphs (the other
+widths, the capacity past the first) to ``CompiledForward.open_next``, which
+the verifier service calls on its worker thread while no request is in
+flight (opening a package holds the GIL): a session then passes 256 slots
+without stalling on them. Each graph opens once whichever thread asks
+first, a failure leaves the rest to first use with one log line, and graphs
+nobody opened still open on first use with the eager logits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import torch
+
+from specdec import compiled
+from specdec.local import DrafterChoice, build_local
+from specdec.models import ModelSpec
+from specdec.v1 import verifier_pb2
+from verifier.engine import TargetModel
+from verifier.service import VerifierService, VerifierServiceConfig
+
+FIRST, LARGER = compiled.PACKAGED_CAPACITIES
+READY = {(w, FIRST) for w in compiled.READY_WIDTHS}
+LATER = {(w, c) for w in compiled.STARTUP_WIDTHS for c in (FIRST, LARGER)} - READY - {(4, FIRST)}   # 4: the check's
+
+
+def test_only_what_a_first_request_needs_opens_at_start_up_and_open_next_opens_the_rest(tiny_family):
+    target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
+    graphs = target.compiled.steps.graphs
+    assert READY <= set(graphs) and not LATER & set(graphs)
+    assert {(w, c) for w, c, captures in target.compiled.due} == LATER
+    while target.compiled.open_next():
+        pass
+    assert LATER <= set(graphs) and not target.compiled.due
+
+
+def test_the_verifier_service_opens_them_while_idle_and_not_beside_a_session(tiny_family):
+    path = str(tiny_family["target"])
+
+    async def main():
+        stack = build_local(ModelSpec(path, compile="on"), DrafterChoice("eagle", str(tiny_family["eagle"])))
+        forward = stack.verifier.target.compiled
+        left = len(forward.due)
+        service = VerifierService(VerifierServiceConfig())
+        await service.load(lambda: stack.verifier)
+        service.lifecycle.ready = True
+        try:
+            # a session opened at once: nothing opens while it lives
+            await service.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="s", prompt_ids=[3, 4, 5],
+                                                                      max_new_tokens=4), None)
+            await asyncio.sleep(0.5)
+            during = len(forward.due)
+            await service.Release(verifier_pb2.VerifierReleaseRequest(session_id="s"), None)
+            deadline = time.monotonic() + 120
+            while forward.due and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return left, during, len(forward.due)
+        finally:
+            await service.aclose()
+
+    left, during, after = asyncio.run(main())
+    assert left > 0 and after == 0
+    assert during >= left - 1           # at most the one it had started before the session came
+
+
+def test_a_graph_is_opened_once_whichever_thread_asks_first(tiny_family, monkeypatch):
+    target = TargetModel(ModelSpec(str(tiny_family["target"])))
+    graphs = compiled.FixedGraphs(compiled.FixedStep(target.lm), target.lm.model, target.lm.dtype,
+                                  torch.device("cpu"))
+    opened = []
+
+    def slow_open(*args):
+        opened.append(args)
+        time.sleep(0.2)             # long enough for the other thread to ask meanwhile
+        return object()
+
+    monkeypatch.setattr(compiled.compiled_aot, "load_or_build", slow_open)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(graphs.get(1, LARGER, lambda: ()))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(opened) == 1 and len(got) == 2 and got[0] is got[1]
+
+
+def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_family, monkeypatch, caplog):
+    path = str(tiny_family["target"])
+    eager = TargetModel(ModelSpec(path))
+    forward = compiled.CompiledForward(eager.lm)
+    forward.warm((1,))
+    assert (1, LARGER, False) in forward.due
+
+    def broken(*args):
+        raise RuntimeError("disk gone")
+
+    async def main():
+        service = VerifierService(VerifierServiceConfig())
+        service.sessions = {}               # loaded, no session open: idle
+        try:
+            service.start_when_idle(forward.open_next, every_s=0.01)
+            await asyncio.wait_for(service._idle_work, 30)
+        finally:
+            await service.aclose()
+
+    monkeypatch.setattr(forward, "_first_run", broken)
+    with caplog.at_level(logging.WARNING, logger="specdec.server"):
+        asyncio.run(main())
+    lines = [r for r in caplog.records if r.name == "specdec.server"]
+    assert len(lines) == 1 and "first use" in lines[0].getMessage() and "disk gone" in lines[0].error
+    assert (1, LARGER) not in forward.steps.graphs
+    prompt = torch.tensor([[(3 * i) % 50 + 1 for i in range(compiled.MIN_CAPACITY)]])
+    positions = torch.arange(prompt.shape[1])[None]
+    with torch.inference_mode():              # a session past the first capacity opens it on first use
+        cache, eager_cache = forward.new_cache(), eager.lm.new_cache()
+        for c in (cache, eager_cache):
+            compiled.eager_forward(eager.lm, c, prompt, positions, None)
+        forward.fit(cache, 1)
+        got = forward.forward(cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]), None)
+        want = compiled.eager_forward(eager.lm, eager_cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]),
+                                      None)
+    assert got is not None and (1, LARGER) in forward.steps.graphs
+    assert torch.allclose(got[1], want[1], atol=1e-4)
