@@ -446,7 +446,7 @@ def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None =
     """Add the graphs that also return the residual streams EAGLE-3 drafters
     read (``CompiledForward.capture_layers``), checked against eager and
     warmed at ``widths`` (None: ``STARTUP_WIDTHS``, opened now at
-    ``READY_WIDTHS``, the rest in the background); False, with one log line,
+    ``READY_WIDTHS``, the rest left to ``open_next``); False, with one log line,
     where that fails (sessions asking for layers then run eagerly)."""
     if compiled.capturing is not None:
         return True

@@ -46,7 +46,7 @@ from specdec.sessions import DEFAULT_LEASE_S
 
 log = logging.getLogger("specdec.server")
 
-IDLE_POLL_S = 0.05                      # how often ``when_idle`` looks for an idle moment
+IDLE_POLL_S = 0.05                      # how often ``start_when_idle`` looks for an idle moment
 
 
 class EngineServicer:
