@@ -224,7 +224,7 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
         if fast.compiled is not None:
             t = time.perf_counter()             # every width a tree of up to 16 nodes pads to
             fast.compiled.warm(tuple(w for w in WIDTHS if w <= width_bucket(max(VERIFY_NODES, args.total_tokens))))
-            fast.compiled.open_all()            # none of it in the background while steps are timed
+            fast.compiled.open_all()            # none left to open on first use while steps are timed
             result["compile_widths_s"] = round(time.perf_counter() - t, 3)
             steps = bench.target_steps(fast.forward_batch, fast.new_cache, args.steps, profile=False)
             t = time.perf_counter()

@@ -135,7 +135,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
     if cfg.pin:             # in-process: the target's one core (the services' verifier core)
         core = frozenset([pinned_cores()[0]])
         methods = {name: PinnedMethod(method, core) for name, method in methods.items()}
-    if models.target.compiled is not None:     # steady state: no graph opening in the background while timed
+    if models.target.compiled is not None:     # steady state: no graph left to open on first use while timed
         models.target.compiled.open_all()
     with ExitStack() as stack:
         if cfg.grpc:
