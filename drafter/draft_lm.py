@@ -12,7 +12,7 @@ import torch
 
 from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
 from specdec.causal_lm import CausalLm
-from specdec.compiled import compile_target
+from specdec.compiled_start import compile_target
 from specdec.models import ModelSpec, load_causal_lm
 
 

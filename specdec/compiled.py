@@ -32,8 +32,9 @@ Dynamo's guards and the Python wrapper. A small model's packages (weights
 times ``WIDTHS`` within ``PACKED_BUDGET``) hold their own copy of the weights
 packed for inductor's CPP GEMM kernels, which beat a BLAS call per linear on
 these GEMV shapes; a larger model's packages run over its own parameters,
-one copy for all widths. Those of a default-sized tree are
-built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged capacity);
+one copy for all widths. Those of a default-sized tree and of a prefill
+chunk are built or loaded at start-up (``STARTUP_WIDTHS``, at every packaged
+capacity);
 those of a root-only cycle and a default tree (``READY_WIDTHS``) are opened
 and run once at the first capacity before readiness, the rest by the verifier
 service while no request is in flight (``open_next``: the first session to
@@ -51,11 +52,15 @@ feature-layers``, or an in-process EAGLE-3 drafter): returning the streams
 costs ~7% of a one-token step, which EAGLE-1/2 and plain decoding do not pay.
 Without it those sessions run eagerly (one log line says so).
 
-Prefill (a causal forward of several tokens) and batched verification stay eager. A model that
-fails to compile, or whose compiled logits differ from its eager ones on a
-check at load, runs eagerly with one log line saying why (``compile_target``).
-With ``auto`` the compiled path is also timed against the eager one on a
-one-token step and kept only where it pays.
+A prefill (a causal forward of several tokens) runs in chunks of
+``PREFILL_WIDTH`` tokens through the same graphs (``prefill``): ~1.4x faster
+than one eager forward of a 192-token prompt on the demo target. Several
+sessions' rows verified together (batched verification) take graphs whose
+batch dimension is free (``batch_graphs``, ``specdec.compiled_batch``).
+A model that fails to compile, or whose compiled logits differ from its
+eager ones on a check at load, runs eagerly with one log line saying why
+(``specdec.compiled_start``). With ``auto`` the compiled path is also timed
+against the eager one on a one-token step and kept only where it pays.
 
 On CUDA the same code path would take ``mode="reduce-overhead"`` (CUDA graphs
 over the same fixed shapes); that is not exercised on this project's machines.
@@ -64,32 +69,30 @@ over the same fixed shapes); that is not exercised on this project's machines.
 from __future__ import annotations
 
 import functools
-import inspect
-import logging
-import threading
 import time
-from collections.abc import Callable
 
 import torch
 
-from specdec import compiled_aot, kv
+from specdec import kv
 from specdec.causal_lm import CausalLm
-from specdec.fixed_kv import FixedLayer, cache_shape, fixed_buffers, padded, stacked_cache
+from specdec.fixed_graphs import MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs
+from specdec.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
 from specdec.fixed_step import FixedStep
 from specdec.knobs import DEFAULT_TOTAL_TOKENS
 from specdec.masks import causal_allowed
-from specdec.models import COMPILE_MODES
 
-log = logging.getLogger(__name__)
 
-WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
-PACKAGED_CAPACITIES = (256, 512)        # capacities with ahead-of-time packages (built at start-up)
+__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep"]   # and what follows
+
 MIN_CAPACITY = PACKAGED_CAPACITIES[0]   # capacity buckets: powers of two from here
-PACKED_BUDGET = 1 << 30                 # packed weights (one copy per package) only while they fit in this
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
-# compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 ALIBI_REASON = "ALiBi models run their own blocks with per-row biases (specdec.alibi), not one fixed-shape forward"
+# compiled at start-up: every width a default-sized tree pads to (larger trees compile on first use)
 STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
+# a prefill runs in chunks of this many tokens (``CompiledForward.prefill``), compiled at these capacities
+# only (built at start-up too): at 512 slots a 64-token chunk of the demo target took 1.8x its 256-slot
+# time (the graph's attention over every slot), and a 400-token prefill 1.25x the eager one
+PREFILL_WIDTH, PREFILL_CAPACITIES = WIDTHS[-1], PACKAGED_CAPACITIES[:1]
 # of those, opened and run before readiness: a root-only cycle's and a default tree's (the check at load
 # opens a 3-node tree's, 4); the others open while the server is idle (``open_next``) or on first use
 READY_WIDTHS = (1, next(w for w in WIDTHS if w >= DEFAULT_TOTAL_TOKENS))
@@ -108,60 +111,6 @@ def width_bucket(n: int) -> int | None:
     return next((w for w in WIDTHS if w >= n), None)
 
 
-class FixedGraphs:
-    """The compiled graphs of one fixed-shape step module, one per (width,
-    capacity): at ``packaged_capacities`` AOTInductor packages kept on disk
-    (``specdec.compiled_aot``) when ``ahead_of_time``, packed (their own copy
-    of the weights, for inductor's CPP GEMM) for a small ``model`` on CPU or
-    when ``packed``; at larger capacities (or without packages) ``torch.compile``."""
-
-    def __init__(self, module: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                 ahead_of_time: bool = True, packed: bool | None = None, options: dict | None = None,
-                 sources: tuple[str, ...] = (), packaged_capacities: tuple[int, ...] = PACKAGED_CAPACITIES,
-                 variant: str = ""):
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.module = module
-        self.options = options
-        self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
-        sources = (*sources, inspect.getfile(FixedLayer))     # every step writes its K/V through it
-        self.packages = (compiled_aot.package_dir(module, model, dtype, device, sources, variant)
-                         if ahead_of_time else None)
-        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
-        if packed is None:               # one packed copy of the weights per package: small models only
-            packed = device.type == "cpu" and weight_bytes * len(WIDTHS) * len(packaged_capacities) <= PACKED_BUDGET
-        self.packed = ahead_of_time and packed
-        self.weights = compiled_aot.shared_weights(module) if ahead_of_time and not self.packed else None
-        self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
-        self.opening: dict[tuple[int, int], threading.Lock] = {}   # held while that graph is opened
-        self.packaged_capacities = tuple(packaged_capacities)
-
-    def on_disk(self, width: int, capacity: int, example: Callable[[], tuple]) -> bool:
-        """Build the package for (width, capacity) if it is missing, without
-        loading it; False where that graph is no package (``torch.compile``)."""
-        if self.packages is None or capacity not in self.packaged_capacities:
-            return False
-        compiled_aot.ensure_package(self.module, example, self.packages, width, capacity, self.weights is None)
-        return True
-
-    def get(self, width: int, capacity: int, example: Callable[[], tuple]):
-        """The compiled step for (width, capacity); ``example()``: inputs of its
-        shapes (for a package built here)."""
-        key = (width, capacity)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            return graph
-        with self.opening.setdefault(key, threading.Lock()):     # opened once, by whichever thread comes first
-            if key not in self.graphs:
-                if self.packages is None or capacity not in self.packaged_capacities:
-                    if self.traced is None:
-                        self.traced = torch.compile(self.module, dynamic=False, options=self.options)
-                    self.graphs[key] = self.traced
-                else:
-                    self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width,
-                                                                  capacity, self.weights)
-            return self.graphs[key]
-
-
 class CompiledForward:
     """Compiled fixed-shape forwards of one causal LM (``FixedGraphs`` of ``FixedStep``)."""
 
@@ -173,7 +122,9 @@ class CompiledForward:
         self.steps = FixedGraphs(self.module, lm.model, lm.dtype, torch.device(lm.device), ahead_of_time,
                                     packed, options)
         self.capturing: FixedGraphs | None = None      # ``capture_layers``: graphs returning residual streams too
-        self.due: list[tuple[int, int, bool]] = []     # (width, capacity, captures) ``warm`` left on disk
+        self.batched: dict[bool, FixedGraphs] = {}     # ``batch_graphs``: captures -> graphs taking B > 1 rows
+        self.due: list[tuple[int, int, bool, bool]] = []    # (width, capacity, captures, batched) ``warm`` left
+        self.spare: dict[tuple[int, int], object] = {}     # (rows, capacity) -> a batch cache to reuse
         self._settings = (ahead_of_time, packed, options)
 
     def capture_layers(self) -> None:
@@ -185,6 +136,26 @@ class CompiledForward:
             self.capturing = FixedGraphs(FixedStep(self.lm, CAPTURED).eval(), self.lm.model, self.lm.dtype,
                                          torch.device(self.lm.device), ahead_of_time, packed, options,
                                          variant=f"captures{CAPTURED}")
+
+    def batch_graphs(self) -> None:
+        """Add graphs taking several sessions' rows at once (batched
+        verification, ``specdec.compiled_batch``): one package per width and
+        packaged capacity whose batch dimension is free; for the capturing
+        graphs too where those exist. Built on ``warm(batched=True)``."""
+        ahead_of_time, packed, options = self._settings
+        for captures, graphs in ((False, self.steps), (True, self.capturing)):
+            if graphs is not None and captures not in self.batched:
+                self.batched[captures] = FixedGraphs(graphs.module, self.lm.model, self.lm.dtype,
+                                                     torch.device(self.lm.device), ahead_of_time, packed, options,
+                                                     variant=f"captures{CAPTURED}" if captures else "", batched=True)
+
+    def graph_set(self, captures: bool = False, batched: bool = False) -> FixedGraphs | None:
+        """The graphs of one kind (None: not built)."""
+        return self.batched.get(captures) if batched else self.capturing if captures else self.steps
+
+    def some_layers(self) -> tuple[int, ...]:
+        """``CAPTURED`` layer indices of this model (repeated where it has fewer layers): a capturing graph's example."""
+        return tuple(i % self.layers for i in range(CAPTURED))
 
     def captures(self, layers: tuple[int, ...]) -> bool:
         """Whether a forward asking for the streams entering ``layers`` can take the compiled path."""
@@ -206,8 +177,8 @@ class CompiledForward:
         self.lm.hidden(cache, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None)
         return cache_shape(cache)
 
-    def new_stack(self, capacity: int) -> torch.Tensor:
-        return torch.zeros((self.layers, 2, 1, self.heads, capacity, self.head_dim),
+    def new_stack(self, capacity: int, rows: int = 1) -> torch.Tensor:
+        return torch.zeros((self.layers, 2, rows, self.heads, capacity, self.head_dim),
                            dtype=self.lm.dtype, device=self.lm.device)
 
     def new_cache(self, capacity: int = 0):
@@ -232,28 +203,98 @@ class CompiledForward:
         slots = length + (width_bucket(n) or n)
         if slots <= fixed.stack.shape[4]:
             return
-        stack = self.new_stack(capacity_bucket(slots))
+        stack = self.new_stack(capacity_bucket(slots), fixed.stack.shape[2])
         stack[:, :, :, :, :length] = fixed.stack[:, :, :, :, :length]
         stacked_cache(cache, stack, length)
 
-    def graph(self, width: int, capacity: int, mask, captures: bool = False):
-        """The compiled step for (width, capacity), capturing or not; ``mask``
-        is a padded one of the shape it takes (for a package built here)."""
-        graphs = self.capturing if captures else self.steps
-        return graphs.get(width, capacity, functools.partial(self._example, width, capacity, mask, captures))
+    @torch.inference_mode()
+    def batch_cache(self, caches: list, lengths: list[int], n: int, layers: tuple[int, ...] = ()):
+        """A compiled-path cache for one batched forward of ``n`` tokens a row
+        over ``caches`` (one row each): row b holds ``caches[b]``'s first
+        ``lengths[b]`` slots, then zeros up to the longest (masked, never
+        NaN); the forward writes every row's tokens after that. One copy of
+        every prefix. None where no batched graph serves it. ``reuse`` it
+        when done: the next batch of its shape takes its buffer (the slots
+        past a row's prefix then hold an earlier batch's K/V: masked, finite)."""
+        if not self.serves_batch(lengths, n, layers):
+            return None
+        width, prefix = width_bucket(n), max(lengths)
+        key = (len(caches), capacity_bucket(prefix + width))
+        batch = self.spare.pop(key, None)
+        if batch is None:
+            batch = stacked_cache(self.lm.new_cache(), self.new_stack(key[1], key[0]))
+        stack = batch.fixed_buffers.stack
+        for b, (cache, length) in enumerate(zip(caches, lengths)):
+            fixed = fixed_buffers(cache)
+            if fixed is not None:
+                stack[:, :, b, :, :length] = fixed.stack[:, :, 0, :, :length]
+                continue
+            for i, layer in enumerate(cache.layers):
+                stack[i, 0, b, :, :length] = layer.keys[0, :, :length]
+                stack[i, 1, b, :, :length] = layer.values[0, :, :length]
+        for i, (k, v) in enumerate(batch.fixed_buffers.views):
+            kv.adopt(batch, i, k, v, prefix)
+        return batch
 
-    def _example(self, width: int, capacity: int, mask=None, captures: bool = False) -> tuple:
-        """Inputs of the step's shapes at (width, capacity); ``mask``: a padded one (None: a causal one)."""
-        pos = torch.arange(width, device=self.lm.device)[None]
+    def reuse(self, batch) -> None:
+        """Keep a ``batch_cache`` no longer used for the next batch of its shape."""
+        fixed = fixed_buffers(batch)
+        if fixed is not None:
+            self.spare[(fixed.stack.shape[2], fixed.stack.shape[4])] = batch
+
+    @torch.inference_mode()
+    def append_row(self, cache, batch, row: int, slots: torch.Tensor) -> bool:
+        """Append row ``row``'s ``slots`` [m] of a ``batch_cache`` to a session's
+        compiled-path cache, every layer in one copy; False where either is not
+        one (the caller appends layer by layer)."""
+        self.fit(cache, slots.numel())
+        fixed, source = fixed_buffers(cache), fixed_buffers(batch)
+        if fixed is None or source is None:
+            return False
+        length, end = kv.seq_len(cache), kv.seq_len(cache) + slots.numel()
+        fixed.stack[:, :, 0, :, length:end] = source.stack[:, :, row].index_select(3, slots)
+        for i, (k, v) in enumerate(fixed.views):
+            kv.adopt(cache, i, k, v, end)
+        return True
+
+    def serves_batch(self, lengths: list[int], n: int, layers: tuple[int, ...] = ()) -> bool:
+        """Whether a batched graph serves rows of prefixes ``lengths`` and ``n`` tokens each (``batch_cache``)."""
+        width = width_bucket(n)
+        return (width is not None and 2 <= len(lengths) <= MAX_BATCH
+                and self.batches(width, capacity_bucket(max(lengths) + width), layers))
+
+    def takes(self, cache, n: int, layers: tuple[int, ...] = ()) -> bool:
+        """Whether a forward of ``n`` tokens on ``cache`` (asking for the streams
+        entering ``layers``) takes the compiled path once ``fit``."""
+        return fixed_buffers(cache) is not None and width_bucket(n) is not None and self.captures(layers)
+
+    def graph(self, width: int, capacity: int, mask, captures: bool = False, rows: int = 1):
+        """The compiled step for (width, capacity), capturing or not, for
+        ``rows`` sessions' rows (> 1: a batched graph); ``mask`` is a padded
+        one of the shape it takes (for a package built here)."""
+        graphs = self.graph_set(captures, rows > 1)
+        return graphs.get(width, capacity, functools.partial(self._example, width, capacity,
+                                                             mask if rows == 1 else None, captures, min(rows, 2)))
+
+    def _example(self, width: int, capacity: int, mask=None, captures: bool = False, rows: int = 1) -> tuple:
+        """Inputs of the step's shapes at (width, capacity) for ``rows`` rows;
+        ``mask``: a padded one (None: a causal one)."""
+        pos = torch.arange(width, device=self.lm.device)[None].repeat(rows, 1)     # dense: the package keeps strides
         if mask is None:
-            mask = padded(self.lm.masks(causal_allowed(width, 0)[None], pos.cpu(), pos.cpu()), width, capacity)
-        example = (torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity))
-        return example + (torch.arange(CAPTURED, device=self.lm.device),) if captures else example
+            allowed = causal_allowed(width, 0)[None].repeat(rows, 1, 1)
+            mask = padded(self.lm.masks(allowed, pos.cpu(), pos.cpu()), width, capacity)
+        example = (torch.zeros_like(pos), pos, mask, pos[0], self.new_stack(capacity, rows))
+        return example + (torch.tensor(self.some_layers(), device=self.lm.device),) if captures else example
 
     def accepts(self, cache, n: int) -> bool:
         """Whether a forward of n tokens on ``cache`` takes the compiled path."""
         fixed, width = fixed_buffers(cache), width_bucket(n)
         return fixed is not None and width is not None and kv.seq_len(cache) + width <= fixed.stack.shape[4]
+
+    def batches(self, width: int, capacity: int, layers: tuple[int, ...] = ()) -> bool:
+        """Whether a batched graph serves several rows at (width, capacity) (with the streams entering ``layers``)."""
+        graphs = self.batched.get(bool(layers))
+        return graphs is not None and graphs.serves(width, capacity) and len(layers) <= CAPTURED
 
     def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
         """As ``CausalLm.hidden`` + ``logits`` for tokens, positions [1, n]:
@@ -267,11 +308,44 @@ class CompiledForward:
         """``forward``, plus the residual streams entering ``layers`` (as
         ``CausalLm.hidden_and_layers``): (features, streams [1, n, len(layers)
         H] fp32 or None without layers, logits); None where the compiled path
-        does not apply."""
-        n = tokens.shape[1]
-        if (mask is None and n > 1) or not self.accepts(cache, n) or not self.captures(layers):
-            return None                  # a prefill (causal, several tokens), no fixed-shape cache, or no such graphs
-        past, width = kv.seq_len(cache), width_bucket(n)
+        does not apply. A prefill (``mask`` None, several tokens) runs in
+        chunks (``prefill``)."""
+        rows, n = tokens.shape
+        if mask is None and n > 1:
+            return self.prefill(cache, tokens, positions, layers) if rows == 1 else None
+        if not self.accepts(cache, n) or not self.captures(layers):
+            return None                  # no fixed-shape cache, or no such graphs
+        if rows > 1 and not self.batches(width_bucket(n), cache.fixed_buffers.stack.shape[4], layers):
+            return None
+        return self._step(cache, tokens, positions, mask, layers, width_bucket(n))
+
+    @torch.inference_mode()
+    def prefill(self, cache, tokens: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...] = ()):
+        """A causal forward of tokens, positions [1, n] as ``run``, in chunks of
+        ``PREFILL_WIDTH`` tokens, the last one padded to a start-up width (16
+        tokens at most) or to ``PREFILL_WIDTH``: a chunk at ``PREFILL_CAPACITIES``
+        whose graph is open or on disk runs compiled, any other eagerly
+        (nothing is compiled on a request); None where the cache is not a
+        compiled-path one."""
+        if fixed_buffers(cache) is None or not self.captures(layers):
+            return None
+        graphs, outs, n = self.capturing if layers else self.steps, [], tokens.shape[1]
+        for start in range(0, n, PREFILL_WIDTH):
+            end = min(n, start + PREFILL_WIDTH)
+            width = width_bucket(end - start) if end - start <= max(STARTUP_WIDTHS) else PREFILL_WIDTH
+            self.fit(cache, width)
+            chunk = (tokens[:, start:end], positions[:, start:end])
+            capacity = cache.fixed_buffers.stack.shape[4]
+            if capacity in PREFILL_CAPACITIES and graphs.ready(width, capacity):
+                outs.append(self._step(cache, *chunk, None, layers, width))
+            else:
+                outs.append(eager_run(self.lm, cache, *chunk, None, layers))
+        return tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*outs))
+
+    def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int):
+        """One compiled forward padded to ``width`` (``run``; mask None: causal)."""
+        rows, n = tokens.shape
+        past = kv.seq_len(cache)
         fixed = cache.fixed_buffers
         capacity = fixed.stack.shape[4]
         if mask is None:
@@ -280,46 +354,51 @@ class CompiledForward:
         mask = padded(mask, width, capacity)
         dev = self.lm.device
         pad = width - n
-        tokens = torch.cat([tokens.to(dev), tokens.new_zeros(1, pad, device=dev)], dim=1)
-        positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(1, pad)], dim=1)
+        tokens = torch.cat([tokens.to(dev), tokens.new_zeros(rows, pad, device=dev)], dim=1)
+        positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(rows, pad)], dim=1)
         slots = torch.arange(past, past + width, device=dev)
         args = (tokens, positions, mask, slots, fixed.stack)
         if layers:                       # the last index repeated up to CAPTURED, its copies dropped below
             index = torch.tensor(list(layers) + [layers[-1]] * (CAPTURED - len(layers)), device=dev)
-            hidden, streams, logits = self.graph(width, capacity, mask, captures=True)(*args, index)
+            hidden, streams, logits = self.graph(width, capacity, mask, True, rows)(*args, index)
             streams = streams[:, :n, :len(layers) * hidden.shape[-1]]
         else:
-            (hidden, logits), streams = self.graph(width, capacity, mask)(*args), None
+            (hidden, logits), streams = self.graph(width, capacity, mask, False, rows)(*args), None
         for i, (k, v) in enumerate(fixed.views):
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], streams, logits[:, :n]
 
     def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False,
-             ready: tuple[int, ...] | None = None) -> float:
+             ready: tuple[int, ...] | None = None, batched: bool = False) -> float:
         """Ahead of traffic, the graphs for ``widths`` at ``capacities`` (the
-        capturing ones with ``captures``), packages built where missing: those
+        capturing ones with ``captures``, the batched ones with ``batched``:
+        ``batch_graphs``), packages built where missing: those
         of ``ready`` widths (None: all) at the first capacity opened and run
         now, since a package's first run costs 70-140 ms (the demo target);
         the others left to ``open_next`` (a server opens them while idle)
         (opening them all here took a warm start-up from 1.9x to 2.5x the
         eager one); seconds taken."""
         t = time.perf_counter()
-        graphs = self.capturing if captures else self.steps
+        graphs = self.graph_set(captures, batched)
+        rows = 2 if batched else 1
         for i, capacity in enumerate(capacities):
             for width in widths:
-                example = functools.partial(self._example, width, capacity, None, captures)
+                example = functools.partial(self._example, width, capacity, None, captures, rows)
                 if i == 0 and (ready is None or width in ready):
-                    self._first_run(width, capacity, captures)
+                    self._first_run(width, capacity, captures, batched)
                 elif (width, capacity) not in graphs.graphs and graphs.on_disk(width, capacity, example):
-                    self.due.append((width, capacity, captures))
+                    self.due.append((width, capacity, captures, batched))
         return time.perf_counter() - t
 
-    def _first_run(self, width: int, capacity: int, captures: bool = False) -> None:
-        """Open the graph for (width, capacity) and run it once, on a throwaway cache."""
-        cache = self.new_cache(capacity)
-        k_pos = torch.arange(width)[None]
-        mask = self.lm.masks(causal_allowed(width, 0)[None], k_pos, k_pos)
-        self.run(cache, torch.zeros(1, width, dtype=torch.long), k_pos, mask, tuple(range(CAPTURED)) if captures else ())
+    def _first_run(self, width: int, capacity: int, captures: bool = False, batched: bool = False) -> None:
+        """Open the graph for (width, capacity) and run it once, on a throwaway cache (two rows: a batched graph)."""
+        rows = 2 if batched else 1
+        with torch.inference_mode():
+            cache = stacked_cache(self.lm.new_cache(), self.new_stack(capacity, rows))
+        k_pos = torch.arange(width)[None].expand(rows, width)
+        mask = self.lm.masks(causal_allowed(width, 0)[None].expand(rows, -1, -1), k_pos, k_pos)
+        self.run(cache, torch.zeros(rows, width, dtype=torch.long), k_pos, mask,
+                 self.some_layers() if captures else ())
 
     def open_next(self) -> bool:
         """Open and run once the next graph ``warm`` left on disk; whether one was
@@ -329,8 +408,7 @@ class CompiledForward:
         (``verifier.service``); graphs still left open on first use."""
         if not self.due:
             return False
-        width, capacity, captures = self.due.pop(0)
-        self._first_run(width, capacity, captures)
+        self._first_run(*self.due.pop(0))
         return True
 
     def open_all(self) -> None:
@@ -356,116 +434,3 @@ def eager_run(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor
         hidden, streams = lm.hidden_and_layers(cache, tokens, positions, mask, layers)
         streams = streams.float()
     return hidden.float(), streams, lm.logits(hidden)
-
-
-@torch.inference_mode()
-def check_compiled(compiled: CompiledForward, layers: tuple[int, ...] = ()) -> str | None:
-    """Why the compiled forward cannot serve this model (None: it can): after
-    an eager prefix, a one-token step and a 3-node tree must give the eager
-    logits (and the streams entering ``layers``) and leave the cache as long."""
-    lm = compiled.lm
-    vocab = int(lm.config.get_text_config(decoder=True).vocab_size)
-    seq = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(0))
-    ancestor = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    tree_pos = torch.tensor([5, 6, 6])
-    tree = torch.stack([seq[5], seq[0], seq[1]])
-    k_pos = torch.cat([torch.arange(5), tree_pos])[None]
-    allowed = torch.cat([torch.ones(3, 5, dtype=torch.bool), ancestor], dim=1)[None]
-    outputs = {}
-    for run, step in (("compiled", compiled.run), ("eager", functools.partial(eager_run, lm))):
-        cache = compiled.new_cache(16)
-        lm.hidden(cache, seq[None, :4], torch.arange(4)[None], None)
-        one = step(cache, seq[None, 4:5], torch.tensor([[4]]), None, layers)
-        if one is None:
-            return "a one-token step does not take the compiled path"
-        tree_out = step(cache, tree[None], tree_pos[None], lm.masks(allowed, tree_pos[None], k_pos), layers)
-        if kv.seq_len(cache) != 8:
-            return f"the {run} path left {kv.seq_len(cache)} cached slots, not 8"
-        outputs[run] = {f"{what} {name}": t for what, out in (("step", one), ("tree", tree_out))
-                        for name, t in (("streams", out[1]), ("logits", out[2])) if t is not None}
-    for name, want in outputs["eager"].items():
-        got = outputs["compiled"][name]
-        err = float((got - want).abs().max() / (1.0 + want.abs().max()))
-        if not err <= (1e-4 if lm.dtype == torch.float32 else 5e-2):
-            return f"compiled {name} differ from eager ones (relative error {err:.2g})"
-    return None
-
-
-@torch.inference_mode()
-def time_step(lm: CausalLm, step, cache, prefix: int = 64, repeats: int = 20) -> float:
-    """Median ms of ``step`` on one token after an eager ``prefix`` (cut back after each run)."""
-    lm.hidden(cache, torch.zeros(1, prefix, dtype=torch.long), torch.arange(prefix)[None], None)
-    times = []
-    for _ in range(repeats + 2):
-        t = time.perf_counter()
-        step(cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[prefix]]), None)
-        times.append(time.perf_counter() - t)
-        kv.truncate(cache, prefix)
-    return sorted(times[2:])[repeats // 2] * 1000
-
-
-def compile_target(lm: CausalLm, mode: str, captures: bool = False) -> CompiledForward | None:
-    """The compiled forward of ``lm`` for ``--compile MODE``, or None (eager):
-    off; compilation or the check failed (one log line says why); or, with
-    auto, a compiled one-token step is not faster than the eager one. With
-    ``captures``, the graphs that return feature layers too (``compile_captures``)."""
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"--compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
-    if mode == "off":
-        return None
-    kind = getattr(lm.config, "model_type", "?")
-    t = time.perf_counter()
-    try:
-        compiled = CompiledForward(lm)
-        reason = check_compiled(compiled) if lm.alibi is None else ALIBI_REASON
-        if reason is None:
-            # a verifier started for EAGLE-3 heads verifies their trees with the capturing set:
-            # of the plain one, only a root-only cycle's (plain decoding) before readiness
-            compiled.warm(STARTUP_WIDTHS, ready=READY_WIDTHS[:1] if captures else READY_WIDTHS)
-    except Exception as exc:  # noqa: BLE001 - any failure means: run this model eagerly
-        reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    if reason is not None:
-        log.warning("compiled forwards off for model type %r: %s; running eagerly", kind, reason)
-        return None
-    if mode == "auto":
-        eager_ms = time_step(lm, functools.partial(eager_forward, lm), compiled.new_cache(MIN_CAPACITY))
-        compiled_ms = time_step(lm, compiled.forward, compiled.new_cache(MIN_CAPACITY))
-        if compiled_ms > PAYS * eager_ms:
-            log.warning("compiled forwards off for model type %r: a one-token step takes %.2f ms compiled, "
-                        "%.2f ms eager (auto keeps it below %.0f%%)", kind, compiled_ms, eager_ms, PAYS * 100)
-            return None
-    kept = "packed" if compiled.packed else "shared"
-    log.info("compiled forwards on for model type %r (%.1f s to build or load widths %s and check; %s weights "
-             "in the ahead-of-time packages)", kind, time.perf_counter() - t, ",".join(map(str, STARTUP_WIDTHS)), kept)
-    if captures:
-        compile_captures(compiled)
-    return compiled
-
-
-def compile_captures(compiled: CompiledForward, widths: tuple[int, ...] | None = None) -> bool:
-    """Add the graphs that also return the residual streams EAGLE-3 drafters
-    read (``CompiledForward.capture_layers``), checked against eager and
-    warmed at ``widths`` (None: ``STARTUP_WIDTHS``, opened now at
-    ``READY_WIDTHS``, the rest left to ``open_next``); False, with one log line,
-    where that fails (sessions asking for layers then run eagerly)."""
-    if compiled.capturing is not None:
-        return True
-    kind = getattr(compiled.lm.config, "model_type", "?")
-    t = time.perf_counter()
-    try:
-        compiled.capture_layers()
-        layers = tuple(sorted({0, compiled.layers // 2, compiled.layers - 1}))[:CAPTURED]
-        reason = check_compiled(compiled, layers)
-        if reason is None:
-            compiled.warm(STARTUP_WIDTHS if widths is None else widths, captures=True,
-                          ready=READY_WIDTHS if widths is None else None)
-    except Exception as exc:  # noqa: BLE001 - any failure means: those sessions run eagerly
-        reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    if reason is not None:
-        compiled.capturing = None
-        log.warning("compiled forwards returning feature layers off for model type %r: %s; sessions that ask "
-                    "for layers (EAGLE-3 drafters) run eagerly", kind, reason)
-        return False
-    log.info("compiled forwards returning up to %d feature layers on for model type %r (%.1f s)", CAPTURED, kind,
-             time.perf_counter() - t)
-    return True

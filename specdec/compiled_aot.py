@@ -102,17 +102,18 @@ def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtyp
     return Path(cache_dir()) / "specdec-aot" / key
 
 
-def package_path(root: Path, width: int, capacity: int, packed: bool) -> Path:
-    return root / f"step-w{width}-c{capacity}-{'packed' if packed else 'shared'}.pt2"
+def package_path(root: Path, width: int, capacity: int, packed: bool, batched: bool = False) -> Path:
+    return root / f"step-w{width}-c{capacity}{'-batch' if batched else ''}-{'packed' if packed else 'shared'}.pt2"
 
 
-def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: bool) -> None:
-    """Export ``step`` at the shapes of ``example`` and compile it into the
-    package ``path`` (written whole or not at all: a concurrent start may race),
-    ``packed`` or over shared weights (module doc)."""
+def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: bool, dynamic_shapes=None) -> None:
+    """Export ``step`` at the shapes of ``example`` (``dynamic_shapes``: the
+    dimensions left free, as ``torch.export`` takes them) and compile it into
+    the package ``path`` (written whole or not at all: a concurrent start may
+    race), ``packed`` or over shared weights (module doc)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
-        exported = torch.export.export(step, example, strict=False)
+        exported = torch.export.export(step, example, dynamic_shapes=dynamic_shapes, strict=False)
     fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
     os.close(fd)
     try:
@@ -160,17 +161,20 @@ def load_package(path: Path, weights: dict[str, torch.Tensor] | None):
 
 
 def ensure_package(step: torch.nn.Module, example: Callable[[], tuple], root: Path, width: int, capacity: int,
-                   packed: bool) -> Path:
+                   packed: bool, batch_dims: Callable[[tuple], tuple] | None = None) -> Path:
     """The package for (width, capacity) in ``root``, built there first if
-    absent (at the shapes of ``example()``)."""
-    path = package_path(root, width, capacity, packed)
+    absent (at the shapes of ``example()``); with ``batch_dims``, one whose
+    batch dimension is free (``batch_dims(example)``: the dynamic shapes)."""
+    path = package_path(root, width, capacity, packed, batch_dims is not None)
     if not path.exists():
-        build_package(step, example(), path, packed)
+        inputs = example()
+        build_package(step, inputs, path, packed, None if batch_dims is None else batch_dims(inputs))
     return path
 
 
 def load_or_build(step: torch.nn.Module, example: Callable[[], tuple], root: Path, width: int, capacity: int,
-                  weights: dict[str, torch.Tensor] | None):
+                  weights: dict[str, torch.Tensor] | None, batch_dims: Callable[[tuple], tuple] | None = None):
     """The compiled step for (width, capacity): loaded from ``root``, built
-    there first if absent; packed when ``weights`` is None."""
-    return load_package(ensure_package(step, example, root, width, capacity, weights is None), weights)
+    there first if absent; packed when ``weights`` is None; batched as in
+    ``ensure_package``."""
+    return load_package(ensure_package(step, example, root, width, capacity, weights is None, batch_dims), weights)

@@ -56,12 +56,12 @@ def verify_batch(engine, items: list[tuple[str, DraftTree]]) -> list[VerifyResul
             rows.append((i, _Row(sid, tree, _check(engine, sid, tree))))
         except Exception as exc:  # noqa: BLE001 - reported per item
             results[i] = exc
-    if len(rows) == 1:                         # nothing to pack
-        i, row = rows[0]
-        try:
-            results[i] = engine.verify(row.sid, row.tree)
-        except Exception as exc:  # noqa: BLE001
-            results[i] = exc
+    if len(rows) == 1 or _row_by_row(engine.target, [row for _, row in rows]):     # nothing to pack
+        for i, row in rows:
+            try:
+                results[i] = engine.verify(row.sid, row.tree)
+            except Exception as exc:  # noqa: BLE001
+                results[i] = exc
         return results
     if rows:
         locks = [row.sess.lock for _, row in rows]
@@ -74,6 +74,13 @@ def verify_batch(engine, items: list[tuple[str, DraftTree]]) -> list[VerifyResul
             for lock in locks:
                 lock.release()
     return results
+
+
+def _row_by_row(target, rows: list[_Row]) -> bool:
+    """Whether these rows verify one at a time (``TargetModel.batches_row_by_row``)."""
+    layers = tuple(sorted({i for r in rows for i in r.sess.feature_layers}))
+    return target.batches_row_by_row([r.sess.cache for r in rows], [r.sess.prefix_len for r in rows],
+                                     max(r.tree.size for r in rows), layers)
 
 
 def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
@@ -97,11 +104,10 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
     key_positions = torch.cat([torch.arange(P).expand(B, P), positions], dim=1)    # [B, P + N]
     mask = target.masks(allowed, positions, key_positions)
 
-    # one copy of every prefix, padded, with room for the trees: the forward writes them in place
-    batch_cache = target.new_cache()
-    kv.gather_rows(batch_cache, [r.sess.cache for r in rows], prefixes, P, N)
     # one forward captures every layer some session's features read (``TargetModel.run``)
     layers = tuple(sorted({i for r in rows for i in r.sess.feature_layers}))
+    # one copy of every prefix, padded, with room for the trees: the forward writes them in place
+    batch_cache = target.batch_cache([r.sess.cache for r in rows], prefixes, N, layers)
     final, captured, logits = target.run(batch_cache, tokens, positions, mask, layers)   # [B, N, H], .., [B, N, V]
 
     results = []
@@ -109,13 +115,13 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
         n = sizes[b]
         result, logprobs = r.sess.decide(r.tree, logits[b, :n])
         path = [0] + result.accepted
-        target.fit(r.sess.cache, len(path))
-        kv.append_slots(r.sess.cache, batch_cache, b, P + torch.tensor(path, device=device))   # the accepted slots
+        target.append_row(r.sess.cache, batch_cache, b, P + torch.tensor(path, device=device))   # the accepted slots
         committed = result.tokens(r.tree)
         r.sess.commit(committed)
         features = select_features(final[b, path], None if captured is None else captured[b, path], layers,
                                    r.sess.feature_layers)
         results.append(VerifyResult(result.accepted, committed, features, logprobs))
+    target.reuse(batch_cache)
     return results
 
 

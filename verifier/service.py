@@ -76,6 +76,9 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             self.scheduler = BatchScheduler(lambda items: self.run(self.engine.verify_batch, items),
                                             lambda: len(self.sessions), self.config.batch_window_ms / 1000,
                                             self.config.max_batch)
+            batches = getattr(engine.target, "compile_batches", None)
+            if batches is not None:
+                await self.run(batches)      # batched compiled forwards, built before readiness
         self._refresh_stats()
         self.start_sweeper(getattr(engine, "ttl_s", None))
         compiled = getattr(engine.target, "compiled", None)

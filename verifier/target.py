@@ -17,7 +17,9 @@ import torch.distributed as dist
 from specdec import kv
 from specdec.acceptance import Acceptance, accept
 from specdec.causal_lm import CausalLm
-from specdec.compiled import CAPTURED, compile_captures, compile_target, eager_run
+from specdec.compiled import CAPTURED, eager_run
+from specdec.compiled_batch import compile_batches
+from specdec.compiled_start import compile_captures, compile_target
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.masks import tree_allowed
 from specdec.models import ModelSpec, load_causal_lm
@@ -117,9 +119,43 @@ class TargetModel:
 
     def compile_feature_layers(self) -> bool:
         """With compiled forwards, add those returning feature layers (EAGLE-3
-        sessions', ``specdec.compiled.compile_captures``) if not built yet:
+        sessions', ``specdec.compiled_start.compile_captures``) if not built yet:
         what an in-process EAGLE-3 drafter asks of its target. Whether they are on."""
         return self.compiled is not None and compile_captures(self.compiled)
+
+    def compile_batches(self) -> bool:
+        """With compiled forwards, add the batched ones (a verifier that batches:
+        ``specdec.compiled_batch``). Whether they are on."""
+        return self.compiled is not None and compile_batches(self.compiled)
+
+    def batch_cache(self, caches: list, lengths: list[int], n: int, layers: tuple[int, ...] = ()):
+        """A cache for one batched forward of ``n`` tokens a row over ``caches``:
+        row b holds ``caches[b]``'s first ``lengths[b]`` slots, zeros up to
+        the longest, room for the ``n`` tokens after that; a compiled-path one
+        where a batched graph serves it (``CompiledForward.batch_cache``)."""
+        batch = None if self.compiled is None else self.compiled.batch_cache(caches, lengths, n, layers)
+        if batch is None:
+            batch = self.lm.new_cache()
+            kv.gather_rows(batch, caches, lengths, max(lengths), n)
+        return batch
+
+    def append_row(self, cache, batch, row: int, slots: torch.Tensor) -> None:
+        """Append row ``row``'s ``slots`` [m] of a ``batch_cache`` to a session's cache."""
+        if self.compiled is None or not self.compiled.append_row(cache, batch, row, slots):
+            self.fit(cache, slots.numel())
+            kv.append_slots(cache, batch, row, slots)
+
+    def reuse(self, batch) -> None:
+        """A ``batch_cache`` no longer used: its buffer serves the next batch of its shape (compiled ones)."""
+        if self.compiled is not None:
+            self.compiled.reuse(batch)
+
+    def batches_row_by_row(self, caches: list, lengths: list[int], n: int, layers: tuple[int, ...] = ()) -> bool:
+        """Whether a batch runs best one row at a time: every row's own forward is
+        compiled, but no batched graph serves the batch (one eager batched
+        forward is slower than the compiled rows; ``specdec.compiled_batch``)."""
+        return (self.compiled is not None and not self.compiled.serves_batch(lengths, n, layers)
+                and all(self.compiled.takes(cache, n, layers) for cache in caches))
 
     def fit(self, cache, n: int) -> None:
         """Before ``n`` slots are written to ``cache``: with compiled forwards,

@@ -28,6 +28,8 @@ the target and the EAGLE drafter; for an EAGLE-3 head, the target's forwards
 returning feature layers too, as a verifier started for it builds them) in
 fresh processes: eager, compiled with an empty inductor cache (cold) and
 compiled again with that cache (warm: TORCHINDUCTOR_CACHE_DIR).
+``--batches`` and ``--prefill`` time batched verification and prefill on the
+eager and the compiled paths (``specdec.bench.batch_profile``).
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ from drafter.base import DraftSession
 from drafter.eagle import EagleDrafter
 from drafter.eagle3 import load_eagle_drafter
 from specdec import kv
+from specdec.bench import batch_profile
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
-from specdec.compiled import WIDTHS, CompiledForward, compile_target, width_bucket
+from specdec.compiled import WIDTHS, CompiledForward, width_bucket
+from specdec.compiled_start import compile_target
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_tokenizer
 from specdec.params import SamplingParams, TreeParams
@@ -239,6 +243,12 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
                      "torch.compile": (traced.forward, traced.new_cache),
                      "compiled": (fast.forward_batch, fast.new_cache)}
             result["interleaved"] = bench.interleaved(paths, 4 * args.steps)
+            if args.batches and fast.compile_batches():
+                fast.compiled.open_all()
+                result["batched_verify"] = batch_profile.batched_verify(eager, fast, args.batches, args.prefix,
+                                                                        args.steps)
+            if args.prefill:
+                result["prefill"] = batch_profile.prefill(eager, fast, args.prefill, args.steps)
         else:
             fast = None
     if args.e2e_prompts:
@@ -279,6 +289,7 @@ def profile_markdown(result: dict) -> str:
         lines += ["", "| path (interleaved) | target_step ms | target_verify16 ms |", "|---|---:|---:|"]
         for name, t in result["interleaved"].items():
             lines.append(f"| {name} | {t['target_step']:.2f} | {t['target_verify16']:.2f} |")
+    lines += batch_profile.markdown(result)
     for key in ("compile_and_check_s", "compile_widths_s", "drafter_compile_and_check_s", "startup_s"):
         if key in result:
             lines.append(f"- {key}: {result[key]}")

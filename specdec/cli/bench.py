@@ -117,6 +117,12 @@ def add_profile_flags(p) -> None:
     g.add_argument("--startup", action="store_true",
                    help="also time start-up in fresh processes: eager, compiled cold and warm inductor cache")
     g.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)   # one start-up, timed
+    g.add_argument("--batches", type=_int_list, default=(), metavar="LIST",
+                   help="with --compile: also time batched verification of B sessions for each B (e.g. 2,4,8): "
+                        "eager, compiled row by row, compiled batched")
+    g.add_argument("--prefill", type=_int_list, default=(), metavar="LIST",
+                   help="with --compile: also time a prefill of each prompt length (e.g. 96,192,400), eager and "
+                        "compiled")
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -259,6 +265,10 @@ def run_profile_command(args) -> int:
     import torch
 
     from specdec.bench.profile import profile_markdown, run_profile
+    if (args.batches or args.prefill) and args.compile == "off":
+        raise UsageError("--batches and --prefill compare the eager and compiled paths: add --compile on")
+    if any(b < 1 for b in args.batches) or any(n < 1 for n in args.prefill):
+        raise UsageError("--batches and --prefill take positive integers")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_profile(args, model_dir(args.target, "target", "target model", "--target"),

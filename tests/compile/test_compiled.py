@@ -14,7 +14,7 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec import compiled, fixed_kv, kv
+from specdec import compiled, compiled_aot, compiled_start, fixed_kv, kv
 from specdec.decoding import StopCriteria
 from specdec.local import generate
 from specdec.models import ModelSpec, demo_path, load_tokenizer
@@ -55,7 +55,7 @@ def demo_engines():
 
     eager = TargetModel(ModelSpec(str(demo_path("target"))))
     fast = TargetModel(ModelSpec(str(demo_path("target"))), model=eager.model)
-    fast.compiled = compiled.compile_target(fast.lm, "on")
+    fast.compiled = compiled_start.compile_target(fast.lm, "on")
     assert fast.compiled is not None
     tok = load_tokenizer(demo_path("target"))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
@@ -157,10 +157,10 @@ def test_failed_compilation_falls_back_to_eager_with_one_line(family_dir, caplog
 
     monkeypatch.setattr(compiled.CompiledForward, "__init__", broken)
     path = family_dir(BY_NAME["llama"])
-    with caplog.at_level(logging.WARNING, logger="specdec.compiled"):
+    with caplog.at_level(logging.WARNING, logger="specdec.compiled_start"):
         target = TargetModel(ModelSpec(str(path), compile="on"))
     assert target.compiled is None
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled_start"]
     assert len(lines) == 1
     assert "'llama'" in lines[0] and "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
     engine = VerifierEngine(target)
@@ -177,11 +177,11 @@ def test_compile_mode_is_checked():
 def test_auto_keeps_compiled_only_where_it_pays(tiny_family, caplog, monkeypatch, eager_ms, compiled_ms, kept):
     target = TargetModel(ModelSpec(str(tiny_family["target"])))         # its packages: the other tests' own
     times = iter([eager_ms, compiled_ms])           # compile_target times eager first, then compiled
-    monkeypatch.setattr(compiled, "time_step", lambda *args, **kwargs: next(times))
-    with caplog.at_level(logging.INFO, logger="specdec.compiled"):
-        result = compiled.compile_target(target.lm, "auto")
+    monkeypatch.setattr(compiled_start, "time_step", lambda *args, **kwargs: next(times))
+    with caplog.at_level(logging.INFO, logger="specdec.compiled_start"):
+        result = compiled_start.compile_target(target.lm, "auto")
     assert (result is not None) == kept
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled_start"]
     assert len(lines) == 1
     assert ("compiled forwards on" in lines[0]) == kept
     assert kept or "10.00 ms compiled, 5.00 ms eager" in lines[0]
@@ -221,13 +221,13 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
 
 def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, monkeypatch):
     target, forward = llama_step
-    assert compiled.compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False).exists()
-    assert forward.packages.is_relative_to(compiled.compiled_aot.cache_dir())
+    assert compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False).exists()
+    assert forward.packages.is_relative_to(compiled_aot.cache_dir())
 
     def no_build(*args):
         raise AssertionError("a package on disk was built again")
 
-    monkeypatch.setattr(compiled.compiled_aot, "build_package", no_build)
+    monkeypatch.setattr(compiled_aot, "build_package", no_build)
     again = compiled.CompiledForward(target.lm, packed=False)     # a restart: loads the package
     again.warm((1,))
     before = _one_token_logits(target, again.forward, again.new_cache(8))
@@ -246,6 +246,6 @@ def test_package_key_follows_the_model_files(family_dir):
     a = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=0)))).lm
     b = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=1)))).lm
     step = compiled.FixedStep(a)
-    dirs = {compiled.compiled_aot.package_dir(step, lm.model, lm.dtype, torch.device("cpu")) for lm in (a, a, b)}
+    dirs = {compiled_aot.package_dir(step, lm.model, lm.dtype, torch.device("cpu")) for lm in (a, a, b)}
     assert len(dirs) == 2
-    assert compiled.compiled_aot.package_dir(step, a.model, torch.float16, torch.device("cpu")) not in dirs
+    assert compiled_aot.package_dir(step, a.model, torch.float16, torch.device("cpu")) not in dirs

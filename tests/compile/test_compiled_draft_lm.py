@@ -52,7 +52,7 @@ def test_compiled_steps_draft_the_eager_trees(drafters, sampled):
         assert fixed_kv.fixed_buffers(sess.cache) is not None      # still on the stacked buffer
 
 
-def test_one_token_steps_take_the_compiled_path(drafters, monkeypatch):
+def test_the_prompt_and_one_token_steps_take_the_compiled_path(drafters, monkeypatch):
     fast, _ = drafters
     calls = []
     real = compiled.CompiledForward.forward
@@ -68,7 +68,7 @@ def test_one_token_steps_take_the_compiled_path(drafters, monkeypatch):
     fast.draft("one", tree)
     fast.commit("one", [6])
     fast.draft("one", tree)
-    assert calls[0] == (5, False)                        # the prompt's feed: eager (causal, several tokens)
+    assert calls[0] == (5, True)                         # the prompt's feed: compiled too (``CompiledForward.prefill``)
     assert (1, True) in calls[1:]                        # the commit's one-token step
     assert all(ran for _, ran in calls[1:]) and len(calls) >= 6
 
@@ -127,7 +127,7 @@ def test_a_draft_lm_that_fails_to_compile_drafts_eagerly(tiny_family, caplog, mo
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(compiled.CompiledForward, "__init__", broken)
-    with caplog.at_level(logging.WARNING, logger="specdec.compiled"):
+    with caplog.at_level(logging.WARNING, logger="specdec.compiled_start"):
         drafter = DraftLmDrafter(ModelSpec(str(tiny_family["target"])), compile="on")
     assert drafter.compiled is None
     assert sum("RuntimeError: no C++ compiler" in r.getMessage() for r in caplog.records) == 1

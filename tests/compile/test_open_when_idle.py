@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specdec import compiled
+from specdec import compiled, compiled_aot
 from specdec.local import DrafterChoice, build_local
 from specdec.models import ModelSpec
 from specdec.v1 import verifier_pb2
@@ -26,13 +26,14 @@ from verifier.service import VerifierService, VerifierServiceConfig
 FIRST, LARGER = compiled.PACKAGED_CAPACITIES
 READY = {(w, FIRST) for w in compiled.READY_WIDTHS}
 LATER = {(w, c) for w in compiled.STARTUP_WIDTHS for c in (FIRST, LARGER)} - READY - {(4, FIRST)}   # 4: the check's
+LATER |= {(compiled.PREFILL_WIDTH, c) for c in compiled.PREFILL_CAPACITIES}
 
 
 def test_only_what_a_first_request_needs_opens_at_start_up_and_open_next_opens_the_rest(tiny_family):
     target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
     graphs = target.compiled.steps.graphs
     assert READY <= set(graphs) and not LATER & set(graphs)
-    assert {(w, c) for w, c, captures in target.compiled.due} == LATER
+    assert {(w, c) for w, c, captures, batched in target.compiled.due} == LATER
     while target.compiled.open_next():
         pass
     assert LATER <= set(graphs) and not target.compiled.due
@@ -78,7 +79,7 @@ def test_a_graph_is_opened_once_whichever_thread_asks_first(tiny_family, monkeyp
         time.sleep(0.2)             # long enough for the other thread to ask meanwhile
         return object()
 
-    monkeypatch.setattr(compiled.compiled_aot, "load_or_build", slow_open)
+    monkeypatch.setattr(compiled_aot, "load_or_build", slow_open)
     got = []
     threads = [threading.Thread(target=lambda: got.append(graphs.get(1, LARGER, lambda: ()))) for _ in range(2)]
     for t in threads:
@@ -93,7 +94,7 @@ def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_
     eager = TargetModel(ModelSpec(path))
     forward = compiled.CompiledForward(eager.lm)
     forward.warm((1,))
-    assert (1, LARGER, False) in forward.due
+    assert (1, LARGER, False, False) in forward.due
 
     def broken(*args):
         raise RuntimeError("disk gone")

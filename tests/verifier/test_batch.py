@@ -1,4 +1,5 @@
-"""Batched verification of mixed sessions == each session verified alone (greedy)."""
+"""Batched verification of mixed sessions == each session verified alone (greedy,
+sampled, penalised), with eager forwards and with compiled ones."""
 
 import asyncio
 import random
@@ -21,9 +22,15 @@ CFGS = [TreeParams(total_tokens=t, depth=d, expand_k=k) for t, d, k in [(8, 3, 2
 NEW = 30
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_family):
-    return build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice("eagle", str(tiny_family["eagle"])))
+@pytest.fixture(scope="module", params=["off", "on"], ids=["eager", "compiled"])
+def stack(tiny_family, request):
+    """The tiny stack, eager or with compiled forwards and batched compiled
+    graphs (``specdec.compiled_batch``: batches of root-only cycles and of
+    12-node trees take them, smaller trees run row by row)."""
+    built = build_local(ModelSpec(str(tiny_family["target"]), compile=request.param),
+                        DrafterChoice("eagle", str(tiny_family["eagle"])))
+    assert built.verifier.target.compile_batches() == (request.param == "on")
+    return built
 
 
 PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)

@@ -1,0 +1,147 @@
+"""Batched compiled verification (``specdec.compiled_batch``): several
+sessions' rows in one compiled forward whose batch dimension is free.
+Batches the batched graphs serve take one forward, and every session gets
+exactly what it gets verified alone on the eager target (accepted nodes,
+tokens, features; EAGLE-3 sessions' feature layers too); batches they do not
+serve run row by row on the one-session graphs, never as one eager forward;
+a failed check turns them off with one log line; a batching verifier service
+builds them before readiness and opens them while idle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+from specdec import compiled, compiled_batch, compiled_start, kv
+from specdec.local import DrafterChoice, build_local
+from specdec.models import ModelSpec
+from specdec.params import SamplingParams
+from specdec.tree import tree_from_lists
+from verifier.engine import TargetModel, VerifierEngine
+from verifier.service import VerifierService, VerifierServiceConfig
+
+PROMPTS = [[5, 6, 7], [20, 21, 22, 20, 21, 22, 23, 9, 9], [3] * 17]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_family):
+    path = str(tiny_family["target"])
+    eager = VerifierEngine(TargetModel(ModelSpec(path)))
+    fast = VerifierEngine(TargetModel(ModelSpec(path, compile="on"), model=eager.target.model))
+    fast.target.compiled = compiled_start.compile_target(fast.target.lm, "on")
+    assert compiled_start.compile_captures(fast.target.compiled, widths=(1, 16))
+    assert fast.target.compile_batches()
+    assert set(fast.target.compiled.batched) == {False, True}
+    return eager, fast
+
+
+@pytest.fixture
+def rows_seen(engines, monkeypatch):
+    """The row counts of the verify forwards run (-1: one ran eagerly); an eager batch fails the test."""
+    forward = engines[1].target.compiled
+    seen, run = [], forward.run
+
+    def counting(cache, tokens, positions, mask, *args, **kwargs):
+        out = run(cache, tokens, positions, mask, *args, **kwargs)
+        if mask is not None or tokens.shape[1] == 1:                 # not a prefill
+            seen.append(tokens.shape[0] if out is not None else -1)
+        return out
+
+    def no_eager_batch(*args, **kwargs):
+        raise AssertionError("a batch ran as one eager forward")
+
+    monkeypatch.setattr(forward, "run", counting)
+    monkeypatch.setattr(kv, "gather_rows", no_eager_batch)
+    return seen
+
+
+def _tree(root: int, size: int, seed: int):
+    """A tree of ``size`` nodes under ``root``: a chain and side branches, random tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [root] + torch.randint(1, 60, (size - 1,), generator=gen).tolist()
+    parents = [-1] + [i - 1 if i % 3 else max(0, i - 2) for i in range(1, size)]
+    return tree_from_lists(tokens, parents)
+
+
+def _run_both(engines, sizes, layers=(), cycles=6):
+    """Each cycle: every session's tree verified in one batch on the compiled
+    engine and alone on the eager one; both answers compared."""
+    eager, fast = engines
+    sids = [f"b{i}-{'-'.join(map(str, sizes))}-{len(layers)}" for i in range(len(PROMPTS))]
+    for sid, prompt in zip(sids, PROMPTS):
+        want = eager.prefill(sid, prompt, SamplingParams(), 40, feature_layers=layers)
+        got = fast.prefill(sid, prompt, SamplingParams(), 40, feature_layers=layers)
+        assert got.token == want.token
+    try:
+        for cycle in range(cycles):
+            trees = [_tree(eager.committed_tokens(sid)[-1], sizes[(cycle + i) % len(sizes)], 10 * cycle + i)
+                     for i, sid in enumerate(sids)]
+            results = fast.verify_batch(list(zip(sids, trees)))
+            for sid, tree, got in zip(sids, trees, results):
+                assert not isinstance(got, Exception), got
+                want = eager.verify(sid, tree)
+                assert (got.accepted, got.tokens) == (want.accepted, want.tokens)
+                torch.testing.assert_close(got.features, want.features, rtol=1e-4, atol=1e-4)
+        for sid in sids:
+            assert fast.committed_tokens(sid) == eager.committed_tokens(sid)
+    finally:
+        for sid in sids:
+            eager.release(sid)
+            fast.release(sid)
+
+
+@pytest.mark.parametrize("sizes", [(1,), (16, 9, 12)], ids=["root-only", "trees"])
+def test_a_batch_the_batched_graphs_serve_is_one_forward_and_each_session_gets_what_it_gets_alone(
+        engines, rows_seen, sizes):
+    _run_both(engines, sizes)
+    assert rows_seen and set(rows_seen) == {len(PROMPTS)}          # every verify: one forward of all rows
+
+
+def test_eagle3_sessions_feature_layers_come_from_the_batched_capturing_graphs(engines, rows_seen):
+    layers = (0, engines[0].target.num_layers // 2, engines[0].target.num_layers - 1)
+    _run_both(engines, (16, 1), layers)
+    assert rows_seen and set(rows_seen) == {len(PROMPTS)}
+
+
+def test_a_batch_no_batched_graph_serves_runs_row_by_row_on_the_compiled_graphs(engines, rows_seen):
+    _run_both(engines, (5, 3), cycles=3)                               # widths 8 and 4: no batched graph
+    assert rows_seen and set(rows_seen) == {1}
+
+
+def test_a_failed_check_turns_the_batched_graphs_off_with_one_line(tiny_family, monkeypatch, caplog):
+    forward = compiled.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm)
+    monkeypatch.setattr(compiled_batch, "check_batched", lambda *args: "batched logits differ (test)")
+    with caplog.at_level(logging.WARNING, logger="specdec.compiled_batch"):
+        assert not compiled_batch.compile_batches(forward)
+    assert forward.batched == {} and not forward.serves_batch([3, 4], 1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled_batch"]
+    assert len(lines) == 1 and "batched logits differ (test)" in lines[0] and "row by row" in lines[0]
+
+
+def test_a_batching_verifier_service_builds_them_before_readiness_and_opens_them_while_idle(tiny_family):
+    path = str(tiny_family["target"])
+
+    async def main():
+        stack = build_local(ModelSpec(path, compile="on"), DrafterChoice("eagle", str(tiny_family["eagle"])))
+        forward = stack.verifier.target.compiled
+        service = VerifierService(VerifierServiceConfig(batch_window_ms=2.0))
+        await service.load(lambda: stack.verifier)
+        try:
+            built = set(forward.batched)
+            queued = {(w, c) for w, c, _, batched in forward.due if batched}
+            deadline = time.monotonic() + 120
+            while forward.due and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return built, queued, forward.batched[False].graphs, len(forward.due)
+        finally:
+            await service.aclose()
+
+    built, queued, opened, left = asyncio.run(main())
+    everything = {(w, c) for w in compiled.READY_WIDTHS for c in compiled.PACKAGED_CAPACITIES}
+    assert built == {False}                       # no capturing graphs on this verifier: none batched
+    assert queued == everything - {(1, compiled.MIN_CAPACITY)}      # the check opened that one
+    assert everything <= set(opened) and left == 0
