@@ -324,9 +324,9 @@ class CompiledForward:
         """A causal forward of tokens, positions [1, n] as ``run``, in chunks of
         ``PREFILL_WIDTH`` tokens, the last one padded to a start-up width (16
         tokens at most) or to ``PREFILL_WIDTH``: a chunk at ``PREFILL_CAPACITIES``
-        whose graph is open or on disk runs compiled, any other eagerly
-        (nothing is compiled on a request); None where the cache is not a
-        compiled-path one."""
+        whose graph is open or on disk runs compiled; from the first that
+        cannot, the rest runs in one eager forward (nothing is compiled on a
+        request); None where the cache is not a compiled-path one."""
         if fixed_buffers(cache) is None or not self.captures(layers):
             return None
         graphs, outs, n = self.capturing if layers else self.steps, [], tokens.shape[1]
@@ -338,8 +338,10 @@ class CompiledForward:
             capacity = cache.fixed_buffers.stack.shape[4]
             if capacity in PREFILL_CAPACITIES and graphs.ready(width, capacity):
                 outs.append(self._step(cache, *chunk, None, layers, width))
-            else:
-                outs.append(eager_run(self.lm, cache, *chunk, None, layers))
+                continue
+            self.fit(cache, n - start)           # the rest in one eager forward (an eager chunk costs its dispatch)
+            outs.append(eager_run(self.lm, cache, tokens[:, start:], positions[:, start:], None, layers))
+            break
         return tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*outs))
 
     def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int):
