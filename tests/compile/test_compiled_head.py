@@ -142,3 +142,21 @@ def test_padded_mask_is_the_padded_additive_mask(heads):
         allowed = torch.rand(k, past + k, generator=gen) < 0.5
         want = pad_mask(masks.additive(allowed)[None, None], width, 64)
         assert torch.equal(fast.compiled.padded_mask(allowed, width, 64), want)
+
+
+def test_a_batch_of_sessions_drafts_one_by_one_on_the_compiled_levels(heads, monkeypatch):
+    from drafter import batch
+
+    fast, eager = heads
+    assert batch._model_for(fast) is None and batch._model_for(eager) is not None
+    levels = []
+    step = fast.compiled.step
+    monkeypatch.setattr(fast.compiled, "step", lambda *a, **k: levels.append(1) or step(*a, **k))
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    sids = [f"batch-{i}" for i in range(3)]
+    for sid, n in zip(sids, (7, 19, 11)):
+        feed(heads, sid, rng, gen, n)
+    trees = batch.draft_batch(fast, [(sid, [], None, TREES[0]) for sid in sids])
+    assert levels                                                      # the compiled levels drafted them
+    for sid, tree in zip(sids, trees):
+        assert_same_tree(tree, eager.draft(sid, TREES[0]))
