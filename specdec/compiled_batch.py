@@ -70,14 +70,17 @@ def compile_batches(compiled: CompiledForward) -> bool:
     t = time.perf_counter()
     try:
         compiled.batch_graphs()
+        for captures in compiled.batched:          # built first: the check runs on the packages
+            compiled.warm(READY_WIDTHS, captures=captures, batched=True, ready=())
         reason = next(filter(None, (check_batched(compiled, compiled.some_layers() if captures else ())
                                     for captures in compiled.batched)), None)
-        for captures in compiled.batched if reason is None else ():
-            compiled.warm(READY_WIDTHS, captures=captures, batched=True, ready=())
+        compiled.due = [(w, c, captures, batched) for w, c, captures, batched in compiled.due   # the check opened some
+                        if not batched or (w, c) not in compiled.batched[captures].graphs]
     except Exception as exc:  # noqa: BLE001 - any failure means: batches run row by row
         reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:
         compiled.batched = {}
+        compiled.due = [graph for graph in compiled.due if not graph[3]]
         log.warning("batched compiled forwards off for model type %r: %s; batches run row by row", kind, reason)
         return False
     log.info("batched compiled forwards on for model type %r (%.1f s; widths %s)", kind, time.perf_counter() - t,

@@ -18,6 +18,8 @@ DTYPES = ("float32", "float16", "bfloat16")
 # interface, else the best the model supports (specdec.attention.choose_implementation)
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
+# auto (packed weights for a small model on CPU), on or off: ``specdec.fixed_graphs.packed_setting``
+PACKED_ENV = "SPECDEC_COMPILE_PACKED"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
+# compiled graphs over the models' own weights: a tiny model's packed packages take ~3x as long to
+# build on an empty compile cache; the packed path has its own tests (``tests/compile/test_compiled.py``)
+os.environ.setdefault("SPECDEC_COMPILE_PACKED", "off")
 
 
 @pytest.fixture(scope="session")

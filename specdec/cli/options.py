@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.errors import SpecdecError, UsageError
-from specdec.models import ATTN_IMPLEMENTATIONS, COMPILE_MODES, demo_path
+from specdec.models import ATTN_IMPLEMENTATIONS, COMPILE_MODES, PACKED_ENV, demo_path
 from specdec.params import PROPOSALS
 
 
@@ -69,6 +69,9 @@ def compile_mode(text: str) -> str:
     mode = str(text).lower()
     if mode not in COMPILE_MODES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(COMPILE_MODES)}, got {text!r}")
+    packed = os.environ.get(PACKED_ENV, "auto")
+    if packed not in COMPILE_MODES:      # read where the graphs are built; checked here, before any start-up
+        raise argparse.ArgumentTypeError(f"{PACKED_ENV} must be one of {', '.join(COMPILE_MODES)}, got {packed!r}")
     return mode
 
 

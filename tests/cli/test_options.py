@@ -1,4 +1,5 @@
-"""Shared flags of specdec.cli.options: --compile and its variable SPECDEC_COMPILE."""
+"""Shared flags of specdec.cli.options: --compile, its variable SPECDEC_COMPILE and
+SPECDEC_COMPILE_PACKED (how the compiled graphs hold the weights)."""
 
 import pytest
 
@@ -38,3 +39,12 @@ def test_a_bad_compile_mode_is_a_usage_error(argv, env, monkeypatch, capsys):
     (line,) = [x for x in err.splitlines() if "error" in x]
     assert line.endswith(f"argument --compile: must be one of auto, on, off, got {env or 'fast'!r}"), err
     assert "Traceback" not in err
+
+
+def test_a_bad_packed_setting_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("SPECDEC_COMPILE_PACKED", "sometimes")
+    with pytest.raises(SystemExit) as exc:
+        main(["verifier", "serve", "--compile", "on"])
+    assert exc.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert line.endswith("SPECDEC_COMPILE_PACKED must be one of auto, on, off, got 'sometimes'")

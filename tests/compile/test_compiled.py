@@ -17,7 +17,7 @@ from families import BY_NAME
 from specdec import compiled, compiled_aot, compiled_start, fixed_kv, kv
 from specdec.decoding import StopCriteria
 from specdec.local import generate
-from specdec.models import ModelSpec, demo_path, load_tokenizer
+from specdec.models import PACKED_ENV, ModelSpec, demo_path, load_tokenizer
 from specdec.params import SamplingParams, TreeParams
 from verifier.engine import TargetModel, VerifierEngine
 
@@ -55,7 +55,9 @@ def demo_engines():
 
     eager = TargetModel(ModelSpec(str(demo_path("target"))))
     fast = TargetModel(ModelSpec(str(demo_path("target"))), model=eager.model)
-    fast.compiled = compiled_start.compile_target(fast.lm, "on")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(PACKED_ENV, "auto")                  # as users run it: packed weights for a small model
+        fast.compiled = compiled_start.compile_target(fast.lm, "on")
     assert fast.compiled is not None
     tok = load_tokenizer(demo_path("target"))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
@@ -88,6 +90,15 @@ def test_demo_target_seeded_sampling_reproducible(demo_engines):
     _, fast, _, prompts = demo_engines
     params = SamplingParams(temperature=0.8, seed=7)
     assert _tokens(fast, None, prompts[:1], params=params) == _tokens(fast, None, prompts[:1], params=params)
+
+
+def test_packed_packages_give_the_eager_logits(tiny_family):
+    """The packed path (the weights frozen into each package, inductor's CPP
+    GEMM), which the rest of the suite leaves off (``tests/conftest.py``)."""
+    forward = compiled.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm, packed=True)
+    assert forward.packed and forward.steps.weights is None
+    assert compiled_start.check_compiled(forward) is None
+    assert compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=True).exists()
 
 
 def test_non_llama_family_greedy_identical(family_dir):

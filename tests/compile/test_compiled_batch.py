@@ -2,8 +2,8 @@
 sessions' rows in one compiled forward whose batch dimension is free.
 Batches the batched graphs serve take one forward, and every session gets
 exactly what it gets verified alone on the eager target (accepted nodes,
-tokens, features; EAGLE-3 sessions' feature layers too); batches they do not
-serve run row by row on the one-session graphs, never as one eager forward;
+tokens, features; EAGLE-3 sessions' feature layers too; a windowed,
+soft-capped family too); batches they do not serve run row by row on the one-session graphs, never as one eager forward;
 a failed check turns them off with one log line; a batching verifier service
 builds them before readiness and opens them while idle."""
 
@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from families import BY_NAME
 
 from specdec import compiled, compiled_batch, compiled_start, kv
 from specdec.local import DrafterChoice, build_local
@@ -27,16 +28,28 @@ from verifier.service import VerifierService, VerifierServiceConfig
 PROMPTS = [[5, 6, 7], [20, 21, 22, 20, 21, 22, 23, 9, 9], [3] * 17]
 
 
+def _engines(path: str, captures: bool = True) -> tuple[VerifierEngine, VerifierEngine]:
+    """(eager engine, compiled engine with batched graphs, capturing ones too with ``captures``)
+    over one model; without ``captures`` only the one-session graphs these tests use are built."""
+    eager = VerifierEngine(TargetModel(ModelSpec(path)))
+    fast = VerifierEngine(TargetModel(ModelSpec(path), model=eager.target.model))
+    if captures:
+        fast.target.compiled = compiled_start.compile_target(fast.target.lm, "on")
+    else:
+        fast.target.compiled = compiled.CompiledForward(fast.target.lm)
+        assert compiled_start.check_compiled(fast.target.compiled) is None
+        fast.target.compiled.warm(compiled.READY_WIDTHS, (compiled.MIN_CAPACITY,))
+    assert fast.target.compiled is not None
+    if captures:
+        assert compiled_start.compile_captures(fast.target.compiled, widths=(1, 16))
+    assert fast.target.compile_batches()
+    assert set(fast.target.compiled.batched) == ({False, True} if captures else {False})
+    return eager, fast
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_family):
-    path = str(tiny_family["target"])
-    eager = VerifierEngine(TargetModel(ModelSpec(path)))
-    fast = VerifierEngine(TargetModel(ModelSpec(path, compile="on"), model=eager.target.model))
-    fast.target.compiled = compiled_start.compile_target(fast.target.lm, "on")
-    assert compiled_start.compile_captures(fast.target.compiled, widths=(1, 16))
-    assert fast.target.compile_batches()
-    assert set(fast.target.compiled.batched) == {False, True}
-    return eager, fast
+    return _engines(str(tiny_family["target"]))
 
 
 @pytest.fixture
@@ -110,6 +123,17 @@ def test_eagle3_sessions_feature_layers_come_from_the_batched_capturing_graphs(e
 def test_a_batch_no_batched_graph_serves_runs_row_by_row_on_the_compiled_graphs(engines, rows_seen):
     _run_both(engines, (5, 3), cycles=3)                               # widths 8 and 4: no batched graph
     assert rows_seen and set(rows_seen) == {1}
+
+
+def test_a_windowed_soft_capped_family_batches_on_the_batched_graphs(family_dir, monkeypatch):
+    """gemma2: per-layer-type masks (sliding and full), soft-capped attention and logits."""
+    both = _engines(str(family_dir(BY_NAME["gemma2"])), captures=False)
+    seen = []
+    run = both[1].target.compiled.run
+    monkeypatch.setattr(both[1].target.compiled, "run",
+                        lambda cache, tokens, *a: seen.append(tokens.shape[0]) or run(cache, tokens, *a))
+    _run_both(both, (1, 16, 12), cycles=8)
+    assert len(PROMPTS) in seen
 
 
 def test_a_failed_check_turns_the_batched_graphs_off_with_one_line(tiny_family, monkeypatch, caplog):
