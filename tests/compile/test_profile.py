@@ -1,5 +1,6 @@
 """``specdec bench profile``: the step profile's record and, with compiled
-forwards, the side-by-side end-to-end run whose outputs must match vanilla."""
+forwards, the side-by-side end-to-end run whose outputs must match vanilla,
+batched verification and prefill on each path (``--batches``, ``--prefill``)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,23 @@ def test_compiled_side_by_side(tiny_family, tmp_path):
     out = tmp_path / "prof.json"
     assert main(["bench", "profile", *_flags(tiny_family), "--steps", "3", "--prefix", "16", "--compile", "on",
                  "--e2e-prompts", "2", "--max-new-tokens", "12", "--total-tokens", "8", "--depth", "3",
-                 "--json", str(out)]) == 0
+                 "--batches", "2,3", "--prefill", "20,70", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["steps"]["compiled"]) == {"target_step", "target_verify16", "eagle_level8"}
     e2e = result["end_to_end"]
     assert set(e2e) == {"vanilla", "eagle2", "vanilla+compiled", "eagle2+compiled"}
     assert all(m["matches_vanilla"] for m in e2e.values())
+    paths = {"eager", "compiled rows", "compiled batched"}
+    assert set(result["batched_verify"]) == {"B=2", "B=3"}
+    assert all(set(t) == paths and min(t.values()) > 0 for by in result["batched_verify"].values() for t in by.values())
+    assert set(result["prefill"]) == {"20 tokens", "70 tokens"}
+
+
+@pytest.mark.parametrize("flags, why", [(["--batches", "2"], "add --compile on"),
+                                         (["--compile", "on", "--prefill", "0"], "positive integers")])
+def test_batches_and_prefill_flags_are_checked(tiny_family, tmp_path, capsys, flags, why):
+    assert main(["bench", "profile", *_flags(tiny_family), *flags, "--json", str(tmp_path / "p.json")]) == 2
+    assert why in capsys.readouterr().err
 
 
 def test_startup_only_times_the_target_and_the_drafter(tiny_family, tmp_path, capsys):
