@@ -96,6 +96,7 @@ PREFILL_WIDTH, PREFILL_CAPACITIES = WIDTHS[-1], PACKAGED_CAPACITIES[:1]
 # of those, opened and run before readiness: a root-only cycle's and a default tree's (the check at load
 # opens a 3-node tree's, 4); the others open while the server is idle (``open_next``) or on first use
 READY_WIDTHS = (1, next(w for w in WIDTHS if w >= DEFAULT_TOTAL_TOKENS))
+SPARE_BATCHES = 4                       # batch caches kept for reuse, the latest shapes (``CompiledForward.reuse``)
 CAPTURED = 3                            # residual streams a capturing graph returns (an EAGLE-3 head reads 3)
 
 
@@ -241,6 +242,8 @@ class CompiledForward:
         fixed = fixed_buffers(batch)
         if fixed is not None:
             self.spare[(fixed.stack.shape[2], fixed.stack.shape[4])] = batch
+            while len(self.spare) > SPARE_BATCHES:         # the oldest shape goes (dicts keep insertion order)
+                self.spare.pop(next(iter(self.spare)))
 
     @torch.inference_mode()
     def append_row(self, cache, batch, row: int, slots: torch.Tensor) -> bool:

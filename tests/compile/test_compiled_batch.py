@@ -17,7 +17,7 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec import compiled, compiled_batch, compiled_start, kv
+from specdec import compiled, compiled_batch, compiled_start, fixed_kv, kv
 from specdec.local import DrafterChoice, build_local
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams
@@ -169,3 +169,12 @@ def test_a_batching_verifier_service_builds_them_before_readiness_and_opens_them
     assert built == {False}                       # no capturing graphs on this verifier: none batched
     assert queued == everything - {(1, compiled.MIN_CAPACITY)}      # the check opened that one
     assert everything <= set(opened) and left == 0
+
+
+def test_batch_buffers_are_kept_for_the_latest_shapes_only(engines):
+    forward = engines[1].target.compiled
+    forward.spare.clear()
+    for rows in range(2, 3 + compiled.SPARE_BATCHES):
+        with torch.inference_mode():
+            forward.reuse(fixed_kv.stacked_cache(forward.lm.new_cache(), forward.new_stack(compiled.MIN_CAPACITY, rows)))
+    assert list(forward.spare) == [(rows, compiled.MIN_CAPACITY) for rows in range(3, 3 + compiled.SPARE_BATCHES)]
