@@ -71,14 +71,14 @@ def batched_verify(eager: TargetModel, fast: TargetModel, batches: tuple[int, ..
         for label, nodes in (("root-only", 1), (f"tree{TREE_NODES}", TREE_NODES)):
             times = {"eager": [], "compiled rows": [], "compiled batched": []}
             for _ in range(steps + 2):
-                for path in times:
+                for path, taken in times.items():
                     engine = engines["eager" if path == "eager" else "compiled"]
                     ids = sids["eager" if path == "eager" else "compiled"]
                     items = _trees(engine, ids, nodes, vocab)
                     with rows_only(fast) if path == "compiled rows" else nullcontext():
                         t = time.perf_counter()
                         engine.verify_batch(items)
-                        times[path].append(time.perf_counter() - t)
+                        taken.append(time.perf_counter() - t)
                     for sid in ids:
                         engine.rollback(sid, prefix + 1)
             out[f"B={rows}"][label] = {path: _median_ms(ts, steps) for path, ts in times.items()}
