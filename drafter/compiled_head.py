@@ -13,10 +13,12 @@ graph per frontier width over a session cache that is one stacked buffer
 - widths padded to the next of ``WIDTHS`` (all built at start-up), the tree
   mask padded to the capacity (pad queries see only their own slot; their
   outputs are dropped);
-- the graphs are AOTInductor packages with the head's weights packed into them
-  (``specdec.compiled_aot``), built once and loaded on later starts; a head
-  whose packed copies would not fit ``PACKED_BUDGET`` (the vocabulary tables
-  of a large target) drafts eagerly.
+- on CPU the graphs are AOTInductor packages (``specdec.compiled_aot``),
+  built once and loaded on later starts, with the head's weights packed into
+  them (a head whose packed copies would not fit ``PACKED_BUDGET``, the
+  vocabulary tables of a large target, drafts eagerly); on a GPU they are
+  ``torch.compile`` graphs over the head's own weights, replayed as CUDA
+  graphs (``specdec.cuda_graphs``), as the target's are.
 
 Feeding a cycle's committed pairs (a few tokens, causal) takes the same
 graphs; a prompt's (wider) stays eager and writes into the same buffer. A
@@ -53,14 +55,18 @@ class HeadStep(torch.nn.Module):
         super().__init__()
         self.head = drafter.head                 # registered: the export sees its weights by name
         self.drafter = drafter
+        self.names = tuple(drafter.step_tensors())          # and the tensors it reads besides them, as buffers
+        for name, t in drafter.step_tensors().items():      # the traced step reads (``reading``): a package
+            self.register_buffer(name, t, persistent=False)  # over shared weights binds them by name
 
     def forward(self, tokens, parent, positions, mask, slots, stack):
         """tokens, positions [1, nb]; parent [1, nb, H] (the parents' outputs);
         mask [1, 1, nb, C]; slots [nb]; stack [1, 2, 1, heads, C, d], the nb new
         slots written in place. Returns (outputs [1, nb, H], log-probs [1, nb, V])."""
         cache = Cache(layers=[FixedLayer(stack, 0, slots)])
-        out = self.drafter.head(self.drafter.embed_tokens(tokens), parent, positions, mask, cache)
-        return out, self.drafter.logprobs(out)
+        drafter = self.drafter.reading({name: getattr(self, name) for name in self.names})
+        out = drafter.head(drafter.embed_tokens(tokens), parent, positions, mask, cache)
+        return out, drafter.logprobs(out)
 
 
 class HeadKey(torch.nn.Module):
@@ -83,8 +89,9 @@ class CompiledHead:
         self.device = head.fc.weight.device
         self.layers, self.heads, self.head_dim = self._probe()
         sources = tuple({inspect.getfile(type(m)) for m in head.modules()} | {inspect.getfile(type(drafter))})
+        # packages on CPU; on a GPU torch.compile graphs replayed as CUDA graphs (``specdec.compiled``)
         self.steps = FixedGraphs(HeadStep(drafter).eval(), HeadKey(drafter), self.dtype, self.device,
-                                    packed=packed, sources=sources,
+                                    ahead_of_time=self.device.type == "cpu", packed=packed, sources=sources,
                                     packaged_capacities=(HEAD_CAPACITY,))
 
     @torch.inference_mode()
@@ -226,12 +233,13 @@ def compile_head(drafter, mode: str) -> CompiledHead | None:
     weight_bytes = sum(t.numel() * t.element_size() for t in HeadKey(drafter).state_dict().values())
     t = time.perf_counter()
     reason = None
-    if weight_bytes * len(WIDTHS) > PACKED_BUDGET:
+    packed = torch.device(drafter.device).type == "cpu"     # the packed copies pay for inductor's CPU GEMM only
+    if packed and weight_bytes * len(WIDTHS) > PACKED_BUDGET:
         reason = (f"its weights ({weight_bytes >> 20} MiB with the vocabulary tables) are too large to pack once "
                   f"per width")
     else:
         try:
-            compiled = CompiledHead(drafter)
+            compiled = CompiledHead(drafter, packed)
             reason = check_head(compiled)
             if reason is None:
                 compiled.warm()

@@ -8,6 +8,8 @@ root_pos + d.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from abc import abstractmethod
 from pathlib import Path
 
@@ -40,6 +42,12 @@ class FeatureHeadDrafter(CachedTreeDrafter):
     @abstractmethod
     def step_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors a draft level reads besides the head's own parameters, by name."""
+
+    @abstractmethod
+    def reading(self, tensors: dict[str, torch.Tensor]) -> FeatureHeadDrafter:
+        """A shallow copy of this drafter whose draft levels read ``tensors``
+        (``step_tensors``' names) instead: a compiled level traces it over its
+        own named buffers, which a package binds at load."""
 
     def _inputs_for(self, n_tokens: int) -> int:
         return n_tokens - 1
@@ -104,6 +112,11 @@ class EagleDrafter(FeatureHeadDrafter):
 
     def step_tensors(self) -> dict[str, torch.Tensor]:
         return {"embed": self.target_head.embed, "lm_head": self.target_head.lm_head}
+
+    def reading(self, tensors: dict[str, torch.Tensor]) -> EagleDrafter:
+        view = copy.copy(self)
+        view.target_head = dataclasses.replace(self.target_head, embed=tensors["embed"], lm_head=tensors["lm_head"])
+        return view
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""

@@ -21,6 +21,7 @@ and the verifier's acceptance needs nothing new to stay exact.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -77,6 +78,11 @@ class Eagle3Drafter(FeatureHeadDrafter):
 
     def step_tensors(self) -> dict[str, torch.Tensor]:
         return {"embedding": self.head.embedding, "target_ids": self.target_ids}
+
+    def reading(self, tensors: dict[str, torch.Tensor]) -> Eagle3Drafter:
+        view = copy.copy(self)              # the embedding is the head's own buffer, read through the head
+        view.target_ids = tensors["target_ids"]
+        return view
 
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target-vocabulary log-probs [..., V] of head outputs [..., H]: the draft

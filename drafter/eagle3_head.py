@@ -155,7 +155,7 @@ class Eagle3Head(nn.Module):
         past = kv.seq_len(cache) if cache is not None else 0
         if mask is None and past > 0 and hidden.shape[1] > 1:
             # SDPA's implicit causal mask is top-left aligned: wrong over a cache.
-            mask = masks.causal_mask(hidden.shape[1], past, hidden.dtype)
+            mask = masks.causal_mask(hidden.shape[1], past, hidden.dtype).to(hidden.device)
         pe = self.rotary(hidden, positions)
         return self.midlayer(token_embeds, hidden, pe, mask, cache)
 

@@ -82,7 +82,7 @@ class EagleHead(nn.Module):
         past = kv.seq_len(cache) if cache is not None else 0
         if mask is None and past > 0 and h.shape[1] > 1:
             # SDPA's implicit causal mask is top-left aligned: wrong over a cache.
-            mask = masks.causal_mask(h.shape[1], past, h.dtype)
+            mask = masks.causal_mask(h.shape[1], past, h.dtype).to(h.device)
         pe = self.rotary(h, positions)
         return self.layers[0](h, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
                               position_embeddings=pe, **kv.with_cache(self.layers[0], cache))

@@ -62,8 +62,10 @@ eager ones on a check at load, runs eagerly with one log line saying why
 (``specdec.compiled_start``). With ``auto`` the compiled path is also timed
 against the eager one on a one-token step and kept only where it pays.
 
-On CUDA the same code path would take ``mode="reduce-overhead"`` (CUDA graphs
-over the same fixed shapes); that is not exercised on this project's machines.
+On a CUDA device the graphs are ``torch.compile`` ones (no packages: see
+``CompiledForward``), all compiled at start-up, and every call replays as a
+CUDA graph recorded per K/V buffer (``specdec.cuda_graphs``); batched
+verification there runs row by row over them (batched graphs are packages).
 """
 
 from __future__ import annotations
@@ -115,8 +117,15 @@ def width_bucket(n: int) -> int | None:
 class CompiledForward:
     """Compiled fixed-shape forwards of one causal LM (``FixedGraphs`` of ``FixedStep``)."""
 
-    def __init__(self, lm: CausalLm, ahead_of_time: bool = True, packed: bool | None = None,
+    def __init__(self, lm: CausalLm, ahead_of_time: bool | None = None, packed: bool | None = None,
                  options: dict | None = None):
+        """``ahead_of_time`` (None: on CPU) keeps the graphs as packages on disk;
+        without them every graph is a ``torch.compile`` one, compiled at
+        ``warm``. On a GPU they replay as CUDA graphs either way, which takes
+        the per-call cost the packages save on CPU out of the step (and
+        AOTInductor packages built for CUDA by torch 2.11 crashed at load)."""
+        if ahead_of_time is None:
+            ahead_of_time = torch.device(lm.device).type == "cpu"
         self.lm = lm
         self.layers, self.heads, self.head_dim = self._probe()
         self.module = FixedStep(lm).eval()
@@ -389,8 +398,8 @@ class CompiledForward:
         for i, capacity in enumerate(capacities):
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures, rows)
-                if i == 0 and (ready is None or width in ready):
-                    self._first_run(width, capacity, captures, batched)
+                if (i == 0 and (ready is None or width in ready)) or graphs.packages is None:
+                    self._first_run(width, capacity, captures, batched)     # (no package: compiled now)
                 elif (width, capacity) not in graphs.graphs and graphs.on_disk(width, capacity, example):
                     self.due.append((width, capacity, captures, batched))
         return time.perf_counter() - t

@@ -67,6 +67,10 @@ def compile_batches(compiled: CompiledForward) -> bool:
     capacity, opened while idle (``open_next``); False, with one log line,
     where that fails (batches then run row by row)."""
     kind = getattr(compiled.lm.config, "model_type", "?")
+    if compiled.packages is None:
+        log.info("batched compiled forwards off for model type %r: batched graphs are ahead-of-time packages, "
+                 "which the compiled forwards on this device do not use; batches run row by row", kind)
+        return False
     t = time.perf_counter()
     try:
         compiled.batch_graphs()

@@ -57,10 +57,12 @@ def check_compiled(compiled: CompiledForward, layers: tuple[int, ...] = ()) -> s
 def time_step(lm: CausalLm, step, cache, prefix: int = 64, repeats: int = 20) -> float:
     """Median ms of ``step`` on one token after an eager ``prefix`` (cut back after each run)."""
     lm.hidden(cache, torch.zeros(1, prefix, dtype=torch.long), torch.arange(prefix)[None], None)
-    times = []
+    times, cuda = [], torch.device(lm.device).type == "cuda"
     for _ in range(repeats + 2):
         t = time.perf_counter()
         step(cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([[prefix]]), None)
+        if cuda:                         # a GPU step has only been launched when the call returns
+            torch.cuda.synchronize(lm.device)
         times.append(time.perf_counter() - t)
         kv.truncate(cache, prefix)
     return sorted(times[2:])[repeats // 2] * 1000

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from specdec import compiled_aot
+from specdec import compiled_aot, cuda_graphs
 from specdec.fixed_kv import FixedLayer
 from specdec.models import COMPILE_MODES, PACKED_ENV
 
@@ -49,7 +49,8 @@ class FixedGraphs:
     capacity): at ``packaged_capacities`` AOTInductor packages kept on disk
     (``specdec.compiled_aot``) when ``ahead_of_time``, packed (their own copy
     of the weights, for inductor's CPP GEMM) for a small ``model`` on CPU or
-    when ``packed``; at larger capacities (or without packages) ``torch.compile``."""
+    when ``packed``; at larger capacities (or without packages) ``torch.compile``;
+    on CUDA, each replayed as CUDA graphs (``specdec.cuda_graphs``)."""
 
     def __init__(self, module: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
                  ahead_of_time: bool = True, packed: bool | None = None, options: dict | None = None,
@@ -72,6 +73,9 @@ class FixedGraphs:
         self.opening: dict[tuple[int, int], threading.Lock] = {}   # held while that graph is opened
         self.packaged_capacities = tuple(packaged_capacities)
         self.batch_dims = batch_dims if batched else None     # batched: packages only, their batch dimension free
+        # on CUDA every graph replays as CUDA graphs recorded per K/V buffer (``specdec.cuda_graphs``)
+        self.device = device
+        self.cuda_graphs = cuda_graphs.enabled(device)
 
     def serves(self, width: int, capacity: int) -> bool:
         """Whether the graph for (width, capacity) is open or can be had: batched
@@ -109,8 +113,13 @@ class FixedGraphs:
                 if self.packages is None or capacity not in self.packaged_capacities:
                     if self.traced is None:
                         self.traced = torch.compile(self.module, dynamic=False, options=self.options)
-                    self.graphs[key] = self.traced
+                    graph = self.traced
                 else:
-                    self.graphs[key] = compiled_aot.load_or_build(self.module, example, self.packages, width,
-                                                                  capacity, self.weights, self.batch_dims)
+                    graph = compiled_aot.load_or_build(self.module, example, self.packages, width, capacity,
+                                                       self.weights, self.batch_dims, self.cuda_graphs)
+                if self.cuda_graphs:
+                    step = type(self.module)
+                    graph = cuda_graphs.GraphedStep(graph, cuda_graphs.cache_argument(step), self.device,
+                                                    f"{step.__name__} w{width} c{capacity}")
+                self.graphs[key] = graph
             return self.graphs[key]

@@ -20,6 +20,8 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
 # auto (packed weights for a small model on CPU), on or off: ``specdec.fixed_graphs.packed_setting``
 PACKED_ENV = "SPECDEC_COMPILE_PACKED"
+# on (default) or off: compiled steps on a CUDA device replay as CUDA graphs (``specdec.cuda_graphs``)
+CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES = "SPECDEC_CUDA_GRAPHS", ("on", "off")
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,12 @@ def batched_verify(eager: TargetModel, fast: TargetModel, batches: tuple[int, ..
     return out
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work, if a GPU is in use: a CUDA forward returns once launched."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @torch.inference_mode()
 def prefill(eager: TargetModel, fast: TargetModel, lengths: tuple[int, ...], steps: int) -> dict[str, dict]:
     """{"N tokens": {"eager" | "compiled": median ms of a prefill on a fresh cache}}."""
@@ -100,6 +106,7 @@ def prefill(eager: TargetModel, fast: TargetModel, lengths: tuple[int, ...], ste
                 cache = target.new_cache(n)
                 t = time.perf_counter()
                 target.run(cache, ids[None], torch.arange(n)[None], None)
+                sync()
                 times[path].append(time.perf_counter() - t)
         out[f"{n} tokens"] = {path: _median_ms(ts, steps) for path, ts in times.items()}
     return out

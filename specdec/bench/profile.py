@@ -51,8 +51,9 @@ from drafter.eagle import EagleDrafter
 from drafter.eagle3 import load_eagle_drafter
 from specdec import kv
 from specdec.bench import batch_profile
+from specdec.bench.batch_profile import sync
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
-from specdec.compiled import WIDTHS, CompiledForward, width_bucket
+from specdec.compiled import MIN_CAPACITY, WIDTHS, CompiledForward, width_bucket
 from specdec.compiled_start import compile_target
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_tokenizer
@@ -88,6 +89,7 @@ def time_step(run, reset, steps: int, profile: bool) -> StepTimes:
     for i in range(steps + 2):
         t = time.perf_counter()
         run()
+        sync()
         times.append(time.perf_counter() - t)
         reset()
     wall = sorted(times[2:])[steps // 2] * 1000
@@ -98,6 +100,7 @@ def time_step(run, reset, steps: int, profile: bool) -> StepTimes:
         for _ in range(runs):
             t = time.perf_counter()
             run()
+            sync()
             spent += time.perf_counter() - t
             reset()
     events = prof.key_averages()
@@ -149,6 +152,7 @@ class StepBench:
                 for name, run in runs.items():
                     t = time.perf_counter()
                     run[which]()
+                    sync()
                     times[name][key].append(time.perf_counter() - t)
                     run[2]()
         return {name: {key: round(sorted(ts[2:])[steps // 2] * 1000, 3) for key, ts in by_step.items()}
@@ -237,8 +241,8 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
             if fast_drafter.compiled is not None:
                 steps["eagle_level8"] = StepBench(fast, fast_drafter, args.prefix).eagle_level(args.steps, False)
             result["steps"]["compiled"] = {k: v.record() for k, v in steps.items()}
-            traced = CompiledForward(fast.lm, ahead_of_time=False)      # torch.compile at every capacity
-            traced.warm((1, width_bucket(VERIFY_NODES)))
+            traced = CompiledForward(fast.lm, ahead_of_time=False)      # torch.compile graphs, no packages
+            traced.warm((1, width_bucket(VERIFY_NODES)), (MIN_CAPACITY,))   # the capacity the steps run at
             paths = {"eager": (eager.forward_batch, eager.lm.new_cache),
                      "torch.compile": (traced.forward, traced.new_cache),
                      "compiled": (fast.forward_batch, fast.new_cache)}

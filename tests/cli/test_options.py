@@ -1,5 +1,6 @@
-"""Shared flags of specdec.cli.options: --compile, its variable SPECDEC_COMPILE and
-SPECDEC_COMPILE_PACKED (how the compiled graphs hold the weights)."""
+"""Shared flags of specdec.cli.options: --compile, its variable SPECDEC_COMPILE,
+SPECDEC_COMPILE_PACKED (how the compiled graphs hold the weights) and
+SPECDEC_CUDA_GRAPHS (compiled steps on a GPU replayed as CUDA graphs)."""
 
 import pytest
 
@@ -41,10 +42,12 @@ def test_a_bad_compile_mode_is_a_usage_error(argv, env, monkeypatch, capsys):
     assert "Traceback" not in err
 
 
-def test_a_bad_packed_setting_is_a_usage_error(monkeypatch, capsys):
-    monkeypatch.setenv("SPECDEC_COMPILE_PACKED", "sometimes")
+@pytest.mark.parametrize("variable, choices", [("SPECDEC_COMPILE_PACKED", "auto, on, off"),
+                                               ("SPECDEC_CUDA_GRAPHS", "on, off")])
+def test_a_bad_compile_setting_is_a_usage_error(variable, choices, monkeypatch, capsys):
+    monkeypatch.setenv(variable, "sometimes")
     with pytest.raises(SystemExit) as exc:
         main(["verifier", "serve", "--compile", "on"])
     assert exc.value.code == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
-    assert line.endswith("SPECDEC_COMPILE_PACKED must be one of auto, on, off, got 'sometimes'")
+    assert line.endswith(f"{variable} must be one of {choices}, got 'sometimes'")

@@ -160,3 +160,13 @@ def test_a_batch_of_sessions_drafts_one_by_one_on_the_compiled_levels(heads, mon
     assert levels                                                      # the compiled levels drafted them
     for sid, tree in zip(sids, trees):
         assert_same_tree(tree, eager.draft(sid, TREES[0]))
+
+
+
+def test_levels_over_the_heads_own_weights_give_the_eager_ones(tiny_family):
+    """The packages a GPU drafter builds (no packed copy: the head's weights and
+    the target's tables it reads, bound by name at load) pass the check at load."""
+    drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
+    compiled = compiled_head.CompiledHead(drafter, packed=False)
+    assert not compiled.steps.packed and set(drafter.step_tensors()) <= set(compiled.steps.weights)
+    assert compiled_head.check_head(compiled) is None

@@ -8,6 +8,7 @@ import random
 import torch
 from trees import assert_same_tree
 
+from drafter import compiled_head
 from drafter.batch import draft_batch
 from drafter.eagle3 import Eagle3Drafter
 from specdec.params import SamplingParams, TreeParams
@@ -49,3 +50,12 @@ def test_compiled_eagle3_levels_draft_the_eager_trees(family3):
                 assert_same_tree(fast.draft(sid, cfg), want)
             else:
                 assert_same_tree(got[k], want)
+
+
+def test_levels_over_the_heads_own_weights_give_the_eager_ones(family3):
+    """The packages a GPU drafter builds (no packed copy: the head's weights and
+    its vocabulary map, bound by name at load) pass the check at load."""
+    drafter = Eagle3Drafter(family3["eagle3"], family3["target"])
+    compiled = compiled_head.CompiledHead(drafter, packed=False)
+    assert not compiled.steps.packed and set(drafter.step_tensors()) <= set(compiled.steps.weights)
+    assert compiled_head.check_head(compiled) is None
