@@ -55,9 +55,12 @@ class HeadStep(torch.nn.Module):
         super().__init__()
         self.head = drafter.head                 # registered: the export sees its weights by name
         self.drafter = drafter
-        self.names = tuple(drafter.step_tensors())          # and the tensors it reads besides them, as buffers
-        for name, t in drafter.step_tensors().items():      # the traced step reads (``reading``): a package
-            self.register_buffer(name, t, persistent=False)  # over shared weights binds them by name
+        # and the tensors it reads besides them, as buffers the traced step reads (``reading``): a
+        # package over shared weights binds them by name
+        tensors = drafter.step_tensors()
+        self.names = tuple(tensors)
+        for name, t in tensors.items():
+            self.register_buffer(name, t, persistent=False)
 
     def forward(self, tokens, parent, positions, mask, slots, stack):
         """tokens, positions [1, nb]; parent [1, nb, H] (the parents' outputs);
@@ -233,13 +236,13 @@ def compile_head(drafter, mode: str) -> CompiledHead | None:
     weight_bytes = sum(t.numel() * t.element_size() for t in HeadKey(drafter).state_dict().values())
     t = time.perf_counter()
     reason = None
-    packed = torch.device(drafter.device).type == "cpu"     # the packed copies pay for inductor's CPU GEMM only
-    if packed and weight_bytes * len(WIDTHS) > PACKED_BUDGET:
+    on_cpu = torch.device(drafter.device).type == "cpu"     # packed copies: on CPU only (CompiledHead)
+    if on_cpu and weight_bytes * len(WIDTHS) > PACKED_BUDGET:
         reason = (f"its weights ({weight_bytes >> 20} MiB with the vocabulary tables) are too large to pack once "
                   f"per width")
     else:
         try:
-            compiled = CompiledHead(drafter, packed)
+            compiled = CompiledHead(drafter)
             reason = check_head(compiled)
             if reason is None:
                 compiled.warm()

@@ -143,15 +143,13 @@ def cpu_identity() -> str:
     return f"{platform.machine()}:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
-def load_package(path: Path, weights: dict[str, torch.Tensor] | None, single_threaded: bool = False):
+def load_package(path: Path, weights: dict[str, torch.Tensor] | None):
     """The compiled step in ``path``, run over ``weights`` (not copied; None:
     a packed package, which holds its own). The package is opened directly:
     ``aoti_load_package`` would first probe the CPU's vector ISA by building
     and loading test programs (~1 s a start), which the package key
-    (``cpu_identity``) already stands for. ``single_threaded``: runs skip the
-    runner's completion events, so that a CUDA graph can record them; the
-    caller serializes the calls (``specdec.cuda_graphs``)."""
-    runner = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, -1))
+    (``cpu_identity``) already stands for."""
+    runner = AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
     if weights is None:
         return runner
     names = runner.get_constant_fqns()
@@ -175,10 +173,8 @@ def ensure_package(step: torch.nn.Module, example: Callable[[], tuple], root: Pa
 
 
 def load_or_build(step: torch.nn.Module, example: Callable[[], tuple], root: Path, width: int, capacity: int,
-                  weights: dict[str, torch.Tensor] | None, batch_dims: Callable[[tuple], tuple] | None = None,
-                  single_threaded: bool = False):
+                  weights: dict[str, torch.Tensor] | None, batch_dims: Callable[[tuple], tuple] | None = None):
     """The compiled step for (width, capacity): loaded from ``root``, built
     there first if absent; packed when ``weights`` is None; batched as in
-    ``ensure_package``; ``single_threaded`` as in ``load_package``."""
-    path = ensure_package(step, example, root, width, capacity, weights is None, batch_dims)
-    return load_package(path, weights, single_threaded)
+    ``ensure_package``."""
+    return load_package(ensure_package(step, example, root, width, capacity, weights is None, batch_dims), weights)

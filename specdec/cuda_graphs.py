@@ -27,9 +27,8 @@ Recording runs the step once on a side stream first (the kernels' lazy
 set-up stays out of the graph), records it, and runs it once more directly to
 answer the call: every run of a step with the same inputs writes the same K/V
 into the same slots, so running it two or three times for one call changes
-nothing. A package is opened ``single_threaded`` for graphs
-(``specdec.compiled_aot.load_package``): its runs then skip the completion
-events a graph cannot record, and every call goes through ``LOCK``.
+nothing. The steps recorded are ``torch.compile`` graphs: ``specdec.compiled``
+opens no AOTInductor packages on a GPU.
 
 Off with ``SPECDEC_CUDA_GRAPHS=off`` (on by default on CUDA devices); a
 step that fails to record runs directly from then on, with one log line.
@@ -102,11 +101,6 @@ def _keep(key: tuple, recorded: Recorded) -> None:
         _kept_bytes -= _kept.popitem(last=False)[1].bytes
 
 
-def kept() -> int:
-    """How many recordings are kept (all steps)."""
-    return len(_kept)
-
-
 class GraphedStep:
     """A compiled step called as ``step(*args)`` that runs as a CUDA graph per
     K/V buffer (``args[cache_arg]``); everything else is copied in (module doc)."""
@@ -118,8 +112,7 @@ class GraphedStep:
 
     def __call__(self, *args):
         if self.failed:
-            with LOCK:                   # a package opened for graphs runs one call at a time
-                return self.step(*args)
+            return self.step(*args)
         leaves, spec = tree_flatten(list(args))
         cache = args[self.cache_arg]
         key = (id(self), _key(cache), tuple(_key(t)[1:] if isinstance(t, torch.Tensor) else (t,) for t in leaves))

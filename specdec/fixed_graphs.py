@@ -116,7 +116,7 @@ class FixedGraphs:
                     graph = self.traced
                 else:
                     graph = compiled_aot.load_or_build(self.module, example, self.packages, width, capacity,
-                                                       self.weights, self.batch_dims, self.cuda_graphs)
+                                                       self.weights, self.batch_dims)
                 if self.cuda_graphs:
                     step = type(self.module)
                     graph = cuda_graphs.GraphedStep(graph, cuda_graphs.cache_argument(step), self.device,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.errors import SpecdecError, UsageError
-from specdec.models import ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, PACKED_ENV, demo_path
+from specdec.models import (ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, PACKED_ENV,
+                            demo_path)
 from specdec.params import PROPOSALS
 
 
@@ -69,13 +70,11 @@ def compile_mode(text: str) -> str:
     mode = str(text).lower()
     if mode not in COMPILE_MODES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(COMPILE_MODES)}, got {text!r}")
-    packed = os.environ.get(PACKED_ENV, "auto")
-    if packed not in COMPILE_MODES:      # read where the graphs are built; checked here, before any start-up
-        raise argparse.ArgumentTypeError(f"{PACKED_ENV} must be one of {', '.join(COMPILE_MODES)}, got {packed!r}")
-    graphs = os.environ.get(CUDA_GRAPHS_ENV, "on")
-    if graphs not in CUDA_GRAPHS_MODES:
-        raise argparse.ArgumentTypeError(f"{CUDA_GRAPHS_ENV} must be one of {', '.join(CUDA_GRAPHS_MODES)}, "
-                                         f"got {graphs!r}")
+    # read where the graphs are built; checked here, before any start-up
+    for variable, choices, default in ((PACKED_ENV, COMPILE_MODES, "auto"), (CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, "on")):
+        value = os.environ.get(variable, default)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{variable} must be one of {', '.join(choices)}, got {value!r}")
     return mode
 
 

@@ -24,5 +24,5 @@ def test_graphs_are_for_cuda_devices_unless_turned_off(monkeypatch):
 
 
 def test_a_graph_is_recorded_per_buffer_the_step_writes():
-    assert cuda_graphs.cache_argument(FixedStep) == 5 - 1       # (tokens, positions, mask, slots, stack, ...)
-    assert cuda_graphs.cache_argument(HeadStep) == 6 - 1        # (tokens, parent, positions, mask, slots, stack)
+    assert cuda_graphs.cache_argument(FixedStep) == 4       # (tokens, positions, mask, slots, stack, layers)
+    assert cuda_graphs.cache_argument(HeadStep) == 5        # (tokens, parent, positions, mask, slots, stack)
