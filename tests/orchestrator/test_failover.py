@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -362,9 +363,10 @@ class Up:
         self.state = json.loads(self.state_file.read_text())
 
     def stderr(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        # read through a file of its own: the processes write through the same open file as
+        # ``self.log``, so seeking that one back would move their write offset too (and a line
+        # written meanwhile would overwrite the log's start)
+        return Path(self.log.name).read_text()
 
     def live(self, role: str) -> list[dict]:
         return [c for c in self.state[f"{role}s"] if alive(c["pid"])]
