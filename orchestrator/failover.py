@@ -176,7 +176,7 @@ class RemoteVerifier(Backend):
         self.verify_wall_s = time.perf_counter() - start
         self.committed.extend(result.tokens)
         return Committed(list(result.tokens), list(result.accepted_nodes), result.features,
-                         self.read_logprobs(result.logprobs))
+                         self.read_logprobs(result.logprobs), result.verified_nodes)
 
     def read_logprobs(self, msgs) -> list | None:
         """The tokens' logprobs as ``specdec.params.TokenLogprob``; None when the session asked for none."""

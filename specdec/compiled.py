@@ -95,8 +95,8 @@ STARTUP_WIDTHS = tuple(w for w in WIDTHS if w <= DEFAULT_TOTAL_TOKENS)
 # only (built at start-up too): at 512 slots a 64-token chunk of the demo target took 1.8x its 256-slot
 # time (the graph's attention over every slot), and a 400-token prefill 1.25x the eager one
 PREFILL_WIDTH, PREFILL_CAPACITIES = WIDTHS[-1], PACKAGED_CAPACITIES[:1]
-# of those, opened and run before readiness: a root-only cycle's and a default tree's (the check at load
-# opens a 3-node tree's, 4); the others open while the server is idle (``open_next``) or on first use
+# of those, opened and run before readiness: a root-only cycle's and a default tree's (the ones the check
+# at load runs); the others open while the server is idle (``open_next``) or on first use
 READY_WIDTHS = (1, next(w for w in WIDTHS if w >= DEFAULT_TOTAL_TOKENS))
 SPARE_BATCHES = 4                       # batch caches kept for reuse, the latest shapes (``CompiledForward.reuse``)
 CAPTURED = 3                            # residual streams a capturing graph returns (an EAGLE-3 head reads 3)

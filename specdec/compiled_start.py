@@ -19,30 +19,42 @@ from specdec.models import COMPILE_MODES
 
 log = logging.getLogger(__name__)
 
+# The tree the start-up check verifies: a default tree's width (READY_WIDTHS,
+# opened before readiness anyway: the check opens no graph of its own, which
+# took ~50 ms off a warm start), branching at several depths.
+CHECK_PARENTS = (-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 9, 10, 12, 13)
+
 
 @torch.inference_mode()
 def check_compiled(compiled: CompiledForward, layers: tuple[int, ...] = ()) -> str | None:
     """Why the compiled forward cannot serve this model (None: it can): after
-    an eager prefix, a one-token step and a 3-node tree must give the eager
-    logits (and the streams entering ``layers``) and leave the cache as long."""
+    an eager prefix, a one-token step and a tree of ``CHECK_TREE`` nodes (the
+    widths opened before readiness anyway: the check opens no other graph)
+    must give the eager logits (and the streams entering ``layers``) and
+    leave the cache as long."""
     lm = compiled.lm
     vocab = int(lm.config.get_text_config(decoder=True).vocab_size)
-    seq = torch.randint(0, vocab, (6,), generator=torch.Generator().manual_seed(0))
-    ancestor = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    tree_pos = torch.tensor([5, 6, 6])
-    tree = torch.stack([seq[5], seq[0], seq[1]])
+    n = len(CHECK_PARENTS)
+    seq = torch.randint(0, vocab, (5 + n,), generator=torch.Generator().manual_seed(0))
+    ancestor = torch.eye(n, dtype=torch.bool)        # [n, n] a node sees itself and its ancestors
+    depth = [0] * n
+    for i, parent in enumerate(CHECK_PARENTS[1:], 1):
+        ancestor[i] |= ancestor[parent]
+        depth[i] = depth[parent] + 1
+    tree_pos = 5 + torch.tensor(depth)
+    tree = seq[5:]
     k_pos = torch.cat([torch.arange(5), tree_pos])[None]
-    allowed = torch.cat([torch.ones(3, 5, dtype=torch.bool), ancestor], dim=1)[None]
+    allowed = torch.cat([torch.ones(n, 5, dtype=torch.bool), ancestor], dim=1)[None]
     outputs = {}
     for run, step in (("compiled", compiled.run), ("eager", functools.partial(eager_run, lm))):
-        cache = compiled.new_cache(16)
+        cache = compiled.new_cache(5 + n)
         lm.hidden(cache, seq[None, :4], torch.arange(4)[None], None)
         one = step(cache, seq[None, 4:5], torch.tensor([[4]]), None, layers)
         if one is None:
             return "a one-token step does not take the compiled path"
         tree_out = step(cache, tree[None], tree_pos[None], lm.masks(allowed, tree_pos[None], k_pos), layers)
-        if kv.seq_len(cache) != 8:
-            return f"the {run} path left {kv.seq_len(cache)} cached slots, not 8"
+        if kv.seq_len(cache) != 5 + n:
+            return f"the {run} path left {kv.seq_len(cache)} cached slots, not {5 + n}"
         outputs[run] = {f"{what} {name}": t for what, out in (("step", one), ("tree", tree_out))
                         for name, t in (("streams", out[1]), ("logits", out[2])) if t is not None}
     for name, want in outputs["eager"].items():

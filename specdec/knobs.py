@@ -18,6 +18,14 @@ DEFAULT_EXPAND_K = 4          # top-k per expansion
 # (specdec.decoding.SpeculationGate). On the 2-core CPU a 16-node EAGLE cycle
 # costs ~2.3 one-token steps; on a GPU the break-even is nearer 1.2-1.5.
 DEFAULT_MIN_TAU = 2.0
+# How a verifier sizes greedy sessions' trees (specdec.tree_sizing): "cost"
+# keeps per cycle the nodes of the drafted tree that repay their measured
+# verify time, "fixed" verifies every tree as drafted. Fixed by default: on
+# the 2-core CPU with the demo family the two run within 1% of each other at
+# 16 and at 32 nodes (docs/bench/compile.md), and fixed trees keep a run's
+# tau reproducible.
+TREE_SIZINGS = ("cost", "fixed")
+DEFAULT_TREE_SIZING = "fixed"
 # An n-gram drafter costs next to nothing, so drafting pays as soon as the
 # committed tokens cover the larger tree forward: its break-even is lower.
 NGRAM_MIN_TAU = 1.3

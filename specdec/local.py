@@ -10,6 +10,7 @@ code, the baseline every method is compared with.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from specdec.models import ModelSpec, demo_path, load_tokenizer
 from specdec.params import SamplingParams, TreeParams
 from specdec.speculative import Committed, Draft, Request, speculative_generate
 from specdec.tree import tree_from_lists
+from specdec.tree_sizing import restore
 
 
 @dataclass(frozen=True)
@@ -36,11 +38,12 @@ class LocalStack:
     tokenizer: object
 
 
-def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None) -> LocalStack:
+def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None,
+                tree_sizing: str = "fixed") -> LocalStack:
     from verifier.engine import TargetModel, VerifierEngine
 
     tok = load_tokenizer(tokenizer_dir or target.path)
-    verifier = VerifierEngine(TargetModel(target))
+    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle3 import load_eagle_drafter
@@ -86,9 +89,18 @@ class LocalVerifier:
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
-        result = self.engine.verify(self.sid, tree)
+        sizer = getattr(self.engine, "sizer", None)        # the engine's tree sizing (specdec.tree_sizing)
+        if sizer is None:
+            result = self.engine.verify(self.sid, tree)
+            accepted = result.accepted
+        else:
+            tree, keep = sizer.cut(self.sid, tree, self.engine.sessions.get(self.sid).params.greedy)
+            start = time.perf_counter()
+            result = self.engine.verify(self.sid, tree)
+            sizer.verified(self.sid, tree.size, time.perf_counter() - start, len(result.tokens))
+            accepted = restore(result.accepted, keep)
         self.root = result.tokens[-1]
-        return Committed(result.tokens, result.accepted, result.features, result.logprobs)
+        return Committed(result.tokens, accepted, result.features, result.logprobs, tree.size)
 
     async def release(self) -> None:
         self.engine.release(self.sid)

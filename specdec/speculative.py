@@ -66,6 +66,8 @@ class Committed:
     accepted: list[int]                 # accepted node indices, root excluded (prefill: none)
     features: object = None             # the target's features for the drafter, opaque here
     logprobs: list | None = None        # one ``specdec.params.TokenLogprob`` per token, when the session asked
+    nodes: int = 0                      # nodes the verifier checked (fewer than drafted when it cut the tree
+                                        # to its cost, ``specdec.tree_sizing``); 0: the draft's size
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,7 @@ class SpeculativeLoop:
         return result
 
     async def commit(self, draft: Draft | None, result: Committed) -> None:
-        size = draft.size if draft is not None else 1
+        size = result.nodes or (draft.size if draft is not None else 1)
         self.dec.stats.record_cycle(size, len(result.accepted))
         self.dec.stats.ahead_committed += len(result.tokens) if self.hit else 0
         self.dec.gate.record(size > 1, len(result.tokens))

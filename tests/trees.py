@@ -1,6 +1,21 @@
-"""Assertions on draft trees and drafters shared by the drafter tests."""
+"""Assertions on draft trees and drafters shared by the drafter tests, and a
+verifier tree sizing that cuts every tree the same way."""
 
 import torch
+
+from specdec.tree_sizing import TreeSizer
+
+
+class CutTo(TreeSizer):
+    """A verifier's tree sizing (``specdec.tree_sizing``) that keeps the
+    ``size`` best nodes of every greedy tree, whatever the timings."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.rate = size, 1.0
+
+    def _choose(self, accept, rate, cap):
+        return min(self.size, cap)
 
 
 def assert_same_tree(got, want):

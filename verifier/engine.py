@@ -25,6 +25,7 @@ from specdec.params import SamplingParams
 from specdec.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
+from specdec.tree_sizing import TreeSizer, check_tree_sizing
 from verifier.batch import verify_batch
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 
@@ -35,11 +36,17 @@ class VerifierEngine:
     """Sessions of the target. With ``kv_budget_bytes`` set, a session is only
     admitted if its worst case (prompt + max_new_tokens + one full tree of
     ``max_tree_tokens``) fits next to every admitted session's worst case: a
-    running session can never run the cache out of memory."""
+    running session can never run the cache out of memory.
+
+    ``tree_sizing``: "cost" gives the engine a ``TreeSizer`` (``sizer``)
+    that whoever verifies through it (in-process generation, the gRPC
+    service, before a tensor-parallel broadcast) applies to greedy sessions'
+    trees; "fixed" (default): trees are verified as drafted."""
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
-                 kv_budget_bytes: int | None = None, max_tree_tokens: int = 64):
+                 kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed"):
         self.target = target
+        self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
         self.kv_budget_bytes = kv_budget_bytes
         self.max_tree_tokens = max_tree_tokens
@@ -117,6 +124,8 @@ class VerifierEngine:
         return PrefillResult(first, hidden, first_logprobs)
 
     def release(self, sid: str) -> bool:
+        if self.sizer is not None:
+            self.sizer.forget(sid)
         return self.sessions.pop(sid) is not None
 
     def rollback(self, sid: str, length: int) -> None:

@@ -29,6 +29,7 @@ from specdec.params import (MAX_LOGPROBS, SamplingParams, check_count, check_own
                             check_token_ids)
 from specdec.sessions import DEFAULT_LEASE_S
 from specdec.tree import tree_from_lists
+from specdec.tree_sizing import restore
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("specdec.verifier")
@@ -140,14 +141,20 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         self.check()
         sid = check_session_id(request.session_id)
         tree = tensor_wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
+        # cut here, before a tensor-parallel engine broadcasts the tree to its ranks (``specdec.tree_sizing``)
+        sizer, keep = getattr(self.engine, "sizer", None), None
+        if sizer is not None:
+            tree, keep = sizer.cut(sid, tree, self.sessions.get(sid).params.greedy)
         # a lone session's batch would close at once: skip the scheduler's extra task hop
         if self.scheduler is not None and len(self.sessions) > 1:
             result, seconds = await self.scheduler.verify(sid, tree)
         else:
             result, seconds = await self.run(self.engine.verify, sid, tree)
+        if sizer is not None:
+            sizer.verified(sid, tree.size, seconds, len(result.tokens))
         metrics.VERIFY_DURATION.observe(seconds)
-        response = verifier_pb2.VerifyResponse(accepted_nodes=result.accepted, tokens=result.tokens,
-                                               compute_s=seconds,
+        response = verifier_pb2.VerifyResponse(accepted_nodes=restore(result.accepted, keep), tokens=result.tokens,
+                                               compute_s=seconds, verified_nodes=tree.size,
                                                logprobs=wire.logprobs_to_proto(result.logprobs or ()))
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from specdec import kv
 from specdec.acceptance import Acceptance, accept
 from specdec.causal_lm import CausalLm
-from specdec.compiled import CAPTURED, eager_run
+from specdec.compiled import CAPTURED, STARTUP_WIDTHS, WIDTHS, eager_run, width_bucket
 from specdec.compiled_batch import compile_batches
 from specdec.compiled_start import compile_captures, compile_target
 from specdec.errors import FailedPrecondition, InvalidArgument
@@ -122,6 +122,20 @@ class TargetModel:
         sessions', ``specdec.compiled_start.compile_captures``) if not built yet:
         what an in-process EAGLE-3 drafter asks of its target. Whether they are on."""
         return self.compiled is not None and compile_captures(self.compiled)
+
+    def compile_trees(self, total_tokens: int) -> None:
+        """With compiled forwards, the graphs of trees of up to ``total_tokens``
+        nodes past the start-up widths (``STARTUP_WIDTHS`` follow the default
+        tree) built now where missing and opened before any request, so that
+        no request builds one (minutes for a cold package). A no-op otherwise."""
+        wanted = width_bucket(total_tokens) or WIDTHS[-1]
+        widths = tuple(w for w in WIDTHS if max(STARTUP_WIDTHS) < w <= wanted)
+        if self.compiled is None or not widths:
+            return
+        self.compiled.warm(widths, ready=())
+        if self.compiled.capturing is not None:
+            self.compiled.warm(widths, captures=True, ready=())
+        self.compiled.open_all()
 
     def compile_batches(self) -> bool:
         """With compiled forwards, add the batched ones (a verifier that batches:

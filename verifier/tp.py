@@ -152,9 +152,10 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int
 
 
 def start_ranks(tp: int, spec: ModelSpec, max_sessions: int = 64, ttl_s: float = 600.0,
-                kv_budget_bytes: int | None = None, threads: int = 0) -> ReplicatedVerifier:
+                kv_budget_bytes: int | None = None, threads: int = 0, tree_sizing: str = "fixed") -> ReplicatedVerifier:
     """Start ranks 1..tp-1 as processes, become rank 0, load this rank's shard.
-    ``ReplicatedVerifier.shutdown()`` stops them again."""
+    ``ReplicatedVerifier.shutdown()`` stops them again. ``tree_sizing``: rank
+    0's (it cuts trees before they are broadcast: ``VerifierEngine``)."""
     import torch.multiprocessing as mp
 
     check_tp_degree(spec.path, tp)
@@ -166,7 +167,7 @@ def start_ranks(tp: int, spec: ModelSpec, max_sessions: int = 64, ttl_s: float =
         p.start()
     init_process_group(0, tp, port)
     engine = VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
-                            kv_budget_bytes=kv_budget_bytes)
+                            kv_budget_bytes=kv_budget_bytes, tree_sizing=tree_sizing)
     verifier = ReplicatedVerifier(engine, ttl_s)
     verifier._procs = procs
     return verifier

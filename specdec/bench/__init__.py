@@ -26,6 +26,8 @@ JSON record of a run::
                         "ahead_tau_hit": float, "ahead_tau_fresh": float (τ of the cycles whose
                         tree was / was not drafted ahead)}},
      "pinned": bool,
+     "tree_sizing": {"mode": "fixed" | "cost", "compared": bool,
+                     with cost: "verify_ms": {width: ms}, "tokens_per_s": float (specdec.tree_sizing)},
      ...extra keys: tree, models, repeats, generated_tokens, peers, notes, calibration}
 
 tau counts the bonus token; accepted_per_position[j] is the fraction of cycles
@@ -34,5 +36,7 @@ time-split entries are null where a method does not expose them (HF peers);
 per_cycle_ms only for methods with cycles. ``--pin`` runs the services'
 verifier and drafter on one core each and the in-process methods on the
 verifier's core (one torch thread each); ``--compare-unary`` adds
-METHOD@grpc-unary, through an orchestrator without session streams.
+METHOD@grpc-unary, through an orchestrator without session streams;
+``--compare-tree-sizing`` adds each in-process speculative method under the
+other tree sizing, as METHOD@fixed or METHOD@cost.
 """

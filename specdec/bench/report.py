@@ -97,6 +97,19 @@ def acceptance_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _sizing(sizing: dict | None) -> list[str]:
+    """The tree sizing line: its mode and, when by cost, the verify costs it measured."""
+    if not sizing:
+        return []
+    costs = ", ".join(f"{w}: {ms:.2f}" for w, ms in sizing.get("verify_ms", {}).items())
+    cost = ("cost (greedy trees cut per cycle to the size whose expected tokens best repay its verify time; "
+            f"measured verify ms per width {{{costs}}})")
+    fixed = "fixed (every tree verified as drafted)"
+    mode, other = (cost, "fixed") if sizing.get("mode") == "cost" else (fixed, "cost")
+    compared = f"; METHOD@{other}: {cost if other == 'cost' else fixed}" if sizing.get("compared") else ""
+    return [f"- tree sizing: {mode}{compared}"]
+
+
 def calibration_table(calibration: dict) -> str:
     lines = ["| confidence | nodes | accepted | acceptance rate |", "|---|---:|---:|---:|"]
     for b in calibration["bins"]:
@@ -118,6 +131,7 @@ def markdown(result: dict) -> str:
         f"max_new_tokens: {result['max_new_tokens']}, repeats: {result.get('repeats', 1)}",
         f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}"
         + _gate(tree),
+        *_sizing(result.get("tree_sizing")),
         "- τ = tokens committed per draft/verify cycle, **bonus token included** (vanilla: 1.00); "
         "– where a peer does not expose its cycles",
         "- methods interleaved per prompt (order rotated), one warm-up per method excluded",

@@ -326,6 +326,8 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
     compile: str = "off"            # compiled target forwards (specdec.compiled): auto, on or off
+    tree_sizing: str = "fixed"      # the verifiers' (specdec.tree_sizing): cost or fixed
+    compare_tree_sizing: bool = False  # each in-process speculative method also with the other: METHOD@fixed|@cost
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
                                     # None: by drafter kind, knobs.default_min_tau)
@@ -355,6 +357,11 @@ class BenchConfig:
     @property
     def params(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature)
+
+
+def other_sizing(mode: str) -> str:
+    """The tree sizing ``--compare-tree-sizing`` runs beside ``mode`` (its methods: METHOD@<it>)."""
+    return "fixed" if mode == "cost" else "cost"
 
 
 def method_tree(name: str, tree: TreeParams) -> TreeParams:

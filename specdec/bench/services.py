@@ -130,7 +130,8 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
     with _threads_env(share):
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                      "--dtype", cfg.dtype, "--device", cfg.device,
-                                                     "--compile", cfg.compile, *solo, *internal,
+                                                     "--compile", cfg.compile, "--tree-sizing", cfg.tree_sizing,
+                                                     *solo, *internal,
                                                      *procs.feature_layer_flags(eagle_head(cfg, kind), cfg.compile)],
                                 env_defaults=procs.solo_env() if solo else None,
                                 cores=None if verifier_core is None else frozenset([verifier_core])))

@@ -20,7 +20,7 @@ from specdec.bench.llamacpp_peer import identical_fraction, llamacpp_methods
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
 from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, PEER_METHODS, SPECULATIVE,
                                   BenchConfig, LocalMethod, Method, PinnedMethod, Prompt, device_name, measure,
-                                  method_tree, stderr_progress, summarize, with_references)
+                                  method_tree, other_sizing, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.procs import pinned_cores
 from specdec.decoding import StopCriteria
@@ -39,7 +39,7 @@ class Models:
         self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
-        self.verifier = VerifierEngine(self.target)
+        self.verifier = VerifierEngine(self.target, tree_sizing=cfg.tree_sizing)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset() if eos is None else frozenset([int(eos)])
         self._drafters: dict[str, object] = {}
@@ -131,11 +131,19 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
             methods[name] = models.peer(name)
         else:
             methods[name] = models.local(name, verifier=recorder if name == CALIBRATED else None)
+    engines = [models.verifier]
+    if cfg.compare_tree_sizing:            # the same target under a verifier that sizes trees the other way
+        other = other_sizing(cfg.tree_sizing)
+        twin = VerifierEngine(models.target, tree_sizing=other)
+        engines.append(twin)
+        for name in [n for n in names if n in SPECULATIVE]:
+            methods[f"{name}@{other}"] = models.local(name, verifier=twin)
     methods.update(llama)
     if cfg.pin:             # in-process: the target's one core (the services' verifier core)
         core = frozenset([pinned_cores()[0]])
         methods = {name: PinnedMethod(method, core) for name, method in methods.items()}
-    if models.target.compiled is not None:     # steady state: no graph left to open on first use while timed
+    if models.target.compiled is not None:     # steady state: no graph left to build or open while timed
+        models.target.compile_trees(cfg.tree.total_tokens)
         models.target.compiled.open_all()
     with ExitStack() as stack:
         if cfg.grpc:
@@ -149,6 +157,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
             stack.callback(peer.close)
         totals = measure(methods, prompts, cfg.repeats, cfg.seed, on_warm=recorder.clear, progress=progress)
     points = recorder.points()
+    sizer = next((engine.sizer for engine in engines if engine.sizer is not None), None)
     return {
         "device": device_name(cfg.device),
         "target": cfg.target,
@@ -160,6 +169,8 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                  "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
         "pinned": cfg.pin,
         "compile": cfg.compile,
+        "tree_sizing": {"mode": cfg.tree_sizing, "compared": cfg.compare_tree_sizing,
+                        **({} if sizer is None else sizer.snapshot())},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3},
         "repeats": cfg.repeats,
         "openai_url": cfg.openai_url,

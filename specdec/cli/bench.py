@@ -15,7 +15,8 @@ import json
 import os
 from pathlib import Path
 
-from specdec.cli.options import add_compile_flag, add_tree_flags, model_dir, read_prompts, resolved_min_tau
+from specdec.cli.options import (add_compile_flag, add_tree_flags, add_tree_sizing_flag, model_dir, read_prompts,
+                                 resolved_min_tau)
 from specdec.errors import UsageError
 from specdec.procs import pinned_cores
 
@@ -75,6 +76,10 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="run the whole prompt set this many times")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     add_tree_flags(p)
+    add_tree_sizing_flag(p)
+    p.add_argument("--compare-tree-sizing", action="store_true",
+                   help="also run each in-process speculative method with the other tree sizing (over the same "
+                        "target), as METHOD@fixed or METHOD@cost, interleaved with the rest")
     c = p.add_argument_group("concurrency (through the gRPC services)")
     c.add_argument("--concurrency", type=_int_list, metavar="LIST",
                    help="e.g. 1,2,4,8: for each C, keep C requests in flight through the services and report "
@@ -178,6 +183,8 @@ def config_from(args, sweep: bool):
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
                        device=args.device, compile=args.compile, verify_token_budget=args.verify_token_budget,
+                       tree_sizing="fixed" if sweep else args.tree_sizing,
+                       compare_tree_sizing=args.compare_tree_sizing and not sweep,
                        min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
                        pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,

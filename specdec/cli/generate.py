@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from specdec import knobs
-from specdec.cli.options import (add_model_flags, add_tree_flags, print_logprobs, read_prompts, resolved_min_tau,
-                                 result_record)
+from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, print_logprobs,
+                                 read_prompts, resolved_min_tau, result_record)
 from specdec.cli.remote import run_remote
 from specdec.decoding import StopCriteria
 from specdec.errors import UsageError
@@ -47,6 +47,7 @@ def add_parser(sub) -> None:
     where.add_argument("--server", metavar="HOST:PORT", help="an orchestrator to call")
     add_model_flags(p)
     add_decoding_flags(p)
+    add_tree_sizing_flag(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     p.add_argument("--prompt-file", help="JSONL file, one {\"prompt\": ...} per line")
     p.add_argument("prompt", nargs="?", help="the prompt text")
@@ -108,7 +109,9 @@ def run(args) -> int:
     min_tau = resolved_min_tau(args.min_tau)
     spec, choice = resolve_models(args)
     min_tau = min_tau if min_tau is not None else knobs.default_min_tau(choice.kind)
-    stack = build_local(spec, choice)
+    stack = build_local(spec, choice, tree_sizing=args.tree_sizing)
+    if tree_cfg is not None and stack.drafter is not None:
+        stack.verifier.target.compile_trees(tree_cfg.total_tokens)     # a tree past the start-up widths
     tok = stack.tokenizer
     eos = {i for i in [tok.eos_token_id] if i is not None}
     for prompt in prompts:

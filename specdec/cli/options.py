@@ -85,6 +85,21 @@ def add_compile_flag(p, what: str = "the target's one-token steps and tree verif
                         "(env SPECDEC_COMPILE; default off); compiled at start-up, kept in TORCHINDUCTOR_CACHE_DIR")
 
 
+def add_tree_sizing_flag(p) -> None:
+    p.add_argument("--tree-sizing", default=env("SPECDEC_TREE_SIZING", knobs.DEFAULT_TREE_SIZING),
+                   type=tree_sizing, choices=knobs.TREE_SIZINGS,
+                   help="cost: the verifier keeps, per cycle, the nodes of a greedy session's drafted tree that "
+                        "repay their verify time by its measured costs per width (at most --total-tokens; output "
+                        "unchanged); fixed (default): every tree verified as drafted (env SPECDEC_TREE_SIZING)")
+
+
+def tree_sizing(text: str) -> str:
+    """--tree-sizing's value (a type, so a default from SPECDEC_TREE_SIZING is checked too)."""
+    if text not in knobs.TREE_SIZINGS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(knobs.TREE_SIZINGS)}, got {text!r}")
+    return text
+
+
 def resolved_min_tau(text: str) -> float | None:
     """--min-tau as a number, or None for auto (by drafter kind); UsageError when malformed."""
     try:

@@ -21,7 +21,7 @@ import argparse
 import asyncio
 
 from specdec import knobs
-from specdec.cli.options import add_compile_flag, env, model_dir
+from specdec.cli.options import add_compile_flag, add_tree_sizing_flag, env, model_dir
 from specdec.errors import UsageError
 from specdec.models import ATTN_IMPLEMENTATIONS
 from specdec.params import METHODS, PROPOSALS, TreeParams
@@ -128,6 +128,7 @@ def add_parsers(sub) -> None:
                    help="collect concurrent sessions' verifies for up to this long and run them as one "
                         "forward (0 = off; a lone session never waits)")
     p.add_argument("--max-batch", type=int, default=16, help="sessions per batched verify at most")
+    add_tree_sizing_flag(p)
     _add_session_flags(p)
     add_server_flags(p, *VERIFIER_PORTS)
     p.set_defaults(run=run_verifier)
@@ -213,11 +214,12 @@ def run_verifier(args) -> int:
 
             from verifier.tp import start_ranks
 
-            verifier = start_ranks(args.tp, spec, args.max_sessions, args.session_ttl, args.kv_budget_bytes)
+            verifier = start_ranks(args.tp, spec, args.max_sessions, args.session_ttl, args.kv_budget_bytes,
+                                   tree_sizing=args.tree_sizing)
             atexit.register(verifier.shutdown)
             return verifier
         return VerifierEngine(TargetModel(spec), max_sessions=args.max_sessions, ttl_s=args.session_ttl,
-                              kv_budget_bytes=args.kv_budget_bytes)
+                              kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing)
 
     return _serve(cfg, servicer, "verifier", build, args)
 

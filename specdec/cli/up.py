@@ -27,7 +27,7 @@ from pathlib import Path
 
 from specdec import knobs
 from specdec.cli.http_flags import add_up_http_flag, up_http_port
-from specdec.cli.options import add_model_flags, env
+from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env
 from specdec.cli.stack import ORCHESTRATOR_PORTS
 from specdec.errors import UsageError
 from specdec.models import demo_path
@@ -51,6 +51,7 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(p)
     p.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=REQUEST_METHODS,
                    help="default tree method (vanilla: no drafter process)")
+    add_tree_sizing_flag(p)
     p.add_argument("--demo-generation", action="store_true",
                    help="once ready, stream one generation of a built-in prompt with its stats")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the stack after the demo generation")
@@ -113,6 +114,8 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     """Flags for the verifier, for the drafter (None: no drafter) and the tokenizer directory."""
     target = _model_dir(args.target or str(demo_path("target")), "target model")
     verifier = ["--target", target, "--dtype", args.dtype, "--compile", args.compile]
+    if getattr(args, "tree_sizing", None):       # `up`'s flag; `soak` leaves it to SPECDEC_TREE_SIZING
+        verifier += ["--tree-sizing", args.tree_sizing]
     if args.method == VANILLA:
         drafter = None
     elif args.ngram:

@@ -265,3 +265,20 @@ def test_heldout_prompts_are_the_model_cards(tiny_family):
     assert [tok.decode(ids) for ids in heldout_prompts(tok, 3)] == texts
     bundled = [json.loads(line)["prompt"] for line in BUNDLED_PROMPTS.read_text().splitlines() if line.strip()]
     assert not set(texts) & set(bundled)
+
+
+def test_tree_sizing_compared_side_by_side(tiny_family, prompt_file, tmp_path):
+    args = ["bench", *model_flags(tiny_family), "--prompts", str(prompt_file), "--max-new-tokens", "12",
+            "--methods", "vanilla,eagle2", "--quiet", "--total-tokens", "8", "--depth", "3", "--min-tau", "0",
+            "--tree-sizing", "cost", "--compare-tree-sizing", "--json", str(tmp_path / "r.json"),
+            "--report", str(tmp_path / "report")]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert {"eagle2", "eagle2@fixed"} <= set(result["methods"])
+    for name in ("eagle2", "eagle2@fixed"):
+        assert result["methods"][name]["matches_vanilla"] is True, name
+    sizing = result["tree_sizing"]
+    assert sizing["mode"] == "cost" and sizing["compared"] is True
+    assert {"1", "2", "4", "8"} <= set(sizing["verify_ms"])       # every width the 8-node trees may take, timed
+    assert all(ms > 0 for ms in sizing["verify_ms"].values())
+    assert "tree sizing: cost" in (tmp_path / "report" / "results.md").read_text()

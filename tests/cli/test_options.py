@@ -1,6 +1,7 @@
 """Shared flags of specdec.cli.options: --compile, its variable SPECDEC_COMPILE,
 SPECDEC_COMPILE_PACKED (how the compiled graphs hold the weights) and
-SPECDEC_CUDA_GRAPHS (compiled steps on a GPU replayed as CUDA graphs)."""
+SPECDEC_CUDA_GRAPHS (compiled steps on a GPU replayed as CUDA graphs), and
+--tree-sizing with its variable SPECDEC_TREE_SIZING (specdec.tree_sizing)."""
 
 import pytest
 
@@ -51,3 +52,29 @@ def test_a_bad_compile_setting_is_a_usage_error(variable, choices, monkeypatch, 
     assert exc.value.code == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert line.endswith(f"{variable} must be one of {choices}, got 'sometimes'")
+
+
+SIZED = (["verifier", "serve"], ["up"], ["generate", "x"], ["bench", "--json", "r.json"])
+
+
+@pytest.mark.parametrize("argv", SIZED)
+def test_tree_sizing_defaults_to_fixed_and_comes_from_the_variable(argv, monkeypatch):
+    monkeypatch.delenv("SPECDEC_TREE_SIZING", raising=False)
+    assert build_parser().parse_args(argv).tree_sizing == "fixed"
+    monkeypatch.setenv("SPECDEC_TREE_SIZING", "cost")
+    assert build_parser().parse_args(argv).tree_sizing == "cost"
+    assert build_parser().parse_args([*argv, "--tree-sizing", "fixed"]).tree_sizing == "fixed"
+
+
+@pytest.mark.parametrize("argv, env", [(["verifier", "serve"], "auto"), (["verifier", "serve", "--tree-sizing",
+                                                                          "adaptive"], None)])
+def test_a_bad_tree_sizing_is_a_usage_error(argv, env, monkeypatch, capsys):
+    if env is None:
+        monkeypatch.delenv("SPECDEC_TREE_SIZING", raising=False)
+    else:
+        monkeypatch.setenv("SPECDEC_TREE_SIZING", env)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert line.endswith(f"argument --tree-sizing: must be one of cost, fixed, got {env or 'adaptive'!r}")

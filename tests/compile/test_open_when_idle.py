@@ -25,7 +25,7 @@ from verifier.service import VerifierService, VerifierServiceConfig
 
 FIRST, LARGER = compiled.PACKAGED_CAPACITIES
 READY = {(w, FIRST) for w in compiled.READY_WIDTHS}
-LATER = {(w, c) for w in compiled.STARTUP_WIDTHS for c in (FIRST, LARGER)} - READY - {(4, FIRST)}   # 4: the check's
+LATER = {(w, c) for w in compiled.STARTUP_WIDTHS for c in (FIRST, LARGER)} - READY   # the check runs READY's
 LATER |= {(compiled.PREFILL_WIDTH, c) for c in compiled.PREFILL_CAPACITIES}
 
 
@@ -126,3 +126,16 @@ def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_
                                       None)
     assert got is not None and (1, LARGER) in forward.steps.graphs
     assert torch.allclose(got[1], want[1], atol=1e-4)
+
+
+def test_trees_past_the_start_up_widths_are_built_and_opened_before_any_request(tiny_family):
+    target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
+    graphs = target.compiled.steps.graphs
+    target.compile_trees(16)                                # the start-up widths serve it: nothing to do
+    assert not {w for w, _ in graphs} - set(compiled.STARTUP_WIDTHS) - {compiled.PREFILL_WIDTH}
+    target.compile_trees(20)                                # a 20-node tree runs at width 32
+    assert {(32, c) for c in compiled.PACKAGED_CAPACITIES} <= set(graphs) and not target.compiled.due
+    assert (64, LARGER) not in graphs                       # nor wider (width 64 at 256 slots: prefill's)
+    eager = TargetModel(ModelSpec(str(tiny_family["target"])))
+    eager.compile_trees(64)                                 # eager forwards: a no-op
+    assert eager.compiled is None

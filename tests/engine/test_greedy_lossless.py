@@ -1,6 +1,7 @@
 """Greedy speculative output is token-identical to plain greedy decoding of the
 target, for every drafter and every tree method (DESIGN.md §3)."""
 
+import random
 import shutil
 
 import pytest
@@ -11,6 +12,7 @@ from specdec.local import DrafterChoice, build_local, generate
 from specdec.models import ModelSpec
 from specdec.params import SamplingParams
 from specdec.params import METHODS, TreeParams
+from specdec.tree_sizing import TreeSizer, sizes_up_to
 
 N_PROMPTS, NEW_TOKENS = 20, 64
 GREEDY = SamplingParams()
@@ -130,3 +132,41 @@ def test_copy_of_target_as_drafter_accepts_its_whole_greedy_chain(tiny_family, t
         assert accepted == chains + [0] * (len(accepted) - len(chains))
         if method == "chain":   # a chain is all greedy chain: every draft token accepted
             assert dec.stats.accepted == dec.stats.drafted > 0
+
+
+class RandomCuts(TreeSizer):
+    """Cuts every greedy tree to a size drawn at random (seeded): any cut must keep greedy output exact."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.draws = random.Random(seed)
+        self.rate = 1.0
+
+    def _choose(self, accept, rate, cap):
+        return self.draws.choice(sizes_up_to(cap))
+
+
+@pytest.mark.parametrize("method", ["eagle2", "static", "chain"])
+@pytest.mark.parametrize("drafter", ["eagle", "draft-lm", "ngram"])
+def test_greedy_identical_with_trees_cut_by_the_verifier(stacks, reference, drafter, method, monkeypatch):
+    stack = stacks[drafter]
+    monkeypatch.setattr(stack.verifier, "sizer", RandomCuts(seed=len(drafter)))
+    verified = []
+    run = stack.verifier.verify
+
+    def verify(sid, tree):
+        verified.append(tree.size)
+        result = run(sid, tree)
+        assert result.tokens[:-1] == [int(tree.tokens[i]) for i in result.accepted]
+        return result
+
+    monkeypatch.setattr(stack.verifier, "verify", verify)
+    cfg = TreeParams(method=method, total_tokens=10, depth=4, expand_k=3)
+    stop = StopCriteria(max_new_tokens=NEW_TOKENS)
+    for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
+        got = generate(stack.verifier, stack.drafter, prompt, GREEDY, stop, cfg)
+        assert got.tokens == want, f"{drafter}/{method} diverged on prompt {prompt} with cut trees"
+        # the stats count the nodes verified, not those drafted
+        assert got.stats.drafted == sum(n - 1 for n in verified[-got.stats.cycles:])
+    assert {1, 2, 4} <= set(verified)                    # trees were cut, to every size
+    assert len(stack.verifier.sessions) == 0 and len(stack.verifier.sizer.sessions) == 0

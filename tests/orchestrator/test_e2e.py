@@ -17,6 +17,7 @@ from specdec.client import (
     SpecdecUnavailable,
 )
 from specdec.metrics import REGISTRY
+from trees import CutTo
 
 PROMPTS = ["def add(a, b):", "for i in range(3):\n"]
 LONG_PROMPT = "class Point:"
@@ -380,3 +381,27 @@ def test_metrics_count_each_request(stack):
     assert sample("specdec_accepted_tokens_per_position_total", position="1") - first == (
         s.accepted_per_position[0] if s.accepted_per_position else 0)
     assert 0 < sample("specdec_inter_token_latency_seconds_count") - itl < N   # tokens after the first chunk
+
+
+@pytest.mark.parametrize("kind,method", [("eagle", "eagle2"), ("draft-lm", "chain")])
+def test_trees_cut_by_the_verifier_match_in_process_through_the_services(tiny_family, local, kind, method,
+                                                                         monkeypatch):
+    s = Stack(tiny_family)
+    try:
+        _, servicer = s.add_verifier("verifier")
+        servicer.engine.sizer = CutTo(5)
+        s.add_drafter("drafter", kind)
+        s.add_orchestrator("cut", drafter="drafter")
+        monkeypatch.setattr(local.verifier, "sizer", CutTo(5))
+        with SpecdecClient(s.address("cut")) as client:
+            for prompt in PROMPTS:
+                got = client.complete(prompt, max_new_tokens=N, method=method)
+                spec = local.run(prompt, kind, method)
+                assert got.token_ids == spec.tokens == local.run(prompt).tokens
+                # the same cut trees: the accepted nodes came back in the drafted trees' numbering
+                assert got.stats.cycles == spec.stats.cycles
+                assert got.stats.accepted_per_position == spec.stats.accepted_per_position
+                assert got.stats.draft_tokens == spec.stats.drafted <= 4 * spec.stats.cycles
+        assert not servicer.engine.sizer.sessions            # every session forgotten with its release
+    finally:
+        s.close()

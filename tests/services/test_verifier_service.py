@@ -18,6 +18,7 @@ from specdec.v1 import common_pb2
 from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequest, VerifierReleaseRequest,
                                      VerifierRollbackRequest, VerifyRequest)
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
+from trees import CutTo
 
 pytestmark = pytest.mark.asyncio
 
@@ -321,3 +322,24 @@ async def test_solo_threads_while_at_most_one_session_is_open(tiny_family, local
         assert [a, *got] == greedy_continuation(local_verifier, PROMPT, 2)
     finally:
         await server.stop()
+
+
+async def test_a_cut_tree_answers_in_the_drafted_trees_numbering(verifier, verifier_channel, local_verifier):
+    _, servicer = verifier
+    servicer.engine.sizer = CutTo(3)
+    stub = VerifierServiceStub(verifier_channel)
+    vocab = local_verifier.target.vocab_size
+    cont = greedy_continuation(local_verifier, PROMPT, 6)
+    await stub.Prefill(prefill_request("cut"))
+    # root -> {wrong (valued low), right[0] -> {right[1], wrong}}: the 3 best nodes are 0, 2, 3
+    tree = two_hit_tree(cont[0], cont[1:3], vocab)
+    tree = type(tree)(tree.tokens, tree.parents, tree.depths, torch.tensor([0.0, -4.0, -0.1, -0.2, -5.0]))
+    got = await stub.Verify(verify_request("cut", tree))
+    assert got.verified_nodes == 3
+    assert list(got.accepted_nodes) == [2, 3] and list(got.tokens) == cont[1:4]
+    # a sampled session's trees are verified as drafted
+    root = (await stub.Prefill(prefill_request("sampled", params=SamplingParams(temperature=1.0, seed=3)))).token
+    sampled = two_hit_tree(root, [1, 2], vocab)
+    assert (await stub.Verify(verify_request("sampled", sampled))).verified_nodes == 5
+    await stub.Release(VerifierReleaseRequest(session_id="cut"))
+    assert "cut" not in servicer.engine.sizer.sessions
