@@ -426,3 +426,14 @@ def test_torch_threads_follow_the_cpu_limit(rendered, overlay):
         ref = threads["valueFrom"]["resourceFieldRef"]
         assert ref["resource"] == "limits.cpu" and str(ref["divisor"]) == "1", (overlay, role)
         assert "cpu" in c["resources"]["limits"], (overlay, role)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_verifier_takes_its_tree_sizing_from_the_knobs(rendered, overlay, monkeypatch):
+    """SPECDEC_TREE_SIZING (specdec-knobs) is what `verifier serve --tree-sizing` defaults to."""
+    r = rendered[overlay]
+    d = objects(r, "Deployment")["verifier"]
+    env = knobs(r, d)
+    assert env["SPECDEC_TREE_SIZING"] == "fixed"
+    monkeypatch.setenv("SPECDEC_TREE_SIZING", "cost")             # an operator's edit of the ConfigMap
+    assert role_parser("verifier").parse_known_args(expanded_args(r, d))[0].tree_sizing == "cost"
