@@ -25,7 +25,13 @@ generation, no Dynamo guards on the call, and a C++ wrapper around the kernels.
   bytes for a model that is not a directory), step code (its module's
   source, the transformers version), torch version, dtype, device, CPU
   (machine and feature flags), width and capacity. Packages live in ``specdec-aot/`` under the inductor cache
-  directory (``TORCHINDUCTOR_CACHE_DIR``).
+  directory (``TORCHINDUCTOR_CACHE_DIR``);
+- pruning: each start marks the directories it uses (``mark_used``) and
+  removes, once per process, those no start has used for ``UNUSED_DAYS``
+  (``prune_unused``): the packages of code, torch versions or models gone
+  since. A directory still in use by another deployment sharing the cache is
+  marked by its every start, so only a fleet that has not started for that
+  long loses its packages (and rebuilds them).
 """
 
 from __future__ import annotations
@@ -33,9 +39,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 import os
 import platform
+import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +61,12 @@ SHARED_CONFIG = {"aot_inductor.package_constants_in_so": False}
 PACKED_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                  "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}   # quiet start-up
 HASHED_BYTES = 256 << 20       # a model directory up to this size is keyed by its bytes
+UNUSED_DAYS = 14               # a package directory no start has used for this long is removed
+USED_MARK = "last-used"        # the file whose modification time says when a start last used a directory
+
+log = logging.getLogger(__name__)
+_pruned: set[Path] = set()     # package roots this process has pruned (once each)
+_pruning = threading.Lock()
 # the files a model directory's identity is read from
 MODEL_FILES = ("*.json", "*.safetensors", "*.bin", "*.pt", "*.model", "*.txt")
 
@@ -123,6 +139,43 @@ def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: boo
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def mark_used(root: Path) -> None:
+    """Record that this start uses the packages in ``root`` (``prune_unused``'s clock);
+    the first call in a process for a cache also prunes it."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / USED_MARK).touch()
+    except OSError as exc:        # a read-only cache: nothing to record (building there fails on its own)
+        log.info("cannot mark %s as used: %s", root, exc)
+        return
+    with _pruning:
+        first = root.parent not in _pruned
+        _pruned.add(root.parent)
+    if first:
+        prune_unused(root.parent)
+
+
+def prune_unused(parent: Path, days: float = UNUSED_DAYS, now: float | None = None) -> list[Path]:
+    """Remove the package directories under ``parent`` that no start has used
+    for ``days`` (by their ``USED_MARK``, else their own modification time);
+    the ones removed."""
+    cutoff = (time.time() if now is None else now) - days * 86400
+    removed = []
+    for entry in sorted(parent.iterdir()) if parent.is_dir() else ():
+        if not entry.is_dir():
+            continue
+        mark = entry / USED_MARK
+        try:
+            used = (mark if mark.exists() else entry).stat().st_mtime
+        except OSError:
+            continue
+        if used < cutoff:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            log.info("removed compiled packages unused for %g days: %s", days, entry.name)
+    return removed
 
 
 def shared_weights(step: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -63,6 +63,8 @@ class FixedGraphs:
         sources = (*sources, inspect.getfile(FixedLayer))     # every step writes its K/V through it
         self.packages = (compiled_aot.package_dir(module, model, dtype, device, sources, variant)
                          if ahead_of_time else None)
+        if self.packages is not None:
+            compiled_aot.mark_used(self.packages)         # and, once per process, prune unused ones
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         if packed is None:               # one packed copy of the weights per package: small models only
             packed = {"on": True, "off": False}.get(packed_setting(), device.type == "cpu" and weight_bytes * len(
