@@ -26,6 +26,13 @@ DEFAULT_MIN_TAU = 2.0
 # tau reproducible.
 TREE_SIZINGS = ("cost", "fixed")
 DEFAULT_TREE_SIZING = "fixed"
+
+
+def check_tree_sizing(mode: str) -> str:
+    """A tree sizing mode (one of TREE_SIZINGS); ValueError naming the choices otherwise."""
+    if mode not in TREE_SIZINGS:
+        raise ValueError(f"must be one of {', '.join(TREE_SIZINGS)}, got {mode!r}")
+    return mode
 # An n-gram drafter costs next to nothing, so drafting pays as soon as the
 # committed tokens cover the larger tree forward: its break-even is lower.
 NGRAM_MIN_TAU = 1.3

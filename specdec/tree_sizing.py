@@ -47,7 +47,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.knobs import TREE_SIZINGS
 from specdec.tree_layout import DraftTree, TreeError, subtree
 
 SMOOTHING = 0.25            # weight of the newest measurement in a cost or rate average
@@ -55,13 +54,7 @@ SPIKE = 3.0                 # a measurement counts as at most this many times th
 EXPLORE_EVERY = 200         # verifies after which a width not timed since is timed again
 MAX_SESSIONS = 4096         # sessions whose pace is remembered (least recently verified dropped first)
 
-__all__ = ["EXPLORE_EVERY", "TreeSizer", "best_size", "check_tree_sizing", "restore", "sizes_up_to", "width_of"]
-
-
-def check_tree_sizing(mode: str) -> str:
-    if mode not in TREE_SIZINGS:
-        raise ValueError(f"tree sizing must be one of {', '.join(TREE_SIZINGS)}, got {mode!r}")
-    return mode
+__all__ = ["EXPLORE_EVERY", "TreeSizer", "best_size", "restore", "sizes_up_to", "width_of"]
 
 
 def restore(accepted: list[int], keep: torch.Tensor | None) -> list[int]:
@@ -128,8 +121,7 @@ class TreeSizer:
     sessions), each session's pace. Thread-safe (the verifier's RPCs and its
     worker thread both call it)."""
 
-    def __init__(self, explore_every: int = EXPLORE_EVERY):
-        self.explore_every = explore_every
+    def __init__(self):
         self.costs: dict[int, float] = {}           # width -> averaged seconds of a verify
         self.timed_at: dict[int, int] = {}          # width -> verify count when last timed
         self.warmed: set[int] = set()               # widths verified once (their first verify is not timed)
@@ -203,12 +195,12 @@ class TreeSizer:
 
     def _choose(self, accept: list[float], rate: float, cap: int) -> int:
         """The size to verify: a width never timed (the largest first), then one
-        not timed for ``explore_every`` verifies, else ``best_size``."""
+        not timed for ``EXPLORE_EVERY`` verifies, else ``best_size``."""
         sizes = sizes_up_to(cap)
         untimed = [n for n in sizes if width_of(n) not in self.costs]
         if untimed:
             return untimed[-1]
         stale = min(sizes, key=lambda n: self.timed_at[width_of(n)])
-        if self.verifies - self.timed_at[width_of(stale)] >= self.explore_every:
+        if self.verifies - self.timed_at[width_of(stale)] >= EXPLORE_EVERY:
             return stale
         return best_size(accept, self.costs, rate, cap)

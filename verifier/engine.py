@@ -25,7 +25,8 @@ from specdec.params import SamplingParams
 from specdec.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.sessions import SessionTable
 from specdec.tree import DraftTree
-from specdec.tree_sizing import TreeSizer, check_tree_sizing
+from specdec.knobs import check_tree_sizing
+from specdec.tree_sizing import TreeSizer
 from verifier.batch import verify_batch
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 
@@ -46,7 +47,10 @@ class VerifierEngine:
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
                  kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed"):
         self.target = target
-        self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
+        try:
+            self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
+        except ValueError as exc:
+            raise ValueError(f"tree_sizing {exc}") from None
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
         self.kv_budget_bytes = kv_budget_bytes
         self.max_tree_tokens = max_tree_tokens

@@ -95,9 +95,10 @@ def add_tree_sizing_flag(p) -> None:
 
 def tree_sizing(text: str) -> str:
     """--tree-sizing's value (a type, so a default from SPECDEC_TREE_SIZING is checked too)."""
-    if text not in knobs.TREE_SIZINGS:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(knobs.TREE_SIZINGS)}, got {text!r}")
-    return text
+    try:
+        return knobs.check_tree_sizing(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def resolved_min_tau(text: str) -> float | None:

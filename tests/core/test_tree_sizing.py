@@ -9,7 +9,8 @@ import torch
 
 from specdec.proposals import Proposal
 from specdec.tree_layout import DraftTree, tree_from_lists
-from specdec.tree_sizing import (EXPLORE_EVERY, TreeSizer, best_size, check_tree_sizing, monotone_values, restore,
+from specdec.knobs import check_tree_sizing
+from specdec.tree_sizing import (EXPLORE_EVERY, TreeSizer, best_size, monotone_values, restore,
                                  sizes_up_to, width_of)
 
 COSTS = {1: 3e-3, 2: 3.2e-3, 4: 5e-3, 8: 8e-3, 16: 10e-3}
@@ -24,8 +25,12 @@ def test_widths_and_sizes():
 
 def test_check_tree_sizing():
     assert check_tree_sizing("cost") == "cost"
-    with pytest.raises(ValueError, match="tree sizing must be one of cost, fixed"):
+    with pytest.raises(ValueError, match="must be one of cost, fixed, got 'auto'"):
         check_tree_sizing("auto")
+    from verifier.engine import VerifierEngine
+
+    with pytest.raises(ValueError, match="tree_sizing must be one of cost, fixed"):
+        VerifierEngine(target=None, tree_sizing="auto")
 
 
 def brute_force(accept, costs, rate, cap):
