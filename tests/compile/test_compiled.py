@@ -3,12 +3,13 @@ to eager vanilla on the demo target and on a tiny non-Llama family, seeded
 sampling reproducible, the padding helpers, the per-model fallback to eager
 forwards with one log line, the stacked K/V buffer the steps write in place,
 and the ahead-of-time packages (reloaded, over the model's own weights, keyed
-by the model files)."""
+by the model files, their libraries kept beside them)."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import pytest
 import torch
@@ -251,6 +252,28 @@ def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, m
         with torch.no_grad():
             head.div_(2.0)
     assert torch.allclose(doubled, 2 * before, rtol=1e-4, atol=1e-4)
+
+
+def test_a_packages_library_is_kept_beside_it_and_follows_its_rebuilds(llama_step):
+    target, forward = llama_step
+    path = compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False)
+    library = compiled_aot.kept_library(path)
+    assert library == path.with_suffix(".so") and library.stat().st_mtime_ns >= path.stat().st_mtime_ns
+    kept = library.read_bytes()
+    stale = library.with_suffix(".old")
+    stale.write_bytes(b"a library older than its package")
+    os.utime(stale, ns=(path.stat().st_mtime_ns - 10**9,) * 2)
+    os.replace(stale, library)                    # (a new file: the loaded one stays mapped as it was)
+    assert compiled_aot.kept_library(path).read_bytes() == kept
+    assert compiled_aot.kept_library(path).stat().st_mtime_ns >= path.stat().st_mtime_ns
+    # two steps over one kept library run side by side, each over the weights it was given
+    weights = compiled_aot.shared_weights(forward.module)
+    doubled = dict(weights, **{name: 2 * t for name, t in weights.items() if name.endswith("lm_head.weight")})
+    one, two = compiled_aot.load_package(path, weights), compiled_aot.load_package(path, doubled)
+    with torch.inference_mode():                 # (each on inputs of its own: a step writes its cache input)
+        logits_one = one(*forward._example(1, compiled.MIN_CAPACITY))[1]
+        logits_two = two(*forward._example(1, compiled.MIN_CAPACITY))[1]
+    assert torch.allclose(logits_two, 2 * logits_one, rtol=1e-4, atol=1e-4)
 
 
 def test_package_key_follows_the_model_files(family_dir):
