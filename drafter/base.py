@@ -256,6 +256,13 @@ class CachedTreeDrafter(Drafter):
         [k, cache + k] bool (which slots each node sees), key_positions [cache + k]
         (the position of the token in each slot). Returns hidden [k, H], log-probs [k, V]."""
 
+    def draft_whole(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
+                    cfg: TreeParams) -> tuple[DraftTree, torch.Tensor] | None:
+        """A top-proposal draft of ``cfg`` after the root in one call (the tree and
+        its nodes' outputs [n, H] fp32, as the level-by-level path records them),
+        or None: draft it level by level."""
+        return None
+
     def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         return self._build(sess, cfg, record=False)[0]
 
@@ -398,6 +405,10 @@ class CachedTreeDrafter(Drafter):
             return logp
 
         try:
+            whole = None if exclude or cfg.proposals == "sampled" else \
+                self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg)
+            if whole is not None:            # the whole draft in one graph (drafter.compiled_tree)
+                return whole[0], TreeRecord(whole[0], whole[1]) if record else None
             tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
             if not record:
                 return tree, None

@@ -29,15 +29,25 @@ class FeatureHeadDrafter(CachedTreeDrafter):
 
     needs_features = True
     compiled = None          # drafter.compiled_head.CompiledHead: compiled draft levels (None: eager)
+    compiled_tree = None     # drafter.compiled_tree.CompiledTree: the default budget's whole draft (None: none)
 
     def new_cache(self):
         return kv.new_cache(self.head.config) if self.compiled is None else self.compiled.new_cache()
 
     def use_compile(self, mode: str) -> None:
-        """``--compile MODE`` for the draft levels (``drafter.compiled_head``)."""
+        """``--compile MODE`` for the draft levels (``drafter.compiled_head``)
+        and the default budget's whole draft (``drafter.compiled_tree``)."""
         from drafter.compiled_head import compile_head
+        from drafter.compiled_tree import compile_tree
 
         self.compiled = compile_head(self, mode)
+        self.compiled_tree = compile_tree(self.compiled)
+
+    def draft_whole(self, cache, root_token, root_hidden, root_logp, cfg):
+        tree = self.compiled_tree
+        if tree is None or not tree.serves(cfg, kv.seq_len(cache)):
+            return None
+        return tree.draft(cache, root_token, root_hidden, root_logp, cfg.value_temperature or 1.0)
 
     @abstractmethod
     def step_tensors(self) -> dict[str, torch.Tensor]:
