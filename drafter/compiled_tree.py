@@ -27,9 +27,10 @@ the tree:
 
 It serves greedy-style drafts only: top-token proposals, the eagle2 method,
 no excluded tokens, and the tree budget it was built for (the default one,
-at start-up); sampled proposals, other methods and budgets, drafting ahead's
-wider trees, and a session whose draft would pass ``HEAD_CAPACITY`` take the
-level-by-level path. On a GPU the levels replay as CUDA graphs already and
+at start-up, or the one an in-process run names: ``use_budget``); sampled
+proposals, other methods and budgets, drafting ahead's wider trees, and a
+session whose draft would pass ``HEAD_CAPACITY`` take the level-by-level
+path. On a GPU the levels replay as CUDA graphs already and
 this graph is not built (untested there).
 """
 
@@ -241,3 +242,18 @@ def compile_tree(head: CompiledHead | None, cfg: TreeParams | None = None) -> Co
     log.info("whole-draft graph on for the %s drafter (budget %d nodes, depth %d, expand_k %d; %.1f s to build "
              "or load and check)", name, tree.total, tree.levels, tree.expand_k, time.perf_counter() - t)
     return tree
+
+
+def use_budget(drafter, cfg: TreeParams) -> None:
+    """Give ``drafter`` the whole-draft graph of budget ``cfg`` in place of the
+    default budget's, where it has compiled levels and no graph serving that
+    budget yet: an in-process run that knows its tree (``generate --local``,
+    ``bench``) then drafts all of it in one graph. A failed build keeps the
+    graph it had (one log line says why)."""
+    current = getattr(drafter, "compiled_tree", None)
+    if getattr(drafter, "compiled", None) is None or cfg.method != "eagle2" or (
+            current is not None and current.serves(cfg, 0)):
+        return
+    tree = compile_tree(drafter.compiled, cfg)
+    if tree is not None:
+        drafter.compiled_tree = tree

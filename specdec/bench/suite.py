@@ -26,6 +26,7 @@ from specdec.procs import pinned_cores
 from specdec.decoding import StopCriteria
 from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.params import TreeParams
+from drafter import compiled_tree
 from drafter.eagle3 import Eagle3Drafter
 from verifier.engine import TargetModel, VerifierEngine
 
@@ -64,6 +65,9 @@ class Models:
         if self._assistant is None:
             self._assistant = load_causal_lm(replace(self.spec, path=self._need(self.cfg.draft_lm, "draft LM")))
         return self._assistant
+
+    def loaded_drafters(self) -> list:
+        return list(self._drafters.values())
 
     def drafter(self, kind: str):
         if kind not in self._drafters:
@@ -145,6 +149,8 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
     if models.target.compiled is not None:     # steady state: no graph left to build or open while timed
         models.target.compile_trees(cfg.tree.total_tokens)
         models.target.compiled.open_all()
+    for drafter in models.loaded_drafters():   # the run's budget drafted whole (drafter.compiled_tree)
+        compiled_tree.use_budget(drafter, cfg.tree)
     with ExitStack() as stack:
         if cfg.grpc:
             methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))

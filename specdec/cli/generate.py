@@ -112,6 +112,9 @@ def run(args) -> int:
     stack = build_local(spec, choice, tree_sizing=args.tree_sizing)
     if tree_cfg is not None and stack.drafter is not None:
         stack.verifier.target.compile_trees(tree_cfg.total_tokens)     # a tree past the start-up widths
+        from drafter.compiled_tree import use_budget
+
+        use_budget(stack.drafter, tree_cfg)                             # the run's budget drafted whole
     tok = stack.tokenizer
     eos = {i for i in [tok.eos_token_id] if i is not None}
     for prompt in prompts:

@@ -156,3 +156,21 @@ def test_a_graph_whose_trees_differ_is_refused(tiny_family, caplog, monkeypatch)
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
     assert drafter.compiled_tree is None
     assert any("values differ" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_that_names_its_budget_drafts_it_whole(tiny_family):
+    fast = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
+    levels = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
+    small = TreeParams(total_tokens=8, depth=3, expand_k=2)
+    compiled_tree.use_budget(fast, small)
+    assert fast.compiled_tree.serves(small, 0) and not fast.compiled_tree.serves(DEFAULT, 0)
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    feed((fast, levels), "small", rng, gen, 11)
+    served = fast.compiled_tree.drafts
+    for _ in range(3):
+        assert_same_tree(fast.draft("small", small), levels.draft("small", small))
+        commit((fast, levels), "small", rng, gen)
+    assert fast.compiled_tree.drafts == served + 3
+    whole = fast.compiled_tree
+    compiled_tree.use_budget(fast, small)                      # served already: kept as it is
+    assert fast.compiled_tree is whole
