@@ -49,7 +49,7 @@ from specdec import kv
 from specdec.fixed_graphs import FixedGraphs
 from specdec.fixed_kv import FixedLayer, fixed_buffers
 from specdec.params import TreeParams
-from specdec.tree import _LOGP_SLACK, DraftTree
+from specdec.tree import LOGP_SLACK, DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class TreeDraftStep(torch.nn.Module):
         NaNs (``specdec.tree._top_tokens`` otherwise decides)."""
         k = self.k
         lp, tok = torch.topk(logp, k + 1, dim=-1)
-        ok = ((lp[:, 0] <= _LOGP_SLACK) & (lp[:, :-1] > lp[:, 1:]).all(-1)).all()
+        ok = ((lp[:, 0] <= LOGP_SLACK) & (lp[:, :-1] > lp[:, 1:]).all(-1)).all()
         lp, tok = lp[:, :k].float().clamp(max=0.0), tok[:, :k]
         lse = torch.logsumexp(logp.float() / temperature, dim=-1, keepdim=True)
         tempered = torch.where(torch.isfinite(lse), (lp / temperature - lse).clamp(max=0.0), lp)

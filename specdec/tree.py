@@ -57,7 +57,7 @@ __all__ = ["DraftTree", "ExpandFn", "Frontier", "TreeError", "build_tree", "buil
 
 # Rounding in a renormalised distribution can put a log-prob a hair above 0; such
 # values count as 0. Anything larger is taken to be logits passed by mistake.
-_LOGP_SLACK = 1e-3
+LOGP_SLACK = 1e-3
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     k = min(k, logp.shape[-1])
     lp, tok = torch.topk(logp, k, dim=-1)  # [f, k]
     # NaNs and positives rank first, so checking the top entries is enough (one test for both)
-    if not bool((lp[:, 0] <= _LOGP_SLACK).all()):
+    if not bool((lp[:, 0] <= LOGP_SLACK).all()):
         if torch.isnan(lp).any():
             raise ValueError("expand() returned NaN log-probs")
         raise ValueError(f"expand() must return log-probabilities (<= 0), got {lp.max().item():.4g}")
