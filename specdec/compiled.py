@@ -71,6 +71,7 @@ verification there runs row by row over them (batched graphs are packages).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import torch
@@ -82,6 +83,8 @@ from specdec.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
 from specdec.fixed_step import FixedStep
 from specdec.knobs import DEFAULT_TOTAL_TOKENS
 from specdec.masks import causal_allowed
+
+log = logging.getLogger(__name__)
 
 
 __all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep"]   # and what follows
@@ -136,6 +139,10 @@ class CompiledForward:
         self.due: list[tuple[int, int, bool, bool]] = []    # (width, capacity, captures, batched) ``warm`` left
         self.spare: dict[tuple[int, int], object] = {}     # (rows, capacity) -> a batch cache to reuse
         self._settings = (ahead_of_time, packed, options)
+        # a package missing from disk is built on first use (minutes); False (a server, ``unbuilt_eager``):
+        # that forward runs eagerly instead, one log line per width
+        self.build_on_use = True
+        self._told_unbuilt: set[int] = set()
 
     def capture_layers(self) -> None:
         """Add the graphs that also return the residual streams entering up to
@@ -329,7 +336,21 @@ class CompiledForward:
             return None                  # no fixed-shape cache, or no such graphs
         if rows > 1 and not self.batches(width_bucket(n), cache.fixed_buffers.stack.shape[4], layers):
             return None
+        if rows == 1 and not self.build_on_use and not self.built(width_bucket(n),
+                                                                   cache.fixed_buffers.stack.shape[4], bool(layers)):
+            if width_bucket(n) not in self._told_unbuilt:
+                self._told_unbuilt.add(width_bucket(n))
+                log.warning("no compiled graph for %d-wide forwards was built at start-up: those run eagerly "
+                            "(verifier serve --compile-tree-tokens builds them)", width_bucket(n))
+            return None
         return self._step(cache, tokens, positions, mask, layers, width_bucket(n))
+
+    def built(self, width: int, capacity: int, captures: bool = False) -> bool:
+        """Whether the one-session graph for (width, capacity) is open or on disk,
+        or is no package (``torch.compile``, compiled on first use anyway)."""
+        graphs = self.graph_set(captures)
+        return (graphs.packages is None or capacity not in graphs.packaged_capacities
+                or graphs.ready(width, capacity))
 
     @torch.inference_mode()
     def prefill(self, cache, tokens: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...] = ()):

@@ -26,6 +26,9 @@ DEFAULT_MIN_TAU = 2.0
 # tau reproducible.
 TREE_SIZINGS = ("cost", "fixed")
 DEFAULT_TREE_SIZING = "fixed"
+# The widest tree a verifier builds compiled graphs for (verifier serve
+# --compile-tree-tokens): the widest of specdec.fixed_graphs.WIDTHS.
+MAX_COMPILED_TREE = 64
 
 
 def check_tree_sizing(mode: str) -> str:

@@ -123,11 +123,12 @@ class TargetModel:
         what an in-process EAGLE-3 drafter asks of its target. Whether they are on."""
         return self.compiled is not None and compile_captures(self.compiled)
 
-    def compile_trees(self, total_tokens: int) -> None:
+    def compile_trees(self, total_tokens: int, open_now: bool = True) -> None:
         """With compiled forwards, the graphs of trees of up to ``total_tokens``
         nodes past the start-up widths (``STARTUP_WIDTHS`` follow the default
-        tree) built now where missing and opened before any request, so that
-        no request builds one (minutes for a cold package). A no-op otherwise."""
+        tree) built now where missing and opened before any request (``open_now``;
+        else left for a server to open while idle), so that no request builds
+        one (minutes for a cold package). A no-op otherwise."""
         wanted = width_bucket(total_tokens) or WIDTHS[-1]
         widths = tuple(w for w in WIDTHS if max(STARTUP_WIDTHS) < w <= wanted)
         if self.compiled is None or not widths:
@@ -135,7 +136,18 @@ class TargetModel:
         self.compiled.warm(widths, ready=())
         if self.compiled.capturing is not None:
             self.compiled.warm(widths, captures=True, ready=())
-        self.compiled.open_all()
+        if open_now:
+            self.compiled.open_all()
+
+    def unbuilt_eager(self, total_tokens: int) -> None:
+        """A server's compiled forwards: the graphs of trees of up to
+        ``total_tokens`` nodes built now where missing (opened while idle), and
+        none ever built on a request: a wider tree's width, whose package is
+        not on disk, verifies eagerly (one log line per width) instead of
+        holding its request for the build. A no-op without compiled forwards."""
+        if self.compiled is not None:
+            self.compile_trees(total_tokens, open_now=False)
+            self.compiled.build_on_use = False
 
     def compile_batches(self) -> bool:
         """With compiled forwards, add the batched ones (a verifier that batches:

@@ -71,8 +71,10 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     limits = ["--max-total-tokens", str(max(64, tree.total_tokens)), "--max-depth", str(max(8, tree.depth)),
               "--max-expand-k", str(max(10, tree.expand_k))]
     if kind in ("eagle", "eagle3"):                  # `serve drafter --eagle` tells the head's version
+        budget = ["--total-tokens", str(tree.total_tokens), "--depth", str(tree.depth),
+                  "--expand-k", str(tree.expand_k)]
         return ["--eagle", eagle_head(cfg, kind), "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device,
-                "--compile", cfg.compile, *limits]
+                "--compile", cfg.compile, *limits, *budget]     # (its default tree: the one drafted whole)
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":
@@ -131,6 +133,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
                                                      "--dtype", cfg.dtype, "--device", cfg.device,
                                                      "--compile", cfg.compile, "--tree-sizing", cfg.tree_sizing,
+                                                     "--compile-tree-tokens", str(cfg.tree.total_tokens),
                                                      *solo, *internal,
                                                      *procs.feature_layer_flags(eagle_head(cfg, kind), cfg.compile)],
                                 env_defaults=procs.solo_env() if solo else None,

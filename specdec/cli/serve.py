@@ -118,6 +118,12 @@ def add_parsers(sub) -> None:
                         "specdec up, soak and bench set it for an EAGLE-3 head")
     p.add_argument("--feature-dtype", default="float32", choices=("float32", "float16"),
                    help="dtype of the features sent to EAGLE drafters")
+    p.add_argument("--compile-tree-tokens", type=int,
+                   default=env("SPECDEC_COMPILE_TREE_TOKENS", knobs.DEFAULT_TOTAL_TOKENS),
+                   help="with --compile: build the graphs of trees up to this many nodes at start-up (a cold "
+                        "cache: minutes per width past 16); a wider tree, whose graph was not built, verifies "
+                        f"eagerly rather than wait for a build (at most {knobs.MAX_COMPILED_TREE}; default "
+                        f"{knobs.DEFAULT_TOTAL_TOKENS}, the default tree; env SPECDEC_COMPILE_TREE_TOKENS)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: shard the target over this many processes (gloo on CPU, "
                         "NCCL on GPUs: rank r uses cuda:r); must divide the attention and key/value heads")
@@ -191,6 +197,9 @@ def run_verifier(args) -> int:
 
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    if not 1 <= args.compile_tree_tokens <= knobs.MAX_COMPILED_TREE:
+        raise UsageError(f"--compile-tree-tokens must be in [1, {knobs.MAX_COMPILED_TREE}], "
+                         f"got {args.compile_tree_tokens}")
     if args.kv_budget_bytes is not None and args.kv_budget_bytes < 1:
         raise UsageError(f"--kv-budget-bytes must be >= 1, got {args.kv_budget_bytes}")
     if args.batch_window_ms < 0 or args.max_batch < 1:
@@ -218,14 +227,18 @@ def run_verifier(args) -> int:
                                    tree_sizing=args.tree_sizing)
             atexit.register(verifier.shutdown)
             return verifier
-        return VerifierEngine(TargetModel(spec), max_sessions=args.max_sessions, ttl_s=args.session_ttl,
+        target = TargetModel(spec)
+        target.unbuilt_eager(args.compile_tree_tokens)      # no request waits for a graph to be built
+        return VerifierEngine(target, max_sessions=args.max_sessions, ttl_s=args.session_ttl,
                               kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing)
 
     return _serve(cfg, servicer, "verifier", build, args)
 
 
-def _drafter_builder(args):
-    """Validate the drafter flags now (one-line errors), build the drafter later."""
+def _drafter_builder(args, default: TreeParams):
+    """Validate the drafter flags now (one-line errors), build the drafter later
+    (a compiled EAGLE drafter drafts ``default``, its default tree, whole:
+    ``drafter.compiled_tree``)."""
     from specdec.models import ModelSpec, read_config, torch_dtype
 
     sessions = dict(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
@@ -256,9 +269,12 @@ def _drafter_builder(args):
     dtype = torch_dtype(args.dtype)
 
     def build():
+        from drafter.compiled_tree import use_budget
         from drafter.eagle3 import load_eagle_drafter
 
-        return load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
+        drafter = load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
+        use_budget(drafter, default)
+        return drafter
     return build
 
 
@@ -270,7 +286,7 @@ def run_drafter(args) -> int:
     limits = TreeParams(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
     if not args.batch_window_ms >= 0 or args.max_batch < 1:
         raise UsageError("--batch-window-ms must be >= 0 and --max-batch >= 1")
-    build = _drafter_builder(args)
+    build = _drafter_builder(args, default)
     from drafter.service import DrafterService, DrafterServiceConfig
 
     servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits,

@@ -5,6 +5,7 @@ SPECDEC_CUDA_GRAPHS (compiled steps on a GPU replayed as CUDA graphs), and
 
 import pytest
 
+from specdec import knobs
 from specdec.cli.main import build_parser, main
 
 SERVE = (["verifier", "serve"], ["drafter", "serve"])
@@ -69,3 +70,25 @@ def test_tree_sizing_defaults_to_fixed_and_comes_from_the_variable(argv, monkeyp
     monkeypatch.setenv("SPECDEC_TREE_SIZING", "cost")
     assert build_parser().parse_args(argv).tree_sizing == "cost"
     assert build_parser().parse_args([*argv, "--tree-sizing", "fixed"]).tree_sizing == "fixed"
+
+
+def test_compile_tree_tokens_defaults_to_the_default_tree_and_comes_from_the_variable(monkeypatch):
+    monkeypatch.delenv("SPECDEC_COMPILE_TREE_TOKENS", raising=False)
+    assert build_parser().parse_args(["verifier", "serve"]).compile_tree_tokens == knobs.DEFAULT_TOTAL_TOKENS
+    monkeypatch.setenv("SPECDEC_COMPILE_TREE_TOKENS", "48")
+    assert build_parser().parse_args(["verifier", "serve"]).compile_tree_tokens == 48
+
+
+@pytest.mark.parametrize("value", ["0", "65"])
+def test_compile_tree_tokens_out_of_range_is_one_line(value, capsys):
+    assert main(["verifier", "serve", "--compile-tree-tokens", value]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert line.endswith(f"--compile-tree-tokens must be in [1, {knobs.MAX_COMPILED_TREE}], got {value}")
+    assert "Traceback" not in err
+
+
+def test_the_widest_compiled_tree_is_the_widest_graph():
+    from specdec.fixed_graphs import WIDTHS
+
+    assert knobs.MAX_COMPILED_TREE == WIDTHS[-1]

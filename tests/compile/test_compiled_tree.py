@@ -174,3 +174,15 @@ def test_a_run_that_names_its_budget_drafts_it_whole(tiny_family):
     whole = fast.compiled_tree
     compiled_tree.use_budget(fast, small)                      # served already: kept as it is
     assert fast.compiled_tree is whole
+
+
+def test_a_drafter_service_drafts_its_default_tree_whole(tiny_family):
+    from specdec.cli import serve
+    from specdec.cli.main import build_parser
+
+    args = build_parser().parse_args(["drafter", "serve", "--eagle", str(tiny_family["eagle"]), "--target",
+                                      str(tiny_family["target"]), "--compile", "on", "--total-tokens", "8",
+                                      "--depth", "3", "--expand-k", "2"])
+    default = TreeParams(total_tokens=8, depth=3, expand_k=2)
+    drafter = serve._drafter_builder(args, default)()
+    assert drafter.compiled_tree.serves(default, 0) and not drafter.compiled_tree.serves(DEFAULT, 0)

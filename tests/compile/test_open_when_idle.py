@@ -139,3 +139,39 @@ def test_trees_past_the_start_up_widths_are_built_and_opened_before_any_request(
     eager = TargetModel(ModelSpec(str(tiny_family["target"])))
     eager.compile_trees(64)                                 # eager forwards: a no-op
     assert eager.compiled is None
+
+
+def test_a_server_never_builds_a_graph_on_a_request_and_verifies_that_tree_eagerly(tiny_family, monkeypatch,
+                                                                                    caplog):
+    from specdec.fixed_graphs import FixedGraphs
+    from specdec.params import SamplingParams
+    from specdec.tree import tree_from_lists
+    from verifier.engine import VerifierEngine
+
+    target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
+    target.unbuilt_eager(16)                                # a verifier serving the default tree
+    assert not target.compiled.build_on_use
+    on_disk = FixedGraphs.ready
+    monkeypatch.setattr(FixedGraphs, "ready", lambda self, w, c: w != 32 and on_disk(self, w, c))  # no 32-wide
+
+    def no_build(*args):
+        raise AssertionError("a request built a package")
+
+    monkeypatch.setattr(compiled_aot, "build_package", no_build)
+    engines = [VerifierEngine(target), VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))]
+    prompt = [5, 9, 2, 7, 11, 3]
+    firsts = {e.prefill("s", prompt, SamplingParams(), 8).token for e in engines}
+    assert len(firsts) == 1
+    root = firsts.pop()
+    parents = [-1] + [i // 2 for i in range(19)]             # 20 nodes: width 32
+    tokens = [root] + [(7 * i + 3) % 50 for i in range(19)]
+    with caplog.at_level(logging.WARNING, logger="specdec.compiled"):
+        results = [e.verify("s", tree_from_lists(tokens, parents)) for e in engines]
+        again = [e.verify("s", tree_from_lists([r.tokens[-1]] + tokens[1:], parents))
+                 for e, r in zip(engines, results)]
+    assert results[0].tokens == results[1].tokens and again[0].tokens == again[1].tokens
+    assert (32, FIRST) not in target.compiled.steps.graphs
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    assert len(lines) == 1 and "32-wide" in lines[0] and "--compile-tree-tokens" in lines[0]
+    assert target.compiled.run(target.compiled.new_cache(), torch.tensor([[1]]), torch.tensor([[0]]),
+                               None) is not None        # a built width still runs compiled

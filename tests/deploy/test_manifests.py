@@ -437,3 +437,12 @@ def test_the_verifier_takes_its_tree_sizing_from_the_knobs(rendered, overlay, mo
     assert env["SPECDEC_TREE_SIZING"] == "fixed"
     monkeypatch.setenv("SPECDEC_TREE_SIZING", "cost")             # an operator's edit of the ConfigMap
     assert role_parser("verifier").parse_known_args(expanded_args(r, d))[0].tree_sizing == "cost"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_verifier_compiles_the_graphs_of_the_deployments_trees(rendered, overlay):
+    """The verifier builds at start-up the compiled graphs of the tree size the drafters draft."""
+    r = rendered[overlay]
+    d = objects(r, "Deployment")["verifier"]
+    args = role_parser("verifier").parse_known_args(expanded_args(r, d))[0]
+    assert args.compile_tree_tokens == int(knobs(r, d)["TREE_TOTAL_TOKENS"])
