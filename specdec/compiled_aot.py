@@ -26,7 +26,7 @@ generation, no Dynamo guards on the call, and a C++ wrapper around the kernels.
   source, the transformers version), torch version, dtype, device, CPU
   (machine and feature flags), width and capacity. Packages live in ``specdec-aot/`` under the inductor cache
   directory (``TORCHINDUCTOR_CACHE_DIR``);
-- loading: a package's compiled library is kept unzipped beside it
+- loading: a package's compiled library is unzipped once in its place
   (``kept_library``) and loaded directly, the output structure read once
   (``LoadedStep``): opening one of the demo target's took ~50 ms through the
   package loader, which unzips the package into a fresh directory each time,
@@ -236,18 +236,26 @@ class LoadedStep:
         self.runner.update_constant_buffer({name: constants[fqn] for name, fqn in names.items()}, False, True, True)
 
 
+def package_built(path: Path) -> bool:
+    """Whether the package ``path`` is on disk: as built, or as the library kept in its place (``kept_library``)."""
+    return path.exists() or path.with_suffix(".so").exists()
+
+
 def kept_library(path: Path) -> Path:
-    """The compiled library inside the package ``path``, kept beside it
-    (``<package>.so``, written whole or not at all, refreshed when the package
-    is newer): loading a package unzips it into a fresh directory every time,
-    half of a ~50 ms open of the demo target's."""
+    """The compiled library of the package ``path``, unzipped once into
+    ``<package>.so`` (written whole or not at all), which then stands in for
+    the package (removed: one copy on disk): loading a package unzips it into
+    a fresh directory every time, half of a ~50 ms open of the demo
+    target's. A package on disk (just built, or left by an older specdec)
+    replaces the library it finds."""
     library = path.with_suffix(".so")
     try:
-        if library.stat().st_mtime_ns >= path.stat().st_mtime_ns:
-            return library
+        archive = zipfile.ZipFile(path)
     except FileNotFoundError:
-        pass
-    with zipfile.ZipFile(path) as archive:
+        if library.exists():
+            return library
+        raise
+    with archive:
         member = next(n for n in archive.namelist() if n.endswith(".so") and "/data/aotinductor/model/" in n)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         try:
@@ -257,6 +265,7 @@ def kept_library(path: Path) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    path.unlink(missing_ok=True)      # (a start loading it beside this one falls back on the library)
     return library
 
 
@@ -282,7 +291,7 @@ def ensure_package(step: torch.nn.Module, example: Callable[[], tuple], root: Pa
     absent (at the shapes of ``example()``); with ``batch_dims``, one whose
     batch dimension is free (``batch_dims(example)``: the dynamic shapes)."""
     path = package_path(root, width, capacity, packed, batch_dims is not None)
-    if not path.exists():
+    if not package_built(path):
         inputs = example()
         build_package(step, inputs, path, packed, None if batch_dims is None else batch_dims(inputs))
     return path

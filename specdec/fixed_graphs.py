@@ -88,8 +88,8 @@ class FixedGraphs:
         """Whether the graph for (width, capacity) is open or its package is on disk."""
         return (width, capacity) in self.graphs or (
             self.packages is not None and capacity in self.packaged_capacities
-            and compiled_aot.package_path(self.packages, width, capacity, self.weights is None,
-                                          self.batch_dims is not None).exists())
+            and compiled_aot.package_built(compiled_aot.package_path(
+                self.packages, width, capacity, self.weights is None, self.batch_dims is not None)))
 
     def on_disk(self, width: int, capacity: int, example: Callable[[], tuple]) -> bool:
         """Build the package for (width, capacity) if it is missing, without

@@ -3,13 +3,14 @@ to eager vanilla on the demo target and on a tiny non-Llama family, seeded
 sampling reproducible, the padding helpers, the per-model fallback to eager
 forwards with one log line, the stacked K/V buffer the steps write in place,
 and the ahead-of-time packages (reloaded, over the model's own weights, keyed
-by the model files, their libraries kept beside them)."""
+by the model files, their libraries unzipped once in their place)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import os
+import zipfile
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def test_packed_packages_give_the_eager_logits(tiny_family):
     forward = compiled.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm, packed=True)
     assert forward.packed and forward.steps.weights is None
     assert compiled_start.check_compiled(forward) is None
-    assert compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=True).exists()
+    assert compiled_aot.package_built(compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, True))
 
 
 def test_non_llama_family_greedy_identical(family_dir):
@@ -233,7 +234,7 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
 
 def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, monkeypatch):
     target, forward = llama_step
-    assert compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False).exists()
+    assert compiled_aot.package_built(compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, False))
     assert forward.packages.is_relative_to(compiled_aot.cache_dir())
 
     def no_build(*args):
@@ -254,19 +255,26 @@ def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, m
     assert torch.allclose(doubled, 2 * before, rtol=1e-4, atol=1e-4)
 
 
-def test_a_packages_library_is_kept_beside_it_and_follows_its_rebuilds(llama_step):
+def test_a_packages_library_stands_in_for_it_and_a_rebuilt_package_replaces_it(llama_step, tmp_path):
     target, forward = llama_step
     path = compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False)
-    library = compiled_aot.kept_library(path)
-    assert library == path.with_suffix(".so") and library.stat().st_mtime_ns >= path.stat().st_mtime_ns
+    library = compiled_aot.kept_library(path)              # (the warm-up loaded it: unzipped already)
+    assert library == path.with_suffix(".so") and not path.exists() and compiled_aot.package_built(path)
     kept = library.read_bytes()
-    stale = library.with_suffix(".old")
-    stale.write_bytes(b"a library older than its package")
-    os.utime(stale, ns=(path.stat().st_mtime_ns - 10**9,) * 2)
-    os.replace(stale, library)                    # (a new file: the loaded one stays mapped as it was)
-    assert compiled_aot.kept_library(path).read_bytes() == kept
-    assert compiled_aot.kept_library(path).stat().st_mtime_ns >= path.stat().st_mtime_ns
-    # two steps over one kept library run side by side, each over the weights it was given
+    # a package rebuilt (or left by an older start): its library replaces the kept one, one copy stays
+    package = tmp_path / path.name
+    with zipfile.ZipFile(package, "w") as archive:
+        archive.writestr("build/data/aotinductor/model/step.wrapper.so", kept)
+        archive.writestr("build/data/aotinductor/model/step.wrapper.cpp", "// source")
+    stale = tmp_path / "stale.so"
+    stale.write_bytes(b"an older library")
+    library_copy = tmp_path / library.name
+    os.replace(stale, library_copy)
+    assert compiled_aot.kept_library(package).read_bytes() == kept and not package.exists()
+    assert compiled_aot.kept_library(package) == library_copy          # the library alone now
+    with pytest.raises(FileNotFoundError):
+        compiled_aot.kept_library(tmp_path / "missing.pt2")
+    # two steps over one library run side by side, each over the weights it was given
     weights = compiled_aot.shared_weights(forward.module)
     doubled = dict(weights, **{name: 2 * t for name, t in weights.items() if name.endswith("lm_head.weight")})
     one, two = compiled_aot.load_package(path, weights), compiled_aot.load_package(path, doubled)
