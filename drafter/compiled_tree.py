@@ -199,7 +199,7 @@ def check_tree(tree: CompiledTree) -> str | None:
     tokens = torch.randint(0, drafter.vocab_size, (9,), generator=gen).tolist()
     features = torch.randn(8, drafter.feature_size, generator=gen)
     cfg = TreeParams(total_tokens=tree.total, depth=tree.levels, expand_k=tree.expand_k)
-    trees, served = {}, tree.drafts
+    trees, served, had = {}, tree.drafts, drafter.compiled_tree
     for run in ("graph", "levels"):
         drafter.compiled_tree = tree if run == "graph" else None
         sid = f"whole-draft-check-{run}"
@@ -208,7 +208,7 @@ def check_tree(tree: CompiledTree) -> str | None:
             trees[run] = drafter.draft(sid, cfg)
         finally:
             drafter.release(sid)
-            drafter.compiled_tree = None
+            drafter.compiled_tree = had                 # (the caller installs this one if it passes)
     if tree.drafts != served + 1:
         return "the check's draft did not take the graph"
     got, want = trees["graph"], trees["levels"]

@@ -334,16 +334,16 @@ class CompiledForward:
             return self.prefill(cache, tokens, positions, layers) if rows == 1 else None
         if not self.accepts(cache, n) or not self.captures(layers):
             return None                  # no fixed-shape cache, or no such graphs
-        if rows > 1 and not self.batches(width_bucket(n), cache.fixed_buffers.stack.shape[4], layers):
+        width, capacity = width_bucket(n), cache.fixed_buffers.stack.shape[4]
+        if rows > 1 and not self.batches(width, capacity, layers):
             return None
-        if rows == 1 and not self.build_on_use and not self.built(width_bucket(n),
-                                                                   cache.fixed_buffers.stack.shape[4], bool(layers)):
-            if width_bucket(n) not in self._told_unbuilt:
-                self._told_unbuilt.add(width_bucket(n))
+        if rows == 1 and not self.build_on_use and not self.built(width, capacity, bool(layers)):
+            if width not in self._told_unbuilt:
+                self._told_unbuilt.add(width)
                 log.warning("no compiled graph for %d-wide forwards was built at start-up: those run eagerly "
-                            "(verifier serve --compile-tree-tokens builds them)", width_bucket(n))
+                            "(verifier serve --compile-tree-tokens builds them)", width)
             return None
-        return self._step(cache, tokens, positions, mask, layers, width_bucket(n))
+        return self._step(cache, tokens, positions, mask, layers, width)
 
     def built(self, width: int, capacity: int, captures: bool = False) -> bool:
         """Whether the one-session graph for (width, capacity) is open or on disk,

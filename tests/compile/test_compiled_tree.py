@@ -176,6 +176,23 @@ def test_a_run_that_names_its_budget_drafts_it_whole(tiny_family):
     assert fast.compiled_tree is whole
 
 
+def test_a_budget_whose_graph_fails_its_check_keeps_the_graph_the_drafter_had(drafters, monkeypatch):
+    fast = drafters[0]
+    had = fast.compiled_tree
+    real = compiled_tree.CompiledTree.draft
+
+    def off_for_the_new_budget(self, *args):
+        got = real(self, *args)
+        if got is None or self is had:
+            return got
+        tree, hidden = got
+        return type(tree)(tree.tokens, tree.parents, tree.depths, tree.values - 0.01), hidden
+
+    monkeypatch.setattr(compiled_tree.CompiledTree, "draft", off_for_the_new_budget)
+    compiled_tree.use_budget(fast, TreeParams(total_tokens=8, depth=3, expand_k=2))
+    assert fast.compiled_tree is had and had.serves(DEFAULT, 0)
+
+
 def test_a_drafter_service_drafts_its_default_tree_whole(tiny_family):
     from specdec.cli import serve
     from specdec.cli.main import build_parser
