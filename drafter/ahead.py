@@ -14,7 +14,7 @@ children is accepted)); the bonus at an end is likely one of the drafter's own
 top tokens there, never a child the current tree already had (the verifier
 would have accepted it). So an outcome (end e, bonus b) has log-value
 score(e) + log q_e(b), and a tree node under b adds its draft log-probs, as
-EAGLE-2 values do (``specdec.tree``).
+EAGLE-2 values do (``specdec.tree.build``).
 
 One forest. The accepted paths of the chosen ends are fed in one forward
 (tree mask: each path node sees the committed prefix and its own ancestors;
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from specdec.tree_layout import DraftTree, best_positions
+from specdec.tree.layout import DraftTree, best_positions
 
 # Nodes expanded per level: expand_k for every two outcomes' ends. Measured with
 # the demo family (4 prompts, one thread): with 4 ends, a full expand_k per end

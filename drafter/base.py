@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from drafter.ahead import draft_forest, likely_stops, stop_scores
-from specdec import kv
-from specdec.errors import InvalidArgument
-from specdec.params import SamplingParams, TreeParams
-from specdec.proposals import ProposalSampler
-from specdec.sessions import SessionTable
-from specdec.tree import DraftTree, Frontier, build_tree_ids, subtree
+from specdec.model import kv
+from specdec.request.errors import InvalidArgument
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.tree.proposals import ProposalSampler
+from specdec.serving.sessions import SessionTable
+from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Drafter(ABC):
     Sessions that sample (temperature > 0) get sampled proposals by default
     where the drafter has a distribution (``samples_proposals``): children drawn
     from it under the session's sampling params, shipped with the tree
-    (specdec.proposals). The draws are seeded by the session's seed and the
+    (specdec.tree.proposals). The draws are seeded by the session's seed and the
     committed length, so a seed reproduces the tree."""
 
     needs_features = False
@@ -407,7 +407,7 @@ class CachedTreeDrafter(Drafter):
         try:
             whole = None if exclude or cfg.proposals == "sampled" else \
                 self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg)
-            if whole is not None:            # the whole draft in one graph (drafter.compiled_tree)
+            if whole is not None:            # the whole draft in one graph (drafter.compiled.whole_draft)
                 return whole[0], TreeRecord(whole[0], whole[1]) if record else None
             tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
             if not record:

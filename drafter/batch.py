@@ -10,7 +10,7 @@ forward over all of them, as ``verifier.batch`` does for verification:
   forward: input i of row b sees slots [0, p_b) and [P, P + i]. Each session
   then takes its new slots [P, P + m_b) back into its own cache, exactly the
   committed inputs a solo draft would have fed.
-* Tree levels. ``specdec.tree.build_tree`` stays untouched: each session's
+* Tree levels. ``specdec.tree.build.build_tree`` stays untouched: each session's
   tree is built on its own thread, whose ``expand`` hands its frontier to the
   coordinator (the calling thread) and blocks. When every session still
   building has handed in a frontier or finished, the coordinator pads the
@@ -32,14 +32,14 @@ a batch cache (the feature heads, EAGLE-1/2 and EAGLE-3, and ``DraftLmDrafter``,
 with their own step and feed; a head's token embedding and log-probs are its
 drafter's, called as they are); anything else, the n-gram drafter included,
 drafts one by one. So does a drafter whose steps are compiled (``--compile``:
-``drafter.compiled_head``, a compiled draft LM): one batched forward per
+``drafter.compiled.head_levels``, a compiled draft LM): one batched forward per
 level would run eagerly, and the compiled steps one session after another
 took half its time (the demo EAGLE head, 2, 4 and 8 sessions of 128 tokens
 drafting default trees: 4.3 / 8.7 / 16.5 ms against 8.4 / 16.2 / 33.1 ms). A
 bad item (unknown session, bad token, bad features) fails alone.
 
 ``DraftScheduler`` collects concurrent Draft calls for at most a few ms and
-hands them to ``draft_batch`` (``specdec.batching``, shared with the verifier).
+hands them to ``draft_batch`` (``specdec.serving.batching``, shared with the verifier).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ import torch
 
 from drafter.base import CachedTreeDrafter, Drafter, DraftSession
 from drafter.draft_lm import DraftLmDrafter
-from drafter.eagle import FeatureHeadDrafter
-from specdec import kv, masks
-from specdec.batching import BatchScheduler
-from specdec.errors import FailedPrecondition
-from specdec.params import TreeParams
-from specdec.tree import DraftTree, Frontier, build_tree, tree_from_lists
+from drafter.eagle.eagle2 import FeatureHeadDrafter
+from specdec.model import kv, masks
+from specdec.serving.batching import BatchScheduler
+from specdec.request.errors import FailedPrecondition
+from specdec.request.params import TreeParams
+from specdec.tree.build import DraftTree, Frontier, build_tree, tree_from_lists
 
 # (session id, tokens to commit first (may be empty), their features [n, H] or None,
 #  tree config or None = VANILLA: no drafting, the tree is the root alone)
@@ -453,7 +453,7 @@ class _Levels:
 
 # -- collecting concurrent calls ----------------------------------------------------------------------
 class DraftScheduler(BatchScheduler):
-    """Concurrent Draft calls run as one ``draft_batch`` (``specdec.batching``:
+    """Concurrent Draft calls run as one ``draft_batch`` (``specdec.serving.batching``:
     a lone session never waits); ``runner(items)`` runs ``draft_batch(drafter,
     items)`` where the model lives."""
 

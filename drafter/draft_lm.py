@@ -1,8 +1,8 @@
 """Standalone small causal LM drafter (classic speculative sampling, or a tree
 of its top-k proposals). It shares the target's tokenizer; any causal LM
-specdec can serve as a target can draft (``specdec.causal_lm``). With
+specdec can serve as a target can draft (``specdec.model.causal_lm``). With
 ``--compile`` its one-token steps, a commit's feed and its draft levels run
-the target's compiled fixed-shape forward (``specdec.compiled``) over the
+the target's compiled fixed-shape forward (``specdec.compile.forwards``) over the
 same kind of cache, which moves up the capacity buckets as the session
 fills; a prompt's feed runs eagerly."""
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
-from specdec.causal_lm import CausalLm
-from specdec.compiled_start import compile_target
-from specdec.models import ModelSpec, load_causal_lm
+from specdec.model.causal_lm import CausalLm
+from specdec.compile.startup import compile_target
+from specdec.model.loading import ModelSpec, load_causal_lm
 
 
 class DraftLmDrafter(CachedTreeDrafter):

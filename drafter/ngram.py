@@ -15,8 +15,8 @@ from collections import Counter, defaultdict
 import torch
 
 from drafter.base import DraftSession, Drafter
-from specdec.params import TreeParams
-from specdec.tree import DraftTree, Frontier, build_tree
+from specdec.request.params import TreeParams
+from specdec.tree.build import DraftTree, Frontier, build_tree
 
 
 class NgramIndex:

@@ -4,7 +4,7 @@ small LM or n-gram).
 ``Draft`` is the per-cycle call: commit the tokens the verifier accepted last
 cycle (with their target features for EAGLE), then build a tree with the
 request's knobs, 0 meaning the server default and every knob clamped to the
-server's limits (``specdec.params.TreeRequest.resolve``). Handlers just
+server's limits (``specdec.request.params.TreeRequest.resolve``). Handlers just
 raise; status mapping as in ``verifier.service``. With
 ``batch_window_ms`` > 0, concurrent sessions' Draft calls are collected by a
 ``drafter.batch.DraftScheduler`` and drafted together, one model forward per
@@ -19,7 +19,7 @@ that would otherwise sit idle, so with other sessions open it only commits.
 
 ``Session`` carries one session's steps (Prefill then Draft / DraftAhead) on one bidirectional
 stream, each handled as its unary RPC; the session is released when the
-stream ends (``specdec.engine_servicer.EngineServicer.serve_session``).
+stream ends (``specdec.serving.engine_servicer.EngineServicer.serve_session``).
 """
 
 from __future__ import annotations
@@ -31,12 +31,16 @@ from typing import Callable
 
 import torch
 
-from specdec import kv, metrics, tensor_wire, wire
-from specdec.errors import InvalidArgument
-from specdec.engine_servicer import EngineServicer
-from specdec.params import TreeParams, check_count, check_owner, check_session_id, check_token_ids
-from specdec.sessions import DEFAULT_LEASE_S
-from specdec.tree import tree_from_lists
+from specdec.model import kv
+
+from specdec.request import wire
+
+from specdec.serving import metrics, tensor_wire
+from specdec.request.errors import InvalidArgument
+from specdec.serving.engine_servicer import EngineServicer
+from specdec.request.params import TreeParams, check_count, check_owner, check_session_id, check_token_ids
+from specdec.serving.sessions import DEFAULT_LEASE_S
+from specdec.tree.build import tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("specdec.drafter")
@@ -152,7 +156,7 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
             await self.scheduler.close()
         await super().aclose()
 
-    # -- RPCs (errors become statuses in specdec.server's interceptor) -------------------------------
+    # -- RPCs (errors become statuses in specdec.serving.server's interceptor) -------------------------------
     async def Prefill(self, request, context):
         self.check(opens_session=True)
         sid = check_session_id(request.session_id)

@@ -36,7 +36,7 @@ import grpc
 
 from orchestrator.lease import Leases
 from orchestrator.routing import PROBE_TIMEOUT_S, Endpoint, Pool
-from specdec.errors import SpecdecError
+from specdec.request.errors import SpecdecError
 
 log = logging.getLogger("specdec.orchestrator")
 

@@ -27,7 +27,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from specdec.errors import InvalidArgument
+from specdec.request.errors import InvalidArgument
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -156,7 +156,7 @@ def chat_prompt(template: ChatTemplate, messages: list[dict], tokenizer, extra: 
 
 class MessageRenderer:
     """``OrchestratorService.chat_renderer``: the ``messages`` of a gRPC / SDK
-    request (``specdec.params.ChatMessage``) rendered as the HTTP API renders chats."""
+    request (``specdec.request.params.ChatMessage``) rendered as the HTTP API renders chats."""
 
     def __init__(self, template: ChatTemplate, tokenizer):
         self.template = template

@@ -1,7 +1,7 @@
 """The loop's verifier and drafter over gRPC, with failover inside: losing a
 backend costs a re-prefill, never a token.
 
-``RemoteVerifier`` and ``RemoteDrafter`` implement ``specdec.speculative``'s
+``RemoteVerifier`` and ``RemoteDrafter`` implement ``specdec.request.speculative``'s
 ``Verifier`` and ``Drafter`` for one session, pinned by the router
 (``orchestrator.routing``) to an endpoint of their pool; they convert the
 loop's parameters to protos and hand trees and features through untouched.
@@ -50,13 +50,13 @@ from prometheus_client import Counter
 from orchestrator.backend import Backend, BackendError, Deadline
 from orchestrator.lease import Leases
 from orchestrator.routing import Pool
-from specdec import wire
-from specdec.errors import ResourceExhausted, Unavailable
-from specdec.metrics import REGISTRY
-from specdec.params import TREE_KNOBS, SamplingParams, TreeParams
-from specdec.speculative import Committed, Draft
+from specdec.request import wire
+from specdec.request.errors import ResourceExhausted, Unavailable
+from specdec.serving.metrics import REGISTRY
+from specdec.request.params import TREE_KNOBS, SamplingParams, TreeParams
+from specdec.request.speculative import Committed, Draft
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specdec.wire import TENSOR_DTYPES
+from specdec.request.wire import TENSOR_DTYPES
 
 log = logging.getLogger("specdec.orchestrator")
 
@@ -179,7 +179,7 @@ class RemoteVerifier(Backend):
                          self.read_logprobs(result.logprobs), result.verified_nodes)
 
     def read_logprobs(self, msgs) -> list | None:
-        """The tokens' logprobs as ``specdec.params.TokenLogprob``; None when the session asked for none."""
+        """The tokens' logprobs as ``specdec.request.params.TokenLogprob``; None when the session asked for none."""
         return wire.logprobs_from_proto(msgs) if self.logprobs is not None else None
 
     def release_request(self):

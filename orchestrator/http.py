@@ -44,10 +44,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from orchestrator import openai_schema as schema
 from orchestrator.chat_template import ChatTemplate, chat_prompt
 from orchestrator.service import GenerationResult, OrchestratorService
-from specdec.errors import InvalidArgument, SpecdecError, Unavailable
-from specdec.logs import request_id_var
-from specdec.params import is_request_id
-from specdec.server import status_code_of
+from specdec.request.errors import InvalidArgument, SpecdecError, Unavailable
+from specdec.serving.logs import request_id_var
+from specdec.request.params import is_request_id
+from specdec.serving.server import status_code_of
 
 TIMEOUT_GRACE_S = 0.1    # the service's own deadline fires first; this cap only catches a stuck call
 CLIENT_CLOSED = 499      # nginx's status for a client that left (nobody reads it)
@@ -121,7 +121,7 @@ class Event:
     text: str = ""
     result: GenerationResult | None = None  # set on the choice's last event
     error: BaseException | None = None
-    logprobs: list = field(default_factory=list)   # the text's tokens' (``specdec.params.TokenLogprob``)
+    logprobs: list = field(default_factory=list)   # the text's tokens' (``specdec.request.params.TokenLogprob``)
 
 
 class Run:

@@ -4,7 +4,7 @@ The HTTP API shares the process, the loop and the ``OrchestratorService``
 with the gRPC server: the same readiness, the same drain (a draining service
 refuses new sessions with UNAVAILABLE, i.e. 503, and ``RunningServer.stop``
 waits for the open ones, HTTP ones included), and signals stay the gRPC
-server's (``specdec.server.install_signal_drain``); uvicorn installs none.
+server's (``specdec.serving.server.install_signal_drain``); uvicorn installs none.
 The socket is bound before ``start`` returns, so port 0 gives a known free
 port and a taken port fails at once. TLS (and mutual TLS) uses the same
 certificate files as the gRPC port.

@@ -8,7 +8,7 @@ session's Release has been answered (or has failed), the session is *held*
 on that endpoint; every ``RENEW_EVERY_S`` one Renew per backend lists the
 sessions held there, and the backend renews their lease. A backend evicts a
 session whose lease has not been renewed for its ``--lease-s`` (default 4 s,
-``specdec.sessions``), so a dead orchestrator's sessions go a few seconds
+``specdec.serving.sessions``), so a dead orchestrator's sessions go a few seconds
 after its last renewal. A Renew that fails is only logged: the next one
 follows a second later, and a lease outlives several missed renewals.
 """

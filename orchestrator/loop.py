@@ -1,4 +1,4 @@
-"""One generation over gRPC: the speculative loop (``specdec.speculative``)
+"""One generation over gRPC: the speculative loop (``specdec.request.speculative``)
 on the verifier and drafter the router pins the request to.
 
 Per request (a session, the same id on both services):
@@ -40,10 +40,11 @@ from orchestrator.backend import Deadline
 from orchestrator.failover import RemoteDrafter, RemoteVerifier
 from orchestrator.routing import Endpoint, Router
 from orchestrator.text import Delta, TextStream
-from specdec import knobs, metrics
-from specdec.decoding import Decoding
-from specdec.params import SamplingParams, TreeParams
-from specdec.speculative import Request, speculative_generate
+from specdec.request import knobs
+from specdec.serving import metrics
+from specdec.request.decoding import Decoding
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.request.speculative import Request, speculative_generate
 
 __all__ = ["Deadline", "Generation", "Job"]
 

@@ -3,8 +3,8 @@
 Requests are pydantic models that ignore unknown fields (as OpenAI-compatible
 servers do); a field of the wrong type is a 400 naming it. One function,
 ``generation_request``, turns a request (and its rendered prompt) into the
-validated ``specdec.params.GenerationRequest``: every parameter is mapped, or
-refused, there. Values out of bounds are refused by ``specdec.params`` with
+validated ``specdec.request.params.GenerationRequest``: every parameter is mapped, or
+refused, there. Values out of bounds are refused by ``specdec.request.params`` with
 ``InvalidArgument``; ``openai_param`` names the OpenAI parameter it is about.
 
 Parameter mapping:
@@ -17,7 +17,7 @@ Parameter mapping:
   extra), ``min_p`` (vLLM's extra) -> SamplingParams (the verifier applies
   them per tree node: speculation stays lossless);
 - ``n``: n independent choices of one request; with a seed, choice i samples
-  with ``specdec.params.choice_seed(seed, i)`` (choice 0 with the seed
+  with ``specdec.request.params.choice_seed(seed, i)`` (choice 0 with the seed
   itself), as through gRPC, so every choice reproduces;
 - chat ``logprobs`` (+ ``top_logprobs`` alternatives), completions
   ``logprobs`` (that many alternatives) -> logprobs: each token's raw-model
@@ -39,8 +39,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.errors import InvalidArgument
-from specdec.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob
+from specdec.request.errors import InvalidArgument
+from specdec.request.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob
 from specdec.v1 import orchestrator_pb2
 
 MAX_CHOICES = 16             # n
@@ -197,7 +197,7 @@ def max_tokens_param(req: CommonRequest) -> str:
     return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
 
-# specdec field (as specdec.params writes it) -> the OpenAI parameter
+# specdec field (as specdec.request.params writes it) -> the OpenAI parameter
 FIELD_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
                 "sampling.seed": "seed", "sampling.min_p": "min_p", "sampling.presence_penalty": "presence_penalty",
                 "sampling.frequency_penalty": "frequency_penalty",

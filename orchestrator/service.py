@@ -1,7 +1,7 @@
 """OrchestratorService: the public API (``Generate`` streams, ``Complete`` returns the whole).
 
-The servicer converts a request once (``specdec.wire`` into a validated
-``specdec.params.GenerationRequest``: INVALID_ARGUMENT naming the field, before
+The servicer converts a request once (``specdec.request.wire`` into a validated
+``specdec.request.params.GenerationRequest``: INVALID_ARGUMENT naming the field, before
 any backend is called), applies this server's defaults and limits, tokenizes
 it, runs ``orchestrator.loop.Generation`` (one per choice) on the verifier and
 drafter the ``orchestrator.routing.Router`` pins it to, and translates chunks
@@ -35,12 +35,13 @@ from typing import Awaitable, Callable, Sequence
 from orchestrator.loop import Deadline, Generation, Job
 from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
 from orchestrator.text import Delta, TextStream, TextTokenizer
-from specdec import metrics, wire
-from specdec.decoding import Decoding, StopCriteria
-from specdec.errors import InvalidArgument, Unavailable
-from specdec.logs import request_id_var
-from specdec.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
-from specdec.server import ClientTls, Lifecycle, status_code_of
+from specdec.request import wire
+from specdec.serving import metrics
+from specdec.request.decoding import Decoding, StopCriteria
+from specdec.request.errors import InvalidArgument, Unavailable
+from specdec.serving.logs import request_id_var
+from specdec.request.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
+from specdec.serving.server import ClientTls, Lifecycle, status_code_of
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 
 log = logging.getLogger("specdec.orchestrator")
@@ -119,7 +120,7 @@ class OrchestratorConfig:
 @dataclass(frozen=True)
 class GenerationResult:
     """A finished choice: the output (cut at a stop string), its statistics
-    and its tokens' logprobs (``specdec.params.TokenLogprob``; none unless asked for)."""
+    and its tokens' logprobs (``specdec.request.params.TokenLogprob``; none unless asked for)."""
 
     text: str
     token_ids: list[int]

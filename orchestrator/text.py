@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from tokenizers import Tokenizer
 
-from specdec.params import check_stop_strings
+from specdec.request.params import check_stop_strings
 
 REPLACEMENT = "\ufffd"
 
@@ -84,7 +84,7 @@ def _eos_ids(directory: Path, tok: Tokenizer) -> set[int]:
 
 
 def validate_stop_strings(stop: Sequence[str]) -> list[str]:
-    """InvalidArgument naming the field ``stop`` for unusable stop strings (``specdec.params`` bounds)."""
+    """InvalidArgument naming the field ``stop`` for unusable stop strings (``specdec.request.params`` bounds)."""
     return list(check_stop_strings(stop))
 
 
@@ -165,7 +165,7 @@ class Delta(NamedTuple):
 class TextStream:
     """Generated tokens -> chunks for the stream, cut at the first stop string.
 
-    ``stop_check`` plugs into ``specdec.decoding.StopCriteria``: it sees every
+    ``stop_check`` plugs into ``specdec.request.decoding.StopCriteria``: it sees every
     committed token and reports how many tokens to keep once a stop string
     has completed. ``take`` returns what is safe to send now and ``finish``
     the rest once generation is over. A token is sent once its text has been

@@ -1,7 +1,14 @@
 """specdec: lossless speculative decoding (EAGLE-2 dynamic draft trees) as services.
 
-The top-level package is the shared core: tree math, acceptance, sampling,
-wire conversion, configuration, metrics, the client SDK and the CLI.
+The shared package, as packages named for their layers (DESIGN.md §9), top
+to bottom: the application (``cli``, ``train``, ``bench``, ``soak``, and the
+modules ``procs`` and ``local`` beside them), then what the services share
+(``serving``) and the client SDK (``client``), compiled forwards
+(``compile``), running a model (``model``) and draft trees (``tree``), the
+torch-free request layer (``request``) and the generated messages (``v1``).
+``protos_build`` regenerates ``v1`` (``make protos``).
+
+The import contracts in pyproject.toml hold each package to its layer.
 """
 
 __version__ = "0.1.0"

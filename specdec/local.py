@@ -1,6 +1,6 @@
 """In-process speculative generation: drafter and verifier engines in one process.
 
-The loop is ``specdec.speculative`` (the one the orchestrator runs over
+The loop is ``specdec.request.speculative`` (the one the orchestrator runs over
 gRPC); here it runs on the engines themselves, through ``LocalVerifier`` and
 ``LocalDrafter``, which convert at their edge. With no drafter every tree is
 the root alone: plain autoregressive decoding through the very same verifier
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from specdec.decoding import Decoding, StopCriteria
-from specdec.models import ModelSpec, demo_path, load_tokenizer
-from specdec.params import SamplingParams, TreeParams
-from specdec.speculative import Committed, Draft, Request, speculative_generate
-from specdec.tree import tree_from_lists
-from specdec.tree_sizing import restore
+from specdec.request.decoding import Decoding, StopCriteria
+from specdec.model.loading import ModelSpec, demo_path, load_tokenizer
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.request.speculative import Committed, Draft, Request, speculative_generate
+from specdec.tree.build import tree_from_lists
+from specdec.tree.sizing import restore
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
-        from drafter.eagle3 import load_eagle_drafter
+        from drafter.eagle.eagle3 import load_eagle_drafter
 
         drafter = load_eagle_drafter(choice.path, target.path, device=target.device, compile=target.compile)
         if getattr(drafter, "feature_layers", ()):      # EAGLE-3: its verifies return feature layers
@@ -89,7 +89,7 @@ class LocalVerifier:
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
-        sizer = getattr(self.engine, "sizer", None)        # the engine's tree sizing (specdec.tree_sizing)
+        sizer = getattr(self.engine, "sizer", None)        # the engine's tree sizing (specdec.tree.sizing)
         if sizer is None:
             result = self.engine.verify(self.sid, tree)
             accepted = result.accepted
@@ -153,7 +153,7 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
              logprobs: int | None = None) -> Decoding:
     """Run one request to completion through the speculative loop
-    (``specdec.speculative``) on in-process engines; ``drafter=None`` or
+    (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
     cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
     drafted one round ahead per cycle (``Drafter.draft_ahead``, greedy

@@ -100,7 +100,7 @@ def feature_layer_flags(eagle_head: str | None, compile_mode: str) -> list[str]:
     return feature layers, compiled too); else nothing."""
     if eagle_head is None or compile_mode == "off":
         return []
-    from drafter.eagle3 import is_eagle3_head  # torch: only for a compiled EAGLE stack
+    from drafter.eagle.eagle3 import is_eagle3_head  # torch: only for a compiled EAGLE stack
 
     return ["--compile-feature-layers"] if is_eagle3_head(eagle_head) else []
 

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import fields
 
-from services.helpers import start_drafter, start_verifier
+from serving.helpers import start_drafter, start_verifier
 
 
 class LoopThread:
@@ -42,7 +42,7 @@ async def start_orchestrator(verifier: str, drafter: str | None, tokenizer_dir, 
     splits into ServerConfig fields and OrchestratorConfig fields."""
     from orchestrator.service import OrchestratorConfig, OrchestratorService
     from orchestrator.text import TextTokenizer
-    from specdec.server import ServerConfig, start_server
+    from specdec.serving.server import ServerConfig, start_server
 
     server_fields = {f.name for f in fields(ServerConfig)}
     server_cfg = ServerConfig(**{"metrics_port": None, **{k: v for k, v in cfg.items() if k in server_fields}})

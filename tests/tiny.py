@@ -37,7 +37,7 @@ def tiny_llama(vocab_size: int, seed: int, **kw):
 
 
 def build_family(root: Path, seed: int = 0, vocab_size: int = 300) -> dict[str, Path]:
-    from drafter.eagle_head import EagleHead, head_config, save_head
+    from drafter.eagle.eagle2_head import EagleHead, head_config, save_head
     from specdec.train.tokenizer import train_tokenizer
 
     paths = {name: root / name for name in ("tokenizer", "target", "eagle", "draft-lm")}

@@ -3,11 +3,11 @@ verifier tree sizing that cuts every tree the same way."""
 
 import torch
 
-from specdec.tree_sizing import TreeSizer
+from specdec.tree.sizing import TreeSizer
 
 
 class CutTo(TreeSizer):
-    """A verifier's tree sizing (``specdec.tree_sizing``) that keeps the
+    """A verifier's tree sizing (``specdec.tree.sizing``) that keeps the
     ``size`` best nodes of every greedy tree, whatever the timings."""
 
     def __init__(self, size: int):
@@ -35,10 +35,10 @@ def assert_same_tree(got, want):
 def assert_drafts_plain_greedy(drafter, target_dir, tree):
     """Greedy generations with ``drafter`` over the target in ``target_dir``
     are plain greedy decoding's tokens, and the drafter did draft."""
-    from specdec.decoding import StopCriteria
+    from specdec.request.decoding import StopCriteria
     from specdec.local import generate
-    from specdec.models import ModelSpec
-    from specdec.params import SamplingParams
+    from specdec.model.loading import ModelSpec
+    from specdec.request.params import SamplingParams
     from verifier.engine import TargetModel, VerifierEngine
 
     verifier = VerifierEngine(TargetModel(ModelSpec(str(target_dir))))

@@ -6,7 +6,7 @@ b's slots past its own prefix are zeros and masked), each tree is padded to N
 nodes and the forward writes the trees' slots in place after P. The mask row
 of node i of session b allows its session's prefix plus its tree ancestors.
 After the forward, each session appends only its accepted slots (in place,
-``specdec.kv``) and commits exactly as an unbatched verify would.
+``specdec.model.kv``) and commits exactly as an unbatched verify would.
 Padding rows see only themselves so no softmax row is empty.
 
 The prefix copy costs O(total KV) per step; on CPU, where a forward of a
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-import specdec.batching
-from specdec import kv
-from specdec.errors import FailedPrecondition
-from specdec.tree import DraftTree
+import specdec.serving.batching
+from specdec.model import kv
+from specdec.request.errors import FailedPrecondition
+from specdec.tree.build import DraftTree
 from verifier.target import TargetSession, VerifyResult, check_tree, select_features
 
 
@@ -125,8 +125,8 @@ def _forward_and_commit(engine, rows: list[_Row]) -> list[VerifyResult]:
     return results
 
 
-class BatchScheduler(specdec.batching.BatchScheduler):
-    """Concurrent verify calls run as one batched forward (``specdec.batching``:
+class BatchScheduler(specdec.serving.batching.BatchScheduler):
+    """Concurrent verify calls run as one batched forward (``specdec.serving.batching``:
     a lone session never waits); ``runner(items)`` runs
     ``engine.verify_batch(items)`` where the model lives."""
 

@@ -4,7 +4,7 @@ One verify step (DESIGN.md §3):
   1. forward the flattened tree on top of the session's cache with the
      ancestor mask and positions ``prefix_len + depth``;
   2. acceptance on the per-node target logits (greedy walk or recursive
-     rejection sampling, ``specdec.acceptance``);
+     rejection sampling, ``specdec.tree.acceptance``);
   3. commit: keep prefix + root + accepted path in the cache, drop the rest.
 
 The session's last committed token (the *root*) is always pending: its KV is
@@ -19,14 +19,14 @@ import threading
 
 import torch
 
-from specdec import kv
-from specdec.errors import InvalidArgument, ResourceExhausted
-from specdec.params import SamplingParams
-from specdec.sampling import History, make_generator, sample, target_probs, token_logprobs
-from specdec.sessions import SessionTable
-from specdec.tree import DraftTree
-from specdec.knobs import check_tree_sizing
-from specdec.tree_sizing import TreeSizer
+from specdec.model import kv
+from specdec.request.errors import InvalidArgument, ResourceExhausted
+from specdec.request.params import SamplingParams
+from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
+from specdec.serving.sessions import SessionTable
+from specdec.tree.build import DraftTree
+from specdec.request.knobs import check_tree_sizing
+from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 

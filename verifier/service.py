@@ -1,9 +1,9 @@
 """VerifierService: the gRPC face of ``verifier.engine.VerifierEngine``.
 
-Each RPC converts its message (``specdec.wire``, bounds from
-``specdec.params``), runs one engine call on the servicer's worker thread and
+Each RPC converts its message (``specdec.request.wire``, bounds from
+``specdec.request.params``), runs one engine call on the servicer's worker thread and
 translates the result. Handlers just raise; the server's interceptor turns
-errors into statuses (``specdec.server.status_code_of``): a malformed tree is INVALID_ARGUMENT naming
+errors into statuses (``specdec.serving.server.status_code_of``): a malformed tree is INVALID_ARGUMENT naming
 the field, an unknown or evicted session NOT_FOUND, the session cap
 RESOURCE_EXHAUSTED, a tree whose root is not the last committed token
 FAILED_PRECONDITION, loading or draining UNAVAILABLE. ``Prefill`` with
@@ -12,7 +12,7 @@ failover): its committed tokens are recomputed and nothing is sampled.
 
 ``Session`` carries one session's steps (Prefill then Verify) on one bidirectional
 stream, each handled as its unary RPC; the session is released when the
-stream ends (``specdec.engine_servicer.EngineServicer.serve_session``).
+stream ends (``specdec.serving.engine_servicer.EngineServicer.serve_session``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from specdec import metrics, tensor_wire, wire
-from specdec.engine_servicer import EngineServicer
-from specdec.errors import InvalidArgument
-from specdec.params import (MAX_LOGPROBS, SamplingParams, check_count, check_owner, check_session_id,
+from specdec.request import wire
+
+from specdec.serving import metrics, tensor_wire
+from specdec.serving.engine_servicer import EngineServicer
+from specdec.request.errors import InvalidArgument
+from specdec.request.params import (MAX_LOGPROBS, SamplingParams, check_count, check_owner, check_session_id,
                             check_token_ids)
-from specdec.sessions import DEFAULT_LEASE_S
-from specdec.tree import tree_from_lists
-from specdec.tree_sizing import restore
+from specdec.serving.sessions import DEFAULT_LEASE_S
+from specdec.tree.build import tree_from_lists
+from specdec.tree.sizing import restore
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger("specdec.verifier")
@@ -112,7 +114,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     def _features(self, features):
         return tensor_wire.tensor_to_proto(features, self.config.feature_dtype)
 
-    # -- RPCs (errors become statuses in specdec.server's interceptor) -------------------------
+    # -- RPCs (errors become statuses in specdec.serving.server's interceptor) -------------------------
     async def Prefill(self, request, context):
         self.check(opens_session=True)
         sid = check_session_id(request.session_id)
@@ -141,7 +143,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         self.check()
         sid = check_session_id(request.session_id)
         tree = tensor_wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
-        # cut here, before a tensor-parallel engine broadcasts the tree to its ranks (``specdec.tree_sizing``)
+        # cut here, before a tensor-parallel engine broadcasts the tree to its ranks (``specdec.tree.sizing``)
         sizer, keep = getattr(self.engine, "sizer", None), None
         if sizer is not None:
             tree, keep = sizer.cut(sid, tree, self.sessions.get(sid).params.greedy)

@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from specdec import kv
-from specdec.acceptance import Acceptance, accept
-from specdec.causal_lm import CausalLm
-from specdec.compiled import CAPTURED, STARTUP_WIDTHS, WIDTHS, eager_run, width_bucket
-from specdec.compiled_batch import compile_batches
-from specdec.compiled_start import compile_captures, compile_target
-from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.masks import tree_allowed
-from specdec.models import ModelSpec, load_causal_lm
-from specdec.params import SamplingParams, TokenLogprob
-from specdec.sampling import History, token_logprobs
-from specdec.tree import DraftTree
+from specdec.model import kv
+from specdec.tree.acceptance import Acceptance, accept
+from specdec.model.causal_lm import CausalLm
+from specdec.compile.forwards import CAPTURED, STARTUP_WIDTHS, WIDTHS, eager_run, width_bucket
+from specdec.compile.batched import compile_batches
+from specdec.compile.startup import compile_captures, compile_target
+from specdec.request.errors import FailedPrecondition, InvalidArgument
+from specdec.model.masks import tree_allowed
+from specdec.model.loading import ModelSpec, load_causal_lm
+from specdec.request.params import SamplingParams, TokenLogprob
+from specdec.tree.sampling import History, token_logprobs
+from specdec.tree.build import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class VerifyResult:
 
 class TargetModel:
     """A causal LM split into body (features) and head (logits, with the model's
-    own final-logit processing): ``specdec.causal_lm``."""
+    own final-logit processing): ``specdec.model.causal_lm``."""
 
     def __init__(self, spec: ModelSpec, model=None):
         self.spec = spec
@@ -112,14 +112,14 @@ class TargetModel:
         return kv.nbytes(cache) * ranks
 
     def new_cache(self, capacity: int = 0):
-        """A cache that grows in place (``specdec.kv``); ``capacity``: slots to allocate up front
+        """A cache that grows in place (``specdec.model.kv``); ``capacity``: slots to allocate up front
         (with compiled forwards: the smallest capacity bucket, moved up as
-        the session fills, ``specdec.compiled``)."""
+        the session fills, ``specdec.compile.forwards``)."""
         return self.lm.new_cache(capacity) if self.compiled is None else self.compiled.new_cache()
 
     def compile_feature_layers(self) -> bool:
         """With compiled forwards, add those returning feature layers (EAGLE-3
-        sessions', ``specdec.compiled_start.compile_captures``) if not built yet:
+        sessions', ``specdec.compile.startup.compile_captures``) if not built yet:
         what an in-process EAGLE-3 drafter asks of its target. Whether they are on."""
         return self.compiled is not None and compile_captures(self.compiled)
 
@@ -151,7 +151,7 @@ class TargetModel:
 
     def compile_batches(self) -> bool:
         """With compiled forwards, add the batched ones (a verifier that batches:
-        ``specdec.compiled_batch``). Whether they are on."""
+        ``specdec.compile.batched``). Whether they are on."""
         return self.compiled is not None and compile_batches(self.compiled)
 
     def batch_cache(self, caches: list, lengths: list[int], n: int, layers: tuple[int, ...] = ()):
@@ -179,7 +179,7 @@ class TargetModel:
     def batches_row_by_row(self, caches: list, lengths: list[int], n: int, layers: tuple[int, ...] = ()) -> bool:
         """Whether a batch runs best one row at a time: every row's own forward is
         compiled, but no batched graph serves the batch (one eager batched
-        forward is slower than the compiled rows; ``specdec.compiled_batch``)."""
+        forward is slower than the compiled rows; ``specdec.compile.batched``)."""
         return (self.compiled is not None and not self.compiled.serves_batch(lengths, n, layers)
                 and all(self.compiled.takes(cache, n, layers) for cache in caches))
 
@@ -222,7 +222,7 @@ class TargetModel:
         feature), the residual stream entering each of ``layers`` (HF
         ``output_hidden_states`` indices: EAGLE-3's features) concatenated
         [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
-        The compiled forward runs where it applies (``specdec.compiled``;
+        The compiled forward runs where it applies (``specdec.compile.forwards``;
         with layers, where its capturing graphs were built)."""
         self.fit(cache, tokens.shape[1])
         out = None if self.compiled is None else self.compiled.run(cache, tokens, positions, mask, layers)

@@ -21,9 +21,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from specdec.errors import SpecdecError
-from specdec.models import ModelSpec, load_causal_lm, read_config
-from specdec.params import SamplingParams
+from specdec.request.errors import SpecdecError
+from specdec.model.loading import ModelSpec, load_causal_lm, read_config
+from specdec.request.params import SamplingParams
 from verifier.engine import TargetModel, VerifierEngine
 
 log = logging.getLogger("specdec.verifier.tp")

@@ -27,7 +27,7 @@ JSON record of a run::
                         tree was / was not drafted ahead)}},
      "pinned": bool,
      "tree_sizing": {"mode": "fixed" | "cost", "compared": bool,
-                     with cost: "verify_ms": {width: ms}, "tokens_per_s": float (specdec.tree_sizing)},
+                     with cost: "verify_ms": {width: ms}, "tokens_per_s": float (specdec.tree.sizing)},
      ...extra keys: tree, models, repeats, generated_tokens, peers, notes, calibration}
 
 tau counts the bonus token; accepted_per_position[j] is the fraction of cycles
@@ -39,4 +39,7 @@ verifier's core (one torch thread each); ``--compare-unary`` adds
 METHOD@grpc-unary, through an orchestrator without session streams;
 ``--compare-tree-sizing`` adds each in-process speculative method under the
 other tree sizing, as METHOD@fixed or METHOD@cost.
+
+May import: the services, ``specdec.local``, ``specdec.procs``, the SDK and
+the core packages. Never the CLI or training.
 """

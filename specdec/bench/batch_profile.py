@@ -8,7 +8,7 @@ in one process (so load shifts of a shared machine hit every path alike).
   (one eager batched forward), ``compiled rows`` (the one-session compiled
   graphs, row by row: what a batch no batched graph serves runs) and
   ``compiled batched`` (one forward of the batched graphs,
-  ``specdec.compiled_batch``); every session is rolled back after each run;
+  ``specdec.compile.batched``); every session is rolled back after each run;
 - prefill: a prompt of N tokens on a fresh cache, eager (one causal forward)
   and compiled (``CompiledForward.prefill``: 64-token chunks).
 
@@ -22,8 +22,8 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from specdec.params import SamplingParams
-from specdec.tree_layout import tree_from_lists
+from specdec.request.params import SamplingParams
+from specdec.tree.layout import tree_from_lists
 from verifier.engine import TargetModel, VerifierEngine
 
 TREE_NODES = 16

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from specdec.bench.runner import GRPC_SUFFIX, SPECULATIVE, BenchConfig, device_name, schedule
 from specdec.bench.services import REQUEST_TIMEOUT_S, grpc_methods
 from specdec.client import AsyncSpecdecClient, SpecdecClientError
-from specdec.errors import UsageError
+from specdec.request.errors import UsageError
 
 CONCURRENT_METHODS = ("vanilla", *SPECULATIVE)
 DEFAULT_LEVELS = (1, 2, 4, 8)

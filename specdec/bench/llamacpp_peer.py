@@ -1,5 +1,5 @@
 """llama.cpp as a ``specdec bench`` peer: the same weights, converted to GGUF
-f32 (``specdec.gguf_export``), decoded by llama-cpp-python on the same
+f32 (``specdec.model.gguf_export``), decoded by llama-cpp-python on the same
 prompts (token ids fed directly, so tokenization cannot differ) with the same
 token budget and stop rule, interleaved with specdec's methods.
 
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specdec.bench.runner import LLAMACPP_METHODS, Prompt, Sample
-from specdec.gguf_export import UnsupportedExport, export_llama
+from specdec.model.gguf_export import UnsupportedExport, export_llama
 
 try:                                   # the optional `llamacpp` extra
     import llama_cpp

@@ -25,7 +25,7 @@ from typing import Callable
 import httpx
 
 from specdec.bench.runner import OPENAI_METHOD, Prompt, Sample
-from specdec.errors import SpecdecError
+from specdec.request.errors import SpecdecError
 
 __all__ = ["OPENAI_METHOD", "OpenAIPeer", "OpenAIPeerError"]
 

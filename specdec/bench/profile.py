@@ -9,8 +9,8 @@ back after each run so every run sees the same ``--prefix`` cached tokens):
 - ``target_step``: the target's one-token step (plain decoding's whole cycle);
 - ``target_verify16``: a 16-node tree verify with its ancestor mask;
 - ``eagle_level8``: one EAGLE head level over an 8-node frontier, lm_head and
-  log-softmax included (``drafter.eagle.EagleDrafter.step``; compiled:
-  ``drafter.compiled_head``).
+  log-softmax included (``drafter.eagle.eagle2.EagleDrafter.step``; compiled:
+  ``drafter.compiled.head_levels``).
 
 For each eager step, ``torch.profiler`` counts the aten operators dispatched
 and the self time of the compute kernels (matrix products and the attention
@@ -18,7 +18,7 @@ kernel, ``COMPUTE_OPS``); ``dispatch_share`` = 1 - kernel time / wall time of
 the same profiled runs (the profiler's own cost per operator counts as dispatch):
 the share spent dispatching operators, in Python and in the small
 element-wise kernels that a fused graph removes. With ``--compile on|auto``
-the target steps are also timed through ``specdec.compiled`` (alone, and
+the target steps are also timed through ``specdec.compile.forwards`` (alone, and
 interleaved run by run with the eager path and a ``torch.compile``-only path
 without the ahead-of-time packages: ``interleaved``), and
 ``--e2e-prompts N`` decodes N bundled prompts with vanilla and eagle2 on the
@@ -47,19 +47,19 @@ from pathlib import Path
 import torch
 
 from drafter.base import DraftSession
-from drafter.eagle import EagleDrafter
-from drafter.eagle3 import load_eagle_drafter
-from specdec import kv
+from drafter.eagle.eagle2 import EagleDrafter
+from drafter.eagle.eagle3 import load_eagle_drafter
+from specdec.model import kv
 from specdec.bench import batch_profile
 from specdec.bench.batch_profile import sync
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
-from specdec.compiled import MIN_CAPACITY, WIDTHS, CompiledForward, width_bucket
-from specdec.compiled_start import compile_target
-from specdec.decoding import StopCriteria
-from specdec.models import ModelSpec, load_tokenizer
-from specdec.params import SamplingParams, TreeParams
+from specdec.compile.forwards import MIN_CAPACITY, WIDTHS, CompiledForward, width_bucket
+from specdec.compile.startup import compile_target
+from specdec.request.decoding import StopCriteria
+from specdec.model.loading import ModelSpec, load_tokenizer
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.procs import feature_layer_flags
-from specdec.tree_layout import tree_from_lists
+from specdec.tree.layout import tree_from_lists
 from verifier.engine import TargetModel, VerifierEngine
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu")

@@ -21,7 +21,7 @@ _COLOURS = {"reference": "#8c8c8c", "peer": "#e08a2c", "ours": "#2b6cb0", "grpc"
 def _gate(tree: dict) -> str:
     t, ahead = tree.get("min_tau", 0), tree.get("lookahead")
     if t is None:           # by drafter kind
-        from specdec.knobs import DEFAULT_MIN_TAU, NGRAM_MIN_TAU
+        from specdec.request.knobs import DEFAULT_MIN_TAU, NGRAM_MIN_TAU
 
         t = f"{DEFAULT_MIN_TAU:g} ({NGRAM_MIN_TAU:g} for n-gram)"
     elif t:

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from specdec.decoding import StopCriteria
-from specdec.params import SamplingParams
-from specdec.params import TreeParams
+from specdec.request.decoding import StopCriteria
+from specdec.request.params import SamplingParams
+from specdec.request.params import TreeParams
 
 REFERENCES = ("vanilla", "hf-generate")
 # speculative method -> (drafter kind, tree method)
@@ -325,8 +325,8 @@ class BenchConfig:
     grpc: bool = False
     dtype: str = "float32"
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
-    compile: str = "off"            # compiled target forwards (specdec.compiled): auto, on or off
-    tree_sizing: str = "fixed"      # the verifiers' (specdec.tree_sizing): cost or fixed
+    compile: str = "off"            # compiled target forwards (specdec.compile.forwards): auto, on or off
+    tree_sizing: str = "fixed"      # the verifiers' (specdec.tree.sizing): cost or fixed
     compare_tree_sizing: bool = False  # each in-process speculative method also with the other: METHOD@fixed|@cost
     verify_token_budget: int = 0    # the bench orchestrators' --verify-token-budget (0 = off)
     min_tau: float | None = 0.0     # SpeculationGate of every speculative method (0 = always draft;
@@ -340,7 +340,7 @@ class BenchConfig:
 
     def gate(self, drafter_kind: str) -> float:
         """The min_tau a method with this drafter kind runs with."""
-        from specdec.knobs import default_min_tau
+        from specdec.request.knobs import default_min_tau
 
         return self.min_tau if self.min_tau is not None else default_min_tau(drafter_kind)
 

@@ -32,7 +32,7 @@ from specdec import procs
 from specdec.bench.runner import (AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, UNARY_SUFFIX, BenchConfig, Prompt, Sample,
                                   method_tree)
 from specdec.client import SpecdecClient, SpecdecClientError
-from specdec.errors import UsageError
+from specdec.request.errors import UsageError
 
 STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0

@@ -23,11 +23,11 @@ from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, P
                                   method_tree, other_sizing, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.procs import pinned_cores
-from specdec.decoding import StopCriteria
-from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
-from specdec.params import TreeParams
-from drafter import compiled_tree
-from drafter.eagle3 import Eagle3Drafter
+from specdec.request.decoding import StopCriteria
+from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
+from specdec.request.params import TreeParams
+from drafter.compiled import whole_draft
+from drafter.eagle.eagle3 import Eagle3Drafter
 from verifier.engine import TargetModel, VerifierEngine
 
 
@@ -72,7 +72,7 @@ class Models:
     def drafter(self, kind: str):
         if kind not in self._drafters:
             if kind == "eagle":
-                from drafter.eagle import EagleDrafter
+                from drafter.eagle.eagle2 import EagleDrafter
 
                 self._drafters[kind] = EagleDrafter(self._need(self.cfg.eagle, "EAGLE head"), self.cfg.target,
                                                     device=self.cfg.device, compile=self.cfg.compile)
@@ -149,8 +149,8 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
     if models.target.compiled is not None:     # steady state: no graph left to build or open while timed
         models.target.compile_trees(cfg.tree.total_tokens)
         models.target.compiled.open_all()
-    for drafter in models.loaded_drafters():   # the run's budget drafted whole (drafter.compiled_tree)
-        compiled_tree.use_budget(drafter, cfg.tree)
+    for drafter in models.loaded_drafters():   # the run's budget drafted whole (drafter.compiled.whole_draft)
+        whole_draft.use_budget(drafter, cfg.tree)
     with ExitStack() as stack:
         if cfg.grpc:
             methods.update(stack.enter_context(grpc_methods(cfg, names, progress)))

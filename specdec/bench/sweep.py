@@ -21,7 +21,7 @@ from pathlib import Path
 
 from specdec.bench.runner import SWEEP_DEPTHS, SWEEP_TOTALS, BenchConfig, device_name, measure
 from specdec.bench.suite import Models
-from specdec.params import TreeParams
+from specdec.request.params import TreeParams
 
 
 def _key(tree: TreeParams) -> str:

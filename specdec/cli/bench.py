@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specdec.cli.options import (add_compile_flag, add_tree_flags, add_tree_sizing_flag, model_dir, read_prompts,
                                  resolved_min_tau)
-from specdec.errors import UsageError
+from specdec.request.errors import UsageError
 from specdec.procs import pinned_cores
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -161,7 +161,7 @@ def config_from(args, sweep: bool):
             pinned_cores()
         except ValueError as exc:
             raise UsageError(f"--pin: {exc}") from None
-    from specdec.params import TreeParams
+    from specdec.request.params import TreeParams
 
     tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k,
                       value_temperature=args.value_temperature, proposals=args.proposals)
@@ -204,7 +204,7 @@ HELDOUT = "heldout"      # --prompts heldout: the model card's held-out corpus p
 
 def load_prompts(path: str, limit: int | None, target: str | None = None) -> list[str]:
     if path == HELDOUT:
-        from specdec.models import load_tokenizer
+        from specdec.model.loading import load_tokenizer
         from specdec.train.card import heldout_prompt_texts
 
         prompts = heldout_prompt_texts(load_tokenizer(target))

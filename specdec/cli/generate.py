@@ -7,13 +7,13 @@ import json
 import sys
 from pathlib import Path
 
-from specdec import knobs
+from specdec.request import knobs
 from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, print_logprobs,
                                  read_prompts, resolved_min_tau, result_record)
 from specdec.cli.remote import run_remote
-from specdec.decoding import StopCriteria
-from specdec.errors import UsageError
-from specdec.params import MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
+from specdec.request.decoding import StopCriteria
+from specdec.request.errors import UsageError
+from specdec.request.params import MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
 
 # torch-free at import: `specdec --help` and the service subcommands that
 # don't need torch must not pay for (or require) it; specdec.local (torch) is
@@ -71,7 +71,7 @@ def tree_from(args) -> TreeParams | None:
 def resolve_models(args):
     """Model flags -> (ModelSpec, DrafterChoice), defaulting to the demo family."""
     from specdec.local import DrafterChoice, default_paths
-    from specdec.models import ModelSpec
+    from specdec.model.loading import ModelSpec
 
     demo = default_paths()
     target = args.target or str(demo["target"])
@@ -112,7 +112,7 @@ def run(args) -> int:
     stack = build_local(spec, choice, tree_sizing=args.tree_sizing)
     if tree_cfg is not None and stack.drafter is not None:
         stack.verifier.target.compile_trees(tree_cfg.total_tokens)     # a tree past the start-up widths
-        from drafter.compiled_tree import use_budget
+        from drafter.compiled.whole_draft import use_budget
 
         use_budget(stack.drafter, tree_cfg)                             # the run's budget drafted whole
     tok = stack.tokenizer

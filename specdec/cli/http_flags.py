@@ -18,7 +18,7 @@ import argparse
 from orchestrator.chat_template import ChatTemplate, load_chat_template
 from orchestrator.http import HttpConfig
 from specdec.cli.options import env
-from specdec.errors import UsageError
+from specdec.request.errors import UsageError
 
 UP_HTTP_PORT = 8000
 NOT_GIVEN = object()     # ``up --http-port`` left out (unlike 'off')

@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from specdec import knobs
-from specdec.errors import SpecdecError, UsageError
-from specdec.models import (ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, PACKED_ENV,
+from specdec.request import knobs
+from specdec.request.errors import SpecdecError, UsageError
+from specdec.model.loading import (ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, PACKED_ENV,
                             demo_path)
-from specdec.params import PROPOSALS
+from specdec.request.params import PROPOSALS
 
 
 def env(name: str, default=None):
@@ -79,7 +79,7 @@ def compile_mode(text: str) -> str:
 
 
 def add_compile_flag(p, what: str = "the target's one-token steps and tree verifies over fixed-shape KV "
-                                    "(specdec.compiled) and EAGLE heads' draft levels") -> None:
+                                    "(specdec.compile.forwards) and EAGLE heads' draft levels") -> None:
     p.add_argument("--compile", type=compile_mode, default=env("SPECDEC_COMPILE", "off"), choices=COMPILE_MODES,
                    help=f"compile {what}: on, auto (on where a compiled step is measured faster) or off "
                         "(env SPECDEC_COMPILE; default off); compiled at start-up, kept in TORCHINDUCTOR_CACHE_DIR")

@@ -14,8 +14,8 @@ import os
 import sys
 
 from specdec.cli.options import print_logprobs, result_record
-from specdec.errors import UsageError
-from specdec.params import VANILLA
+from specdec.request.errors import UsageError
+from specdec.request.params import VANILLA
 
 
 def add_client_flags(p: argparse.ArgumentParser) -> None:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec import knobs
+from specdec.request import knobs
 from specdec.cli.options import add_compile_flag, add_tree_sizing_flag, env, model_dir
-from specdec.errors import UsageError
-from specdec.models import ATTN_IMPLEMENTATIONS
-from specdec.params import METHODS, PROPOSALS, TreeParams
-from specdec.server import ServerConfig
-from specdec.sessions import DEFAULT_LEASE_S
+from specdec.request.errors import UsageError
+from specdec.model.loading import ATTN_IMPLEMENTATIONS
+from specdec.request.params import METHODS, PROPOSALS, TreeParams
+from specdec.serving.server import ServerConfig
+from specdec.serving.sessions import DEFAULT_LEASE_S
 
 VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
 DRAFTER_PORTS = (50053, 9453)
@@ -150,8 +150,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled_head) "
-                        "and a draft LM's steps (specdec.compiled)")
+    add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled.head_levels) "
+                        "and a draft LM's steps (specdec.compile.forwards)")
     t = p.add_argument_group("draft tree (a request's 0 / unset knobs take these; larger ones are clamped)")
     t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
@@ -174,7 +174,7 @@ def add_parsers(sub) -> None:
 
 
 def _serve(cfg: ServerConfig, servicer, name: str, build, args) -> int:
-    from specdec.server import configure_logging, run_server
+    from specdec.serving.server import configure_logging, run_server
 
     configure_logging(name, args.log_level)
     try:
@@ -186,7 +186,7 @@ def _serve(cfg: ServerConfig, servicer, name: str, build, args) -> int:
 
 
 def run_verifier(args) -> int:
-    from specdec.models import ModelSpec
+    from specdec.model.loading import ModelSpec
 
     _check_sessions(args)
     cfg = server_config_from(args)
@@ -238,8 +238,8 @@ def run_verifier(args) -> int:
 def _drafter_builder(args, default: TreeParams):
     """Validate the drafter flags now (one-line errors), build the drafter later
     (a compiled EAGLE drafter drafts ``default``, its default tree, whole:
-    ``drafter.compiled_tree``)."""
-    from specdec.models import ModelSpec, read_config, torch_dtype
+    ``drafter.compiled.whole_draft``)."""
+    from specdec.model.loading import ModelSpec, read_config, torch_dtype
 
     sessions = dict(max_sessions=args.max_sessions, ttl_s=args.session_ttl)
     if args.ngram:
@@ -269,8 +269,8 @@ def _drafter_builder(args, default: TreeParams):
     dtype = torch_dtype(args.dtype)
 
     def build():
-        from drafter.compiled_tree import use_budget
-        from drafter.eagle3 import load_eagle_drafter
+        from drafter.compiled.whole_draft import use_budget
+        from drafter.eagle.eagle3 import load_eagle_drafter
 
         drafter = load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
         use_budget(drafter, default)

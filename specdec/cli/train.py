@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdec.errors import UsageError
-from specdec.models import demo_path
+from specdec.request.errors import UsageError
+from specdec.model.loading import demo_path
 
 # The demo family's shapes (the bundled models were trained with these).
 TARGET_SHAPE = dict(hidden=192, layers=20, heads=4, kv_heads=2, intermediate=512)
@@ -151,7 +151,7 @@ def run_lm(args) -> int:
 
 
 def run_eagle(args) -> int:
-    from specdec.models import require_model_dir
+    from specdec.model.loading import require_model_dir
 
     require_model_dir(args.target, "target")
     other = ("w_reg", "w_cls", "noise") if args.version == 3 else ("draft_vocab", "ttt_steps", "feature_layers",
@@ -210,9 +210,9 @@ def run_calibrate(args) -> int:
 
     import torch
 
-    from drafter.eagle3_layouts import is_eagle3_config
-    from drafter.eagle_head import load_head
-    from specdec.models import ModelSpec, load_causal_lm, load_tokenizer, require_model_dir
+    from drafter.eagle.eagle3_layouts import is_eagle3_config
+    from drafter.eagle.eagle2_head import load_head
+    from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer, require_model_dir
     from specdec.train.data import tokenize_stream
     from specdec.train.eagle import calibrate_head
 
@@ -222,7 +222,7 @@ def run_calibrate(args) -> int:
     target = load_causal_lm(ModelSpec(args.target))
     stream = tokenize_stream(heldout, load_tokenizer(args.target))
     if is_eagle3_config(json.loads((Path(eagle) / "config.json").read_text())):
-        from drafter.eagle3_head import load_head3
+        from drafter.eagle.eagle3_head import load_head3
         from specdec.train.eagle3 import calibrate_head3
 
         text = target.config.get_text_config(decoder=True)

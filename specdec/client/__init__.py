@@ -1,4 +1,8 @@
-"""Python client of the specdec orchestrator (no torch needed); see ``specdec.client.sdk``."""
+"""Python client of the specdec orchestrator (no torch needed); see ``specdec.client.sdk``.
+
+May import: gRPC, ``specdec.request``, ``specdec.v1``. Never torch, nor the
+serving infrastructure (import-linter's ``torch-free`` and ``layers`` contracts).
+"""
 
 from specdec.client.sdk import (
     AsyncGenerationStream,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from specdec.params import TokenLogprob
+from specdec.request.params import TokenLogprob
 from specdec.v1 import orchestrator_pb2
-from specdec.wire import logprobs_from_proto
+from specdec.request.wire import logprobs_from_proto
 
 
 @dataclass(frozen=True)

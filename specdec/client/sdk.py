@@ -1,7 +1,7 @@
 """Client SDK for the specdec orchestrator (``specdec.v1.OrchestratorService``).
 
 Needs only grpcio, the generated messages and specdec's torch-free parameter
-layer (``specdec.params``, ``specdec.wire``)::
+layer (``specdec.request.params``, ``specdec.request.wire``)::
 
     with SpecdecClient("127.0.0.1:50051") as client:
         stream = client.generate("def fib(n):", max_new_tokens=64)
@@ -36,11 +36,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 
-from specdec.params import PROPOSALS as PROPOSALS  # re-exported: the names build_request accepts
+from specdec.request.params import PROPOSALS as PROPOSALS  # re-exported: the names build_request accepts
 from specdec.client.results import Choice, Chunk, Completion, GenerationStats
-from specdec.params import REQUEST_METHODS, ChatMessage, SamplingParams, TokenLogprob, is_request_id
+from specdec.request.params import REQUEST_METHODS, ChatMessage, SamplingParams, TokenLogprob, is_request_id
 from specdec.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from specdec.wire import METHOD_TO_PROTO, PROPOSALS_TO_PROTO, enum_to_proto, logprobs_from_proto, sampling_to_proto
+from specdec.request.wire import METHOD_TO_PROTO, PROPOSALS_TO_PROTO, enum_to_proto, logprobs_from_proto, sampling_to_proto
 
 METHODS = REQUEST_METHODS                # "vanilla" included: no drafting
 Prompt = str | Sequence[int] | None      # text, token ids, or None with messages=[...]
@@ -113,11 +113,11 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     instead (a chat, rendered with the model's chat template by the server).
     ``logprobs``: each token's raw-model logprob with that many top
     alternatives (0..20; None: none). ``n``: independent choices, seeded from
-    ``seed``. Penalties and min_p follow ``specdec.params.SamplingParams``.
+    ``seed``. Penalties and min_p follow ``specdec.request.params.SamplingParams``.
     ``method``: one of ``METHODS`` ("vanilla": no drafting); ``proposals``: how
     draft tokens are proposed when sampling ("auto": the drafter's choice;
     "top" / "sampled"). Names are checked here (ValueError); values are checked
-    by the server against ``specdec.params``'s bounds, INVALID_ARGUMENT naming
+    by the server against ``specdec.request.params``'s bounds, INVALID_ARGUMENT naming
     the offending field."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -141,7 +141,7 @@ def channel_credentials(tls: Any) -> grpc.ChannelCredentials | None:
     """``tls``: None/False (plaintext), True (system roots), a CA bundle path,
     an object with ``ca``/``cert``/``key`` PEM paths (mutual TLS when cert and
     key are set; an optional ``server_name`` overrides the name expected in the
-    server's certificate; e.g. ``specdec.server.ClientTls``) or ready credentials."""
+    server's certificate; e.g. ``specdec.serving.server.ClientTls``) or ready credentials."""
     if tls is None or tls is False:
         return None
     if tls is True:

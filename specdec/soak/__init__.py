@@ -11,4 +11,6 @@ backend after the load, a process whose memory grew past a threshold.
 Modules: ``stack`` (the processes, on fixed ports so a restart comes back
 at the same address), ``load`` (the request mix and how each outcome is
 judged), ``report`` (figures, text and JSON) and ``run`` (the schedule).
+
+May import: ``specdec.procs``, the SDK, the core packages. Never the CLI.
 """

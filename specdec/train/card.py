@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from specdec import kv
-from specdec.params import TreeParams
+from specdec.model import kv
+from specdec.request.params import TreeParams
 
 # the bundled heads: directory -> (bench method name, calibration plot)
 HEADS = {"eagle": ("eagle2", "calibration.png"), "eagle3": ("eagle3", "calibration-eagle3.png")}
@@ -41,8 +41,8 @@ def step_costs(target_dir: Path, eagle_dir: Path, prefix: int = 200, frontier: i
                threads: int = 2) -> dict[str, float]:
     """Seconds per: target forward of 1 token; head step of 1 node; head step
     of a ``frontier``-node tree level (each incl. lm_head and log-softmax)."""
-    from drafter.eagle import EagleDrafter
-    from specdec.models import ModelSpec
+    from drafter.eagle.eagle2 import EagleDrafter
+    from specdec.model.loading import ModelSpec
     from verifier.engine import TargetModel
 
     old = torch.get_num_threads()
@@ -148,10 +148,10 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     per tree config tried, and the calibration points (draft confidence vs
     acceptance, EAGLE-2 §3.2)."""
     from specdec.bench.calibration import TreeRecorder, calibration_bins
-    from specdec.decoding import StopCriteria
+    from specdec.request.decoding import StopCriteria
     from specdec.local import DrafterChoice, build_local, generate
-    from specdec.models import ModelSpec
-    from specdec.params import SamplingParams, TreeParams
+    from specdec.model.loading import ModelSpec
+    from specdec.request.params import SamplingParams, TreeParams
 
     stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / head)))
     recorder = TreeRecorder(stack.verifier)
@@ -261,7 +261,7 @@ def render(card: dict) -> str:
 
 def write_card(demo: Path, prompts: int = 12, max_new_tokens: int = 128) -> Path:
     from specdec.bench.report import plot_calibration
-    from specdec.models import load_tokenizer
+    from specdec.model.loading import load_tokenizer
 
     card = collect(demo)
     if (demo / "target").is_dir():

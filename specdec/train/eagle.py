@@ -9,7 +9,7 @@ cross-entropy), as in EAGLE (arXiv:2401.15077, §4.2):
 loss = w_reg * L_reg + w_cls * L_cls, uniform feature noise for robustness to
 the head's own errors when it drafts several steps ahead. The target is read
 only through transformers' public API (decoder hidden states, input and output
-embeddings: ``drafter.eagle_head.TargetHead``), so any family trains a head.
+embeddings: ``drafter.eagle.eagle2_head.TargetHead``), so any family trains a head.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.base import CALIBRATION_FILE
-from drafter.eagle_head import EagleHead, TargetHead, head_config, head_config_for, save_head
+from drafter.eagle.eagle2_head import EagleHead, TargetHead, head_config, head_config_for, save_head
 from specdec.train.data import eval_windows, sample_batch, tokenize_stream
 from specdec.train.loop import TrainConfig, train
 
@@ -131,7 +131,7 @@ def calibrate_head(head: EagleHead, target, heldout_stream: torch.Tensor, out_di
 
 def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
                 workdir: Path, cfg: TrainConfig, loss_cfg: EagleLoss = EagleLoss(), progress: bool = True) -> dict:
-    from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
+    from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
 
     torch.manual_seed(cfg.seed)
     target = load_causal_lm(ModelSpec(str(target_dir)))

@@ -2,7 +2,7 @@
 
 Per window of corpus tokens the frozen target gives its hidden states at
 three layers (low, middle, high: ``training_feature_layers``) and its
-next-token logits. The head (``drafter.eagle3_head.Eagle3Head``, the
+next-token logits. The head (``drafter.eagle.eagle3_head.Eagle3Head``, the
 reference checkpoint layout) fuses the three features with ``fc`` and is
 trained with training-time test (``specdec.train.ttt``): unrolled on its own
 outputs for ``ttt_steps`` steps, each step's loss the soft cross-entropy to
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from drafter import eagle3_layouts as layouts
-from drafter.eagle3_head import Eagle3Head, head3_config, head3_config_for, load_head3, save_head
-from drafter.eagle_head import TargetHead
-from specdec.models import ModelSpec, load_causal_lm, load_tokenizer
+from drafter.eagle import eagle3_layouts as layouts
+from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for, load_head3, save_head
+from drafter.eagle.eagle2_head import TargetHead
+from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.train.data import eval_windows, sample_batch, tokenize_stream
-from specdec.errors import InvalidArgument
+from specdec.request.errors import InvalidArgument
 from specdec.train.draft_vocab import DraftVocab, choose_draft_vocab, token_counts
 from specdec.train.eagle import calibration_record, write_calibration
 from specdec.train.loop import TrainConfig, train

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
-from specdec import masks
+from specdec.model import masks
 
 STEP_DECAY = 0.8        # weight of step k: STEP_DECAY ** k
 DEFAULT_STEPS = 7       # the reference unrolls 7 steps

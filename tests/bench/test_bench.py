@@ -12,7 +12,7 @@ from specdec.bench.calibration import TreeRecorder, bin_index, calibration_bins,
 from specdec.bench.runner import Sample, Slot, Totals, schedule, summarize
 from specdec.cli.bench import BUNDLED_PROMPTS
 from specdec.cli.main import main
-from specdec.tree import DraftTree
+from specdec.tree.build import DraftTree
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 METHOD_KEYS = {"tokens_per_s", "speedup_vs_vanilla", "speedup_vs_hf_generate", "tau", "accepted_per_position",
@@ -135,9 +135,9 @@ def test_bad_input_is_one_line(tiny_family, prompt_file, tmp_path, capsys, extra
 
 
 def test_missing_demo_family_names_the_fix(tmp_path, capsys, monkeypatch):
-    import specdec.models
+    import specdec.model.loading
 
-    monkeypatch.setattr(specdec.models, "DEMO_DIR", tmp_path / "no-demo")
+    monkeypatch.setattr(specdec.model.loading, "DEMO_DIR", tmp_path / "no-demo")
     assert main(["bench", "--json", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pass --target or run `specdec train`" in err[0]
@@ -256,7 +256,7 @@ def test_grpc_methods_match_in_process(tiny_family, prompt_file, tmp_path):
 
 def test_heldout_prompts_are_the_model_cards(tiny_family):
     from specdec.cli.bench import HELDOUT, load_prompts
-    from specdec.models import load_tokenizer
+    from specdec.model.loading import load_tokenizer
     from specdec.train.card import heldout_prompts
 
     texts = load_prompts(HELDOUT, 3, str(tiny_family["target"]))

@@ -1,11 +1,11 @@
 """Shared flags of specdec.cli.options: --compile, its variable SPECDEC_COMPILE,
 SPECDEC_COMPILE_PACKED (how the compiled graphs hold the weights) and
 SPECDEC_CUDA_GRAPHS (compiled steps on a GPU replayed as CUDA graphs), and
---tree-sizing with its variable SPECDEC_TREE_SIZING (specdec.tree_sizing)."""
+--tree-sizing with its variable SPECDEC_TREE_SIZING (specdec.tree.sizing)."""
 
 import pytest
 
-from specdec import knobs
+from specdec.request import knobs
 from specdec.cli.main import build_parser, main
 
 SERVE = (["verifier", "serve"], ["drafter", "serve"])
@@ -89,6 +89,6 @@ def test_compile_tree_tokens_out_of_range_is_one_line(value, capsys):
 
 
 def test_the_widest_compiled_tree_is_the_widest_graph():
-    from specdec.fixed_graphs import WIDTHS
+    from specdec.compile.fixed_graphs import WIDTHS
 
     assert knobs.MAX_COMPILED_TREE == WIDTHS[-1]

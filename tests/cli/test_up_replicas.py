@@ -146,7 +146,7 @@ def test_a_dns_name_is_enough(monkeypatch):
     (["--verifier", "a:1", "--resolve-interval-s", "0"], "--resolve-interval-s"),
 ])
 def test_backend_flag_errors(monkeypatch, argv, needle):
-    from specdec.errors import UsageError
+    from specdec.request.errors import UsageError
 
     monkeypatch.delenv("SPECDEC_VERIFIER", raising=False)
     monkeypatch.delenv("SPECDEC_VERIFIER_DNS", raising=False)

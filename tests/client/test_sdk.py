@@ -20,7 +20,7 @@ from specdec.client import (
     SpecdecInvalidArgument,
     SpecdecUnavailable,
 )
-from specdec.metrics import REGISTRY
+from specdec.serving.metrics import REGISTRY
 
 PROMPT = "class Point:"
 BACKENDS = ("verifier", "drafter")
@@ -168,7 +168,7 @@ def test_typed_errors_carry_code_and_details(stack):
             client.complete("x", method="beam")
         with pytest.raises(ValueError, match="proposals"):
             client.complete("x", proposals="greedy")
-        # values are the server's to check (specdec.params bounds), the field named in the details
+        # values are the server's to check (specdec.request.params bounds), the field named in the details
         for params, field in (({"request_id": "r" * 1_000_000}, "request_id"),
                               ({"value_temperature": float("nan")}, "tree.value_temperature"),
                               ({"seed": 2**64 - 1, "temperature": float("inf")}, "sampling.temperature")):
@@ -232,7 +232,7 @@ def test_sdk_and_orchestrator_import_no_torch():
 
 def test_build_request_carries_the_new_parameters():
     from specdec.client.sdk import build_request
-    from specdec.wire import generation_request_from_proto
+    from specdec.request.wire import generation_request_from_proto
 
     msg = build_request([5, 6, 7], min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                         logprobs=0, n=3, seed=9, temperature=1.0)

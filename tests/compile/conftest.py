@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Compiled target forwards (``specdec.compiled``): greedy output token-identical
+"""Compiled target forwards (``specdec.compile.forwards``): greedy output token-identical
 to eager vanilla on the demo target and on a tiny non-Llama family, seeded
 sampling reproducible, the padding helpers, the per-model fallback to eager
 forwards with one log line, the stacked K/V buffer the steps write in place,
@@ -16,11 +16,13 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec import compiled, compiled_aot, compiled_start, fixed_kv, kv
-from specdec.decoding import StopCriteria
+from specdec.compile import forwards, aot, startup, fixed_kv
+
+from specdec.model import kv
+from specdec.request.decoding import StopCriteria
 from specdec.local import generate
-from specdec.models import PACKED_ENV, ModelSpec, demo_path, load_tokenizer
-from specdec.params import SamplingParams, TreeParams
+from specdec.model.loading import PACKED_ENV, ModelSpec, demo_path, load_tokenizer
+from specdec.request.params import SamplingParams, TreeParams
 from verifier.engine import TargetModel, VerifierEngine
 
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        self."]
@@ -28,8 +30,8 @@ SMALL_TREE = TreeParams(total_tokens=8, depth=3, expand_k=4)     # verify widths
 
 
 def test_buckets():
-    assert [compiled.capacity_bucket(n) for n in (0, 1, 256, 257, 512, 513, 2000)] == [256, 256, 256, 512, 512, 1024, 2048]
-    assert [compiled.width_bucket(n) for n in (1, 3, 16, 17, 64, 65)] == [1, 4, 16, 32, 64, None]
+    assert [forwards.capacity_bucket(n) for n in (0, 1, 256, 257, 512, 513, 2000)] == [256, 256, 256, 512, 512, 1024, 2048]
+    assert [forwards.width_bucket(n) for n in (1, 3, 16, 17, 64, 65)] == [1, 4, 16, 32, 64, None]
 
 
 def test_pad_mask_hides_unused_slots_and_pads_see_themselves():
@@ -53,13 +55,13 @@ def _tokens(verifier, drafter, prompts, tree=None, params=GREEDY, n=24):
 
 @pytest.fixture(scope="module")
 def demo_engines():
-    from drafter.eagle import EagleDrafter
+    from drafter.eagle.eagle2 import EagleDrafter
 
     eager = TargetModel(ModelSpec(str(demo_path("target"))))
     fast = TargetModel(ModelSpec(str(demo_path("target"))), model=eager.model)
     with pytest.MonkeyPatch.context() as env:
         env.setenv(PACKED_ENV, "auto")                  # as users run it: packed weights for a small model
-        fast.compiled = compiled_start.compile_target(fast.lm, "on")
+        fast.compiled = startup.compile_target(fast.lm, "on")
     assert fast.compiled is not None
     tok = load_tokenizer(demo_path("target"))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
@@ -79,7 +81,7 @@ def test_demo_target_greedy_identical_to_eager_vanilla(demo_engines):
 def test_demo_target_takes_the_compiled_path(demo_engines):
     _, fast, _, prompts = demo_engines
     cache = fast.target.new_cache(40)
-    assert kv.seq_len(cache) == 0 and cache.layers[0].capacity == compiled.MIN_CAPACITY
+    assert kv.seq_len(cache) == 0 and cache.layers[0].capacity == forwards.MIN_CAPACITY
     ids = torch.tensor(prompts[0])
     fast.target.forward(cache, ids, torch.arange(len(ids)), None)
     assert fast.target.compiled.accepts(cache, 1) and fast.target.compiled.accepts(cache, 8)
@@ -97,10 +99,10 @@ def test_demo_target_seeded_sampling_reproducible(demo_engines):
 def test_packed_packages_give_the_eager_logits(tiny_family):
     """The packed path (the weights frozen into each package, inductor's CPP
     GEMM), which the rest of the suite leaves off (``tests/conftest.py``)."""
-    forward = compiled.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm, packed=True)
+    forward = forwards.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm, packed=True)
     assert forward.packed and forward.steps.weights is None
-    assert compiled_start.check_compiled(forward) is None
-    assert compiled_aot.package_built(compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, True))
+    assert startup.check_compiled(forward) is None
+    assert aot.package_built(aot.package_path(forward.packages, 1, forwards.MIN_CAPACITY, True))
 
 
 def test_non_llama_family_greedy_identical(family_dir):
@@ -124,7 +126,7 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(tiny_family):
     path = str(tiny_family["target"])
     eager = VerifierEngine(TargetModel(ModelSpec(path)))
     fast = VerifierEngine(TargetModel(ModelSpec(path, compile="on")))
-    small = compiled.MIN_CAPACITY
+    small = forwards.MIN_CAPACITY
     prompt = [(7 * i) % 60 + 1 for i in range(small - 30)]
     want = _tokens(eager, None, [prompt], n=60)
     assert _tokens(fast, None, [prompt], n=60) == want
@@ -138,18 +140,18 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(tiny_family):
         n = len(prompt) + step
         fast.target.forward(cache, torch.tensor([step % 50]), torch.tensor([n]), None)
     fixed = fixed_kv.fixed_buffers(cache)
-    assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
+    assert fixed is not None and fixed.stack.shape[4] == forwards.capacity_bucket(small + 1)
     assert torch.equal(fixed.stack[:, :, :, :, :len(prompt)], before[:, :, :, :, :len(prompt)])
     assert (fixed.stack[:, :, :, :, kv.seq_len(cache):] == 0).all()
 
 
 def test_batched_verifies_keep_a_session_on_its_stacked_buffer_across_buckets(tiny_family):
-    from specdec.tree_layout import tree_from_lists
+    from specdec.tree.layout import tree_from_lists
 
     path = str(tiny_family["target"])
     eager = VerifierEngine(TargetModel(ModelSpec(path)))
     fast = VerifierEngine(TargetModel(ModelSpec(path, compile="on")))
-    small = compiled.MIN_CAPACITY
+    small = forwards.MIN_CAPACITY
     prompts = [[(5 * i + b) % 70 + 1 for i in range(small - 4)] for b in range(2)]
     want = _tokens(eager, None, prompts, n=12)
     roots = [fast.prefill(f"b{b}", p, GREEDY, max_new_tokens=12).token for b, p in enumerate(prompts)]
@@ -161,19 +163,19 @@ def test_batched_verifies_keep_a_session_on_its_stacked_buffer_across_buckets(ti
     assert got == want
     for b in range(2):
         fixed = fixed_kv.fixed_buffers(fast.sessions.get(f"b{b}").cache)
-        assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
+        assert fixed is not None and fixed.stack.shape[4] == forwards.capacity_bucket(small + 1)
 
 
 def test_failed_compilation_falls_back_to_eager_with_one_line(family_dir, caplog, monkeypatch):
     def broken(self, lm):
         raise RuntimeError("no C++ compiler\nsecond line")
 
-    monkeypatch.setattr(compiled.CompiledForward, "__init__", broken)
+    monkeypatch.setattr(forwards.CompiledForward, "__init__", broken)
     path = family_dir(BY_NAME["llama"])
-    with caplog.at_level(logging.WARNING, logger="specdec.compiled_start"):
+    with caplog.at_level(logging.WARNING, logger="specdec.compile.startup"):
         target = TargetModel(ModelSpec(str(path), compile="on"))
     assert target.compiled is None
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled_start"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compile.startup"]
     assert len(lines) == 1
     assert "'llama'" in lines[0] and "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
     engine = VerifierEngine(target)
@@ -190,11 +192,11 @@ def test_compile_mode_is_checked():
 def test_auto_keeps_compiled_only_where_it_pays(tiny_family, caplog, monkeypatch, eager_ms, compiled_ms, kept):
     target = TargetModel(ModelSpec(str(tiny_family["target"])))         # its packages: the other tests' own
     times = iter([eager_ms, compiled_ms])           # compile_target times eager first, then compiled
-    monkeypatch.setattr(compiled_start, "time_step", lambda *args, **kwargs: next(times))
-    with caplog.at_level(logging.INFO, logger="specdec.compiled_start"):
-        result = compiled_start.compile_target(target.lm, "auto")
+    monkeypatch.setattr(startup, "time_step", lambda *args, **kwargs: next(times))
+    with caplog.at_level(logging.INFO, logger="specdec.compile.startup"):
+        result = startup.compile_target(target.lm, "auto")
     assert (result is not None) == kept
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled_start"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compile.startup"]
     assert len(lines) == 1
     assert ("compiled forwards on" in lines[0]) == kept
     assert kept or "10.00 ms compiled, 5.00 ms eager" in lines[0]
@@ -204,7 +206,7 @@ def test_auto_keeps_compiled_only_where_it_pays(tiny_family, caplog, monkeypatch
 def llama_step(family_dir):
     """A tiny Llama, its compiled forward (one-token graph built or loaded), and a one-token step's inputs."""
     target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
-    forward = compiled.CompiledForward(target.lm, packed=False)
+    forward = forwards.CompiledForward(target.lm, packed=False)
     forward.warm((1,))
     return target, forward
 
@@ -219,7 +221,7 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
     target, forward = llama_step
     cache, eager_cache = forward.new_cache(8), target.lm.new_cache()
     got = _one_token_logits(target, forward.forward, cache)
-    want = _one_token_logits(target, functools.partial(compiled.eager_forward, target.lm), eager_cache)
+    want = _one_token_logits(target, functools.partial(forwards.eager_forward, target.lm), eager_cache)
     assert torch.allclose(got, want, atol=1e-5) and kv.seq_len(cache) == kv.seq_len(eager_cache) == 5
     stack = cache.fixed_buffers.stack
     for i, (layer, eager_layer) in enumerate(zip(cache.layers, eager_cache.layers)):
@@ -234,14 +236,14 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
 
 def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, monkeypatch):
     target, forward = llama_step
-    assert compiled_aot.package_built(compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, False))
-    assert forward.packages.is_relative_to(compiled_aot.cache_dir())
+    assert aot.package_built(aot.package_path(forward.packages, 1, forwards.MIN_CAPACITY, False))
+    assert forward.packages.is_relative_to(aot.cache_dir())
 
     def no_build(*args):
         raise AssertionError("a package on disk was built again")
 
-    monkeypatch.setattr(compiled_aot, "build_package", no_build)
-    again = compiled.CompiledForward(target.lm, packed=False)     # a restart: loads the package
+    monkeypatch.setattr(aot, "build_package", no_build)
+    again = forwards.CompiledForward(target.lm, packed=False)     # a restart: loads the package
     again.warm((1,))
     before = _one_token_logits(target, again.forward, again.new_cache(8))
     head = target.lm.lm_head.weight
@@ -257,9 +259,9 @@ def test_packages_are_reloaded_and_run_over_the_models_own_weights(llama_step, m
 
 def test_a_packages_library_stands_in_for_it_and_a_rebuilt_package_replaces_it(llama_step, tmp_path):
     target, forward = llama_step
-    path = compiled_aot.package_path(forward.packages, 1, compiled.MIN_CAPACITY, packed=False)
-    library = compiled_aot.kept_library(path)              # (the warm-up loaded it: unzipped already)
-    assert library == path.with_suffix(".so") and not path.exists() and compiled_aot.package_built(path)
+    path = aot.package_path(forward.packages, 1, forwards.MIN_CAPACITY, packed=False)
+    library = aot.kept_library(path)              # (the warm-up loaded it: unzipped already)
+    assert library == path.with_suffix(".so") and not path.exists() and aot.package_built(path)
     kept = library.read_bytes()
     # a package rebuilt (or left by an older start): its library replaces the kept one, one copy stays
     package = tmp_path / path.name
@@ -270,24 +272,24 @@ def test_a_packages_library_stands_in_for_it_and_a_rebuilt_package_replaces_it(l
     stale.write_bytes(b"an older library")
     library_copy = tmp_path / library.name
     os.replace(stale, library_copy)
-    assert compiled_aot.kept_library(package).read_bytes() == kept and not package.exists()
-    assert compiled_aot.kept_library(package) == library_copy          # the library alone now
+    assert aot.kept_library(package).read_bytes() == kept and not package.exists()
+    assert aot.kept_library(package) == library_copy          # the library alone now
     with pytest.raises(FileNotFoundError):
-        compiled_aot.kept_library(tmp_path / "missing.pt2")
+        aot.kept_library(tmp_path / "missing.pt2")
     # two steps over one library run side by side, each over the weights it was given
-    weights = compiled_aot.shared_weights(forward.module)
+    weights = aot.shared_weights(forward.module)
     doubled = dict(weights, **{name: 2 * t for name, t in weights.items() if name.endswith("lm_head.weight")})
-    one, two = compiled_aot.load_package(path, weights), compiled_aot.load_package(path, doubled)
+    one, two = aot.load_package(path, weights), aot.load_package(path, doubled)
     with torch.inference_mode():                 # (each on inputs of its own: a step writes its cache input)
-        logits_one = one(*forward._example(1, compiled.MIN_CAPACITY))[1]
-        logits_two = two(*forward._example(1, compiled.MIN_CAPACITY))[1]
+        logits_one = one(*forward._example(1, forwards.MIN_CAPACITY))[1]
+        logits_two = two(*forward._example(1, forwards.MIN_CAPACITY))[1]
     assert torch.allclose(logits_two, 2 * logits_one, rtol=1e-4, atol=1e-4)
 
 
 def test_package_key_follows_the_model_files(family_dir):
     a = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=0)))).lm
     b = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=1)))).lm
-    step = compiled.FixedStep(a)
-    dirs = {compiled_aot.package_dir(step, lm.model, lm.dtype, torch.device("cpu")) for lm in (a, a, b)}
+    step = forwards.FixedStep(a)
+    dirs = {aot.package_dir(step, lm.model, lm.dtype, torch.device("cpu")) for lm in (a, a, b)}
     assert len(dirs) == 2
-    assert compiled_aot.package_dir(step, a.model, torch.float16, torch.device("cpu")) not in dirs
+    assert aot.package_dir(step, a.model, torch.float16, torch.device("cpu")) not in dirs

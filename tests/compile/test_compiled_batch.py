@@ -1,4 +1,4 @@
-"""Batched compiled verification (``specdec.compiled_batch``): several
+"""Batched compiled verification (``specdec.compile.batched``): several
 sessions' rows in one compiled forward whose batch dimension is free.
 Batches the batched graphs serve take one forward, and every session gets
 exactly what it gets verified alone on the eager target (accepted nodes,
@@ -17,11 +17,13 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec import compiled, compiled_batch, compiled_start, fixed_kv, kv
+from specdec.compile import forwards, batched, startup, fixed_kv
+
+from specdec.model import kv
 from specdec.local import DrafterChoice, build_local
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams
-from specdec.tree import tree_from_lists
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams
+from specdec.tree.build import tree_from_lists
 from verifier.engine import TargetModel, VerifierEngine
 from verifier.service import VerifierService, VerifierServiceConfig
 
@@ -34,14 +36,14 @@ def _engines(path: str, captures: bool = True) -> tuple[VerifierEngine, Verifier
     eager = VerifierEngine(TargetModel(ModelSpec(path)))
     fast = VerifierEngine(TargetModel(ModelSpec(path), model=eager.target.model))
     if captures:
-        fast.target.compiled = compiled_start.compile_target(fast.target.lm, "on")
+        fast.target.compiled = startup.compile_target(fast.target.lm, "on")
     else:
-        fast.target.compiled = compiled.CompiledForward(fast.target.lm)
-        assert compiled_start.check_compiled(fast.target.compiled) is None
-        fast.target.compiled.warm(compiled.READY_WIDTHS, (compiled.MIN_CAPACITY,))
+        fast.target.compiled = forwards.CompiledForward(fast.target.lm)
+        assert startup.check_compiled(fast.target.compiled) is None
+        fast.target.compiled.warm(forwards.READY_WIDTHS, (forwards.MIN_CAPACITY,))
     assert fast.target.compiled is not None
     if captures:
-        assert compiled_start.compile_captures(fast.target.compiled, widths=(1, 16))
+        assert startup.compile_captures(fast.target.compiled, widths=(1, 16))
     assert fast.target.compile_batches()
     assert set(fast.target.compiled.batched) == ({False, True} if captures else {False})
     return eager, fast
@@ -137,12 +139,12 @@ def test_a_windowed_soft_capped_family_batches_on_the_batched_graphs(family_dir,
 
 
 def test_a_failed_check_turns_the_batched_graphs_off_with_one_line(tiny_family, monkeypatch, caplog):
-    forward = compiled.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm)
-    monkeypatch.setattr(compiled_batch, "check_batched", lambda *args: "batched logits differ (test)")
-    with caplog.at_level(logging.WARNING, logger="specdec.compiled_batch"):
-        assert not compiled_batch.compile_batches(forward)
+    forward = forwards.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm)
+    monkeypatch.setattr(batched, "check_batched", lambda *args: "batched logits differ (test)")
+    with caplog.at_level(logging.WARNING, logger="specdec.compile.batched"):
+        assert not batched.compile_batches(forward)
     assert forward.batched == {} and not forward.serves_batch([3, 4], 1)
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled_batch"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compile.batched"]
     assert len(lines) == 1 and "batched logits differ (test)" in lines[0] and "row by row" in lines[0]
 
 
@@ -165,16 +167,16 @@ def test_a_batching_verifier_service_builds_them_before_readiness_and_opens_them
             await service.aclose()
 
     built, queued, opened, left = asyncio.run(main())
-    everything = {(w, c) for w in compiled.READY_WIDTHS for c in compiled.PACKAGED_CAPACITIES}
+    everything = {(w, c) for w in forwards.READY_WIDTHS for c in forwards.PACKAGED_CAPACITIES}
     assert built == {False}                       # no capturing graphs on this verifier: none batched
-    assert queued == everything - {(1, compiled.MIN_CAPACITY)}      # the check opened that one
+    assert queued == everything - {(1, forwards.MIN_CAPACITY)}      # the check opened that one
     assert everything <= set(opened) and left == 0
 
 
 def test_batch_buffers_are_kept_for_the_latest_shapes_only(engines):
     forward = engines[1].target.compiled
     forward.spare.clear()
-    for rows in range(2, 3 + compiled.SPARE_BATCHES):
+    for rows in range(2, 3 + forwards.SPARE_BATCHES):
         with torch.inference_mode():
-            forward.reuse(fixed_kv.stacked_cache(forward.lm.new_cache(), forward.new_stack(compiled.MIN_CAPACITY, rows)))
-    assert list(forward.spare) == [(rows, compiled.MIN_CAPACITY) for rows in range(3, 3 + compiled.SPARE_BATCHES)]
+            forward.reuse(fixed_kv.stacked_cache(forward.lm.new_cache(), forward.new_stack(forwards.MIN_CAPACITY, rows)))
+    assert list(forward.spare) == [(rows, forwards.MIN_CAPACITY) for rows in range(3, 3 + forwards.SPARE_BATCHES)]

@@ -1,6 +1,6 @@
 """Compiled forwards on a CUDA device (``pytest -m cuda``; ``make test`` has no GPU
 and deselects them): the compiled steps replayed as CUDA graphs
-(``specdec.cuda_graphs``) give the eager generations, token for token, greedy
+(``specdec.compile.cuda_graphs``) give the eager generations, token for token, greedy
 and seeded-sampled, for a Llama, a hybrid sliding/full family with
 soft-capping (a mask per layer type) and a q/k-norm family; a replay gives the
 outputs of the step it recorded; a batch of sessions and the EAGLE head's
@@ -13,14 +13,15 @@ import torch
 from families import BY_NAME
 from trees import assert_same_tree
 
-from drafter.eagle import EagleDrafter
+from drafter.eagle.eagle2 import EagleDrafter
 from drafter.ngram import NgramDrafter
-from specdec import compiled, compiled_batch, compiled_start, cuda_graphs, kv
-from specdec.decoding import StopCriteria
+from specdec.compile import forwards, batched, startup, cuda_graphs
+from specdec.model import kv
+from specdec.request.decoding import StopCriteria
 from specdec.local import generate
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams, TreeParams
-from specdec.tree import tree_from_lists
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.tree.build import tree_from_lists
 from verifier.engine import TargetModel, VerifierEngine
 
 pytestmark = pytest.mark.cuda
@@ -37,13 +38,13 @@ def gpu():
 def compiled_target(path) -> TargetModel:
     """A target on the GPU with compiled forwards (graphs compiled on first use), checked against eager."""
     target = TargetModel(ModelSpec(str(path), device="cuda"))
-    forward = compiled.CompiledForward(target.lm)
-    assert compiled_start.check_compiled(forward) is None
+    forward = forwards.CompiledForward(target.lm)
+    assert startup.check_compiled(forward) is None
     target.compiled = forward
     return target
 
 
-def graphed(forward: compiled.CompiledForward) -> list[cuda_graphs.GraphedStep]:
+def graphed(forward: forwards.CompiledForward) -> list[cuda_graphs.GraphedStep]:
     steps = list(forward.steps.graphs.values())
     assert steps and all(isinstance(s, cuda_graphs.GraphedStep) for s in steps)
     assert not any(s.failed for s in steps)
@@ -76,7 +77,7 @@ def test_a_replay_gives_the_outputs_of_its_package(tiny_family):
     cache = forward.new_cache(16)
     ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
     target.lm.hidden(cache, ids[:, :5], torch.arange(5)[None], None)
-    step = forward.steps.graphs[(1, compiled.MIN_CAPACITY)]          # compiled by the check at load
+    step = forward.steps.graphs[(1, forwards.MIN_CAPACITY)]          # compiled by the check at load
     records, replays = step.records, step.replays
     outs = []
     for _ in range(3):          # recorded for this buffer (answered directly), then two replays
@@ -100,7 +101,7 @@ def test_a_batch_verifies_row_by_row_on_cuda_graphs(tiny_family):
     path = tiny_family["target"]
     eager = VerifierEngine(TargetModel(ModelSpec(str(path), device="cuda")))
     fast = VerifierEngine(compiled_target(path))
-    assert not compiled_batch.compile_batches(fast.target.compiled)
+    assert not batched.compile_batches(fast.target.compiled)
     sids = ["a", "b", "c"]
     for sid, prompt in zip(sids, PROMPTS + [[7, 7, 7, 7]]):
         assert fast.prefill(sid, prompt, SamplingParams(), 40).token == eager.prefill(sid, prompt, SamplingParams(),

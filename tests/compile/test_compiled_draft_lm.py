@@ -1,4 +1,4 @@
-"""A draft LM's compiled steps (``drafter.draft_lm`` over ``specdec.compiled``):
+"""A draft LM's compiled steps (``drafter.draft_lm`` over ``specdec.compile.forwards``):
 the trees it drafts are the eager drafter's, greedy and sampled, through
 commits and draft levels; its one-token steps and levels take the compiled
 path; a session moves up the capacity buckets as it fills; generations stay
@@ -14,9 +14,10 @@ from trees import assert_drafts_plain_greedy, assert_same_tree
 
 from drafter.batch import draft_batch
 from drafter.draft_lm import DraftLmDrafter
-from specdec import compiled, fixed_kv, kv
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams, TreeParams
+from specdec.compile import forwards, fixed_kv
+from specdec.model import kv
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams, TreeParams
 
 TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(method="chain", total_tokens=6, depth=5),
          TreeParams(total_tokens=10, depth=3, expand_k=8)]
@@ -55,14 +56,14 @@ def test_compiled_steps_draft_the_eager_trees(drafters, sampled):
 def test_the_prompt_and_one_token_steps_take_the_compiled_path(drafters, monkeypatch):
     fast, _ = drafters
     calls = []
-    real = compiled.CompiledForward.forward
+    real = forwards.CompiledForward.forward
 
     def counted(self, cache, tokens, positions, mask):
         out = real(self, cache, tokens, positions, mask)
         calls.append((tokens.shape[1], out is not None))
         return out
 
-    monkeypatch.setattr(compiled.CompiledForward, "forward", counted)
+    monkeypatch.setattr(forwards.CompiledForward, "forward", counted)
     tree = TreeParams(total_tokens=8, depth=3, expand_k=2)
     fast.prefill("one", [1, 2, 3, 4, 5])
     fast.draft("one", tree)
@@ -75,7 +76,7 @@ def test_the_prompt_and_one_token_steps_take_the_compiled_path(drafters, monkeyp
 
 def test_a_session_moves_up_the_capacity_buckets_as_it_fills(drafters):
     fast, _ = drafters
-    small = compiled.capacity_bucket(0)
+    small = forwards.capacity_bucket(0)
     rng = random.Random(2)
     tokens = [rng.randrange(fast.vocab_size) for _ in range(small - 6)]
     for d in drafters:
@@ -88,7 +89,7 @@ def test_a_session_moves_up_the_capacity_buckets_as_it_fills(drafters):
     sess = fast.sessions.get("long")
     assert kv.seq_len(sess.cache) > small
     fixed = fixed_kv.fixed_buffers(sess.cache)
-    assert fixed is not None and fixed.stack.shape[4] == compiled.capacity_bucket(small + 1)
+    assert fixed is not None and fixed.stack.shape[4] == forwards.capacity_bucket(small + 1)
 
 
 def test_batched_drafting_of_fresh_and_long_sessions_matches_eager(drafters):
@@ -98,7 +99,7 @@ def test_batched_drafting_of_fresh_and_long_sessions_matches_eager(drafters):
     sessions stay on their stacked buffers."""
     fast, slow = drafters
     rng = random.Random(3)
-    small = compiled.capacity_bucket(0)
+    small = forwards.capacity_bucket(0)
     prompts = {"f0": 5, "f1": 9, "near": small - 4}
     for sid, n in prompts.items():
         tokens = [rng.randrange(fast.vocab_size) for _ in range(n)]
@@ -115,7 +116,7 @@ def test_batched_drafting_of_fresh_and_long_sessions_matches_eager(drafters):
     for sid in prompts:
         assert fixed_kv.fixed_buffers(fast.sessions.get(f"batch-{sid}").cache) is not None
     crossed = fast.sessions.get("batch-near").cache
-    assert kv.seq_len(crossed) > small and crossed.fixed_buffers.stack.shape[4] == compiled.capacity_bucket(small + 1)
+    assert kv.seq_len(crossed) > small and crossed.fixed_buffers.stack.shape[4] == forwards.capacity_bucket(small + 1)
 
 
 def test_generation_with_a_compiled_draft_lm_is_plain_greedy_decoding(drafters, tiny_family):
@@ -126,8 +127,8 @@ def test_a_draft_lm_that_fails_to_compile_drafts_eagerly(tiny_family, caplog, mo
     def broken(self, lm):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(compiled.CompiledForward, "__init__", broken)
-    with caplog.at_level(logging.WARNING, logger="specdec.compiled_start"):
+    monkeypatch.setattr(forwards.CompiledForward, "__init__", broken)
+    with caplog.at_level(logging.WARNING, logger="specdec.compile.startup"):
         drafter = DraftLmDrafter(ModelSpec(str(tiny_family["target"])), compile="on")
     assert drafter.compiled is None
     assert sum("RuntimeError: no C++ compiler" in r.getMessage() for r in caplog.records) == 1

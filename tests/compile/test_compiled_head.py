@@ -1,4 +1,4 @@
-"""Compiled draft levels of EAGLE heads (``drafter.compiled_head``): the trees a
+"""Compiled draft levels of EAGLE heads (``drafter.compiled.head_levels``): the trees a
 compiled drafter drafts are the eager drafter's (greedy and sampled
 proposals, fed pairs included), generations stay token-identical to eager
 vanilla, levels the graphs do not cover run eagerly, and a head that fails to
@@ -13,10 +13,10 @@ import pytest
 import torch
 from trees import assert_drafts_plain_greedy, assert_same_tree
 
-from drafter import compiled_head
-from drafter.eagle import EagleDrafter
-from specdec import kv
-from specdec.params import SamplingParams, TreeParams
+from drafter.compiled import head_levels
+from drafter.eagle.eagle2 import EagleDrafter
+from specdec.model import kv
+from specdec.request.params import SamplingParams, TreeParams
 
 TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(total_tokens=10, depth=3, expand_k=8),
          TreeParams(method="chain", total_tokens=6, depth=5)]
@@ -55,17 +55,17 @@ def test_compiled_levels_draft_the_eager_trees(heads, sampled):
                 d.commit(sid, tokens, feats)
         sess = heads[0].sessions.get(sid)
         assert kv.seq_len(sess.cache) == sess.fed
-        assert compiled_head.fixed_buffers(sess.cache) is not None      # still on the stacked buffer
+        assert head_levels.fixed_buffers(sess.cache) is not None      # still on the stacked buffer
 
 
 def test_levels_past_the_graphs_run_eagerly(heads):
     fast, _ = heads
     cache = fast.compiled.new_cache()
     h = fast.hidden_size
-    wide = max(compiled_head.WIDTHS) + 1
+    wide = max(head_levels.WIDTHS) + 1
     assert fast.compiled.step(cache, torch.zeros(wide, dtype=torch.long), torch.zeros(wide, h),
                               torch.arange(wide), torch.ones(wide, wide, dtype=torch.bool)) is None
-    full = compiled_head.HEAD_CAPACITY
+    full = head_levels.HEAD_CAPACITY
     with torch.inference_mode():
         fast.head(fast.embed_tokens(torch.zeros(1, full - 1, dtype=torch.long)), torch.zeros(1, full - 1, h),
                   torch.arange(full - 1)[None], None, cache)
@@ -95,24 +95,24 @@ def test_failed_compilation_drafts_eagerly_with_one_line(tiny_family, caplog, mo
     def broken(self, drafter, packed=True):
         raise RuntimeError("no C++ compiler\nsecond line")
 
-    monkeypatch.setattr(compiled_head.CompiledHead, "__init__", broken)
-    with caplog.at_level(logging.WARNING, logger="drafter.compiled_head"):
+    monkeypatch.setattr(head_levels.CompiledHead, "__init__", broken)
+    with caplog.at_level(logging.WARNING, logger="drafter.compiled.head_levels"):
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
     assert drafter.compiled is None
-    lines = [r.getMessage() for r in caplog.records if r.name == "drafter.compiled_head"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "drafter.compiled.head_levels"]
     assert len(lines) == 1
     assert "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
 
 
 def test_levels_that_differ_from_eager_ones_are_refused(tiny_family, caplog, monkeypatch):
-    real = compiled_head.CompiledHead.step
+    real = head_levels.CompiledHead.step
 
     def off_by_a_little(self, *args):
         got = real(self, *args)
         return None if got is None else (got[0], got[1] + 0.01)
 
-    monkeypatch.setattr(compiled_head.CompiledHead, "step", off_by_a_little)
-    with caplog.at_level(logging.WARNING, logger="drafter.compiled_head"):
+    monkeypatch.setattr(head_levels.CompiledHead, "step", off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="drafter.compiled.head_levels"):
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
     assert drafter.compiled is None
     assert any("differ from eager ones" in r.getMessage() for r in caplog.records)
@@ -121,7 +121,7 @@ def test_levels_that_differ_from_eager_ones_are_refused(tiny_family, caplog, mon
 @pytest.mark.parametrize("eager_ms, compiled_ms, kept", [(10.0, 5.0, True), (5.0, 10.0, False)])
 def test_auto_keeps_compiled_levels_only_where_they_pay(tiny_family, monkeypatch, eager_ms, compiled_ms, kept):
     times = iter([eager_ms, compiled_ms])           # compile_head times eager first, then compiled
-    monkeypatch.setattr(compiled_head, "time_level", lambda *args, **kwargs: next(times))
+    monkeypatch.setattr(head_levels, "time_level", lambda *args, **kwargs: next(times))
     drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="auto")
     assert (drafter.compiled is not None) == kept
 
@@ -133,8 +133,8 @@ def test_off_is_eager_and_modes_are_checked(tiny_family):
 
 
 def test_padded_mask_is_the_padded_additive_mask(heads):
-    from specdec import masks
-    from specdec.fixed_kv import pad_mask
+    from specdec.model import masks
+    from specdec.compile.fixed_kv import pad_mask
 
     fast, _ = heads
     gen = torch.Generator().manual_seed(0)
@@ -167,6 +167,6 @@ def test_levels_over_the_heads_own_weights_give_the_eager_ones(tiny_family):
     """The packages a GPU drafter builds (no packed copy: the head's weights and
     the target's tables it reads, bound by name at load) pass the check at load."""
     drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
-    compiled = compiled_head.CompiledHead(drafter, packed=False)
+    compiled = head_levels.CompiledHead(drafter, packed=False)
     assert not compiled.steps.packed and set(drafter.step_tensors()) <= set(compiled.steps.weights)
-    assert compiled_head.check_head(compiled) is None
+    assert head_levels.check_head(compiled) is None

@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import compiled, compiled_start, kv
-from specdec.models import ModelSpec
+from specdec.compile import forwards, startup
+
+from specdec.model import kv
+from specdec.model.loading import ModelSpec
 from verifier.engine import TargetModel
 
 
@@ -21,7 +23,7 @@ def targets(tiny_family):
     path = str(tiny_family["target"])
     eager = TargetModel(ModelSpec(path))
     fast = TargetModel(ModelSpec(path), model=eager.model)
-    fast.compiled = compiled_start.compile_target(fast.lm, "on", captures=True)
+    fast.compiled = startup.compile_target(fast.lm, "on", captures=True)
     assert fast.compiled is not None and fast.compiled.capturing is not None
     return eager, fast
 
@@ -45,16 +47,16 @@ def test_a_prompt_in_compiled_chunks_gives_the_eager_outputs(targets, monkeypatc
     assert kv.seq_len(got_cache) == n and fast.compiled.accepts(got_cache, 1)
     for w, g in zip(want_cache.layers, got_cache.layers):
         torch.testing.assert_close(g.keys, w.keys, rtol=1e-4, atol=1e-4)
-    if n <= compiled.MIN_CAPACITY:
-        assert len(steps) == -(-n // compiled.PREFILL_WIDTH)            # every chunk compiled
-        assert set(steps) <= {*compiled.STARTUP_WIDTHS, compiled.PREFILL_WIDTH}
+    if n <= forwards.MIN_CAPACITY:
+        assert len(steps) == -(-n // forwards.PREFILL_WIDTH)            # every chunk compiled
+        assert set(steps) <= {*forwards.STARTUP_WIDTHS, forwards.PREFILL_WIDTH}
     else:                                           # past the prefill capacities: eager, in the next bucket
-        assert steps == [] and got_cache.fixed_buffers.stack.shape[4] == compiled.capacity_bucket(n)
+        assert steps == [] and got_cache.fixed_buffers.stack.shape[4] == forwards.capacity_bucket(n)
 
 
 def test_a_chunk_with_no_graph_at_hand_runs_eagerly(targets):
     eager, fast = targets
-    traced = compiled.CompiledForward(fast.lm, ahead_of_time=False)     # torch.compile graphs: none open yet
+    traced = forwards.CompiledForward(fast.lm, ahead_of_time=False)     # torch.compile graphs: none open yet
     ids = _prompt(40, eager.vocab_size)
     cache = traced.new_cache(40)
     got = traced.run(cache, ids[None], torch.arange(40)[None], None)

@@ -1,4 +1,4 @@
-"""The whole EAGLE-2 draft in one graph (``drafter.compiled_tree``): it drafts
+"""The whole EAGLE-2 draft in one graph (``drafter.compiled.whole_draft``): it drafts
 the level-by-level trees (values and the records drafting ahead reads
 included), hands ties and the drafts it was not built for to the level path,
 keeps generations plain greedy decoding, and a graph that fails to build or
@@ -13,11 +13,11 @@ import pytest
 import torch
 from trees import assert_drafts_plain_greedy, assert_same_tree
 
-from drafter import compiled_tree
-from drafter.compiled_head import HEAD_CAPACITY
-from drafter.eagle import EagleDrafter
-from specdec import kv
-from specdec.params import SamplingParams, TreeParams
+from drafter.compiled import whole_draft
+from drafter.compiled.head_levels import HEAD_CAPACITY
+from drafter.eagle.eagle2 import EagleDrafter
+from specdec.model import kv
+from specdec.request.params import SamplingParams, TreeParams
 
 DEFAULT = TreeParams()
 
@@ -132,17 +132,17 @@ def test_a_graph_that_fails_to_build_drafts_level_by_level_with_one_line(tiny_fa
     def broken(self):
         raise RuntimeError("no C++ compiler\nsecond line")
 
-    monkeypatch.setattr(compiled_tree.CompiledTree, "warm", broken)
-    with caplog.at_level(logging.WARNING, logger="drafter.compiled_tree"):
+    monkeypatch.setattr(whole_draft.CompiledTree, "warm", broken)
+    with caplog.at_level(logging.WARNING, logger="drafter.compiled.whole_draft"):
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
-    assert drafter.compiled is not None and drafter.compiled_tree is None
-    lines = [r.getMessage() for r in caplog.records if r.name == "drafter.compiled_tree"]
+    assert drafter.compiled is not None and drafter.compiled.whole_draft is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "drafter.compiled.whole_draft"]
     assert len(lines) == 1
     assert "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
 
 
 def test_a_graph_whose_trees_differ_is_refused(tiny_family, caplog, monkeypatch):
-    real = compiled_tree.CompiledTree.draft
+    real = whole_draft.CompiledTree.draft
 
     def off_by_a_little(self, *args):
         got = real(self, *args)
@@ -151,10 +151,10 @@ def test_a_graph_whose_trees_differ_is_refused(tiny_family, caplog, monkeypatch)
         tree, hidden = got
         return type(tree)(tree.tokens, tree.parents, tree.depths, tree.values - 0.01), hidden
 
-    monkeypatch.setattr(compiled_tree.CompiledTree, "draft", off_by_a_little)
-    with caplog.at_level(logging.WARNING, logger="drafter.compiled_tree"):
+    monkeypatch.setattr(whole_draft.CompiledTree, "draft", off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="drafter.compiled.whole_draft"):
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
-    assert drafter.compiled_tree is None
+    assert drafter.compiled.whole_draft is None
     assert any("values differ" in r.getMessage() for r in caplog.records)
 
 
@@ -162,7 +162,7 @@ def test_a_run_that_names_its_budget_drafts_it_whole(tiny_family):
     fast = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
     levels = EagleDrafter(tiny_family["eagle"], tiny_family["target"])
     small = TreeParams(total_tokens=8, depth=3, expand_k=2)
-    compiled_tree.use_budget(fast, small)
+    whole_draft.use_budget(fast, small)
     assert fast.compiled_tree.serves(small, 0) and not fast.compiled_tree.serves(DEFAULT, 0)
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     feed((fast, levels), "small", rng, gen, 11)
@@ -172,14 +172,14 @@ def test_a_run_that_names_its_budget_drafts_it_whole(tiny_family):
         commit((fast, levels), "small", rng, gen)
     assert fast.compiled_tree.drafts == served + 3
     whole = fast.compiled_tree
-    compiled_tree.use_budget(fast, small)                      # served already: kept as it is
+    whole_draft.use_budget(fast, small)                      # served already: kept as it is
     assert fast.compiled_tree is whole
 
 
 def test_a_budget_whose_graph_fails_its_check_keeps_the_graph_the_drafter_had(drafters, monkeypatch):
     fast = drafters[0]
     had = fast.compiled_tree
-    real = compiled_tree.CompiledTree.draft
+    real = whole_draft.CompiledTree.draft
 
     def off_for_the_new_budget(self, *args):
         got = real(self, *args)
@@ -188,8 +188,8 @@ def test_a_budget_whose_graph_fails_its_check_keeps_the_graph_the_drafter_had(dr
         tree, hidden = got
         return type(tree)(tree.tokens, tree.parents, tree.depths, tree.values - 0.01), hidden
 
-    monkeypatch.setattr(compiled_tree.CompiledTree, "draft", off_for_the_new_budget)
-    compiled_tree.use_budget(fast, TreeParams(total_tokens=8, depth=3, expand_k=2))
+    monkeypatch.setattr(whole_draft.CompiledTree, "draft", off_for_the_new_budget)
+    whole_draft.use_budget(fast, TreeParams(total_tokens=8, depth=3, expand_k=2))
     assert fast.compiled_tree is had and had.serves(DEFAULT, 0)
 
 
@@ -202,4 +202,4 @@ def test_a_drafter_service_drafts_its_default_tree_whole(tiny_family):
                                       "--depth", "3", "--expand-k", "2"])
     default = TreeParams(total_tokens=8, depth=3, expand_k=2)
     drafter = serve._drafter_builder(args, default)()
-    assert drafter.compiled_tree.serves(default, 0) and not drafter.compiled_tree.serves(DEFAULT, 0)
+    assert drafter.compiled.whole_draft.serves(default, 0) and not drafter.compiled.whole_draft.serves(DEFAULT, 0)

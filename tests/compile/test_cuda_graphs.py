@@ -1,4 +1,4 @@
-"""What ``specdec.cuda_graphs`` decides without a GPU: which devices replay
+"""What ``specdec.compile.cuda_graphs`` decides without a GPU: which devices replay
 compiled steps as CUDA graphs, the variable that turns them off, and which
 argument of each compiled step is the K/V buffer a graph is recorded for.
 The recordings themselves run in ``tests/compile/test_compiled_cuda.py``
@@ -7,9 +7,9 @@ The recordings themselves run in ``tests/compile/test_compiled_cuda.py``
 import pytest
 import torch
 
-from drafter.compiled_head import HeadStep
-from specdec import cuda_graphs
-from specdec.fixed_step import FixedStep
+from drafter.compiled.head_levels import HeadStep
+from specdec.compile import cuda_graphs
+from specdec.compile.fixed_step import FixedStep
 
 
 def test_graphs_are_for_cuda_devices_unless_turned_off(monkeypatch):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.gguf_export import LlamaShape, UnsupportedExport, export_llama, interleave_rotary, read_vocab
+from specdec.model.gguf_export import LlamaShape, UnsupportedExport, export_llama, interleave_rotary, read_vocab
 
 
 def _field(reader, key):

@@ -11,7 +11,7 @@ import pytest
 from specdec.bench import llamacpp_peer
 from specdec.bench.llamacpp_peer import MISSING, identical_fraction, llamacpp_methods
 from specdec.cli.main import main
-from specdec.models import demo_path
+from specdec.model.loading import demo_path
 
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
            "import os\n\ndef list_files(path):\n    "]

@@ -16,17 +16,17 @@ import time
 
 import torch
 
-from specdec import compiled, compiled_aot
+from specdec.compile import forwards, aot
 from specdec.local import DrafterChoice, build_local
-from specdec.models import ModelSpec
+from specdec.model.loading import ModelSpec
 from specdec.v1 import verifier_pb2
 from verifier.engine import TargetModel
 from verifier.service import VerifierService, VerifierServiceConfig
 
-FIRST, LARGER = compiled.PACKAGED_CAPACITIES
-READY = {(w, FIRST) for w in compiled.READY_WIDTHS}
-LATER = {(w, c) for w in compiled.STARTUP_WIDTHS for c in (FIRST, LARGER)} - READY   # the check runs READY's
-LATER |= {(compiled.PREFILL_WIDTH, c) for c in compiled.PREFILL_CAPACITIES}
+FIRST, LARGER = forwards.PACKAGED_CAPACITIES
+READY = {(w, FIRST) for w in forwards.READY_WIDTHS}
+LATER = {(w, c) for w in forwards.STARTUP_WIDTHS for c in (FIRST, LARGER)} - READY   # the check runs READY's
+LATER |= {(forwards.PREFILL_WIDTH, c) for c in forwards.PREFILL_CAPACITIES}
 
 
 def test_only_what_a_first_request_needs_opens_at_start_up_and_open_next_opens_the_rest(tiny_family):
@@ -70,7 +70,7 @@ def test_the_verifier_service_opens_them_while_idle_and_not_beside_a_session(tin
 
 def test_a_graph_is_opened_once_whichever_thread_asks_first(tiny_family, monkeypatch):
     target = TargetModel(ModelSpec(str(tiny_family["target"])))
-    graphs = compiled.FixedGraphs(compiled.FixedStep(target.lm), target.lm.model, target.lm.dtype,
+    graphs = forwards.FixedGraphs(forwards.FixedStep(target.lm), target.lm.model, target.lm.dtype,
                                   torch.device("cpu"))
     opened = []
 
@@ -79,7 +79,7 @@ def test_a_graph_is_opened_once_whichever_thread_asks_first(tiny_family, monkeyp
         time.sleep(0.2)             # long enough for the other thread to ask meanwhile
         return object()
 
-    monkeypatch.setattr(compiled_aot, "load_or_build", slow_open)
+    monkeypatch.setattr(aot, "load_or_build", slow_open)
     got = []
     threads = [threading.Thread(target=lambda: got.append(graphs.get(1, LARGER, lambda: ()))) for _ in range(2)]
     for t in threads:
@@ -92,7 +92,7 @@ def test_a_graph_is_opened_once_whichever_thread_asks_first(tiny_family, monkeyp
 def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_family, monkeypatch, caplog):
     path = str(tiny_family["target"])
     eager = TargetModel(ModelSpec(path))
-    forward = compiled.CompiledForward(eager.lm)
+    forward = forwards.CompiledForward(eager.lm)
     forward.warm((1,))
     assert (1, LARGER, False, False) in forward.due
 
@@ -109,20 +109,20 @@ def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_
             await service.aclose()
 
     monkeypatch.setattr(forward, "_first_run", broken)
-    with caplog.at_level(logging.WARNING, logger="specdec.server"):
+    with caplog.at_level(logging.WARNING, logger="specdec.serving.server"):
         asyncio.run(main())
-    lines = [r for r in caplog.records if r.name == "specdec.server"]
+    lines = [r for r in caplog.records if r.name == "specdec.serving.server"]
     assert len(lines) == 1 and "first use" in lines[0].getMessage() and "disk gone" in lines[0].error
     assert (1, LARGER) not in forward.steps.graphs
-    prompt = torch.tensor([[(3 * i) % 50 + 1 for i in range(compiled.MIN_CAPACITY)]])
+    prompt = torch.tensor([[(3 * i) % 50 + 1 for i in range(forwards.MIN_CAPACITY)]])
     positions = torch.arange(prompt.shape[1])[None]
     with torch.inference_mode():              # a session past the first capacity opens it on first use
         cache, eager_cache = forward.new_cache(), eager.lm.new_cache()
         for c in (cache, eager_cache):
-            compiled.eager_forward(eager.lm, c, prompt, positions, None)
+            forwards.eager_forward(eager.lm, c, prompt, positions, None)
         forward.fit(cache, 1)
         got = forward.forward(cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]), None)
-        want = compiled.eager_forward(eager.lm, eager_cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]),
+        want = forwards.eager_forward(eager.lm, eager_cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]),
                                       None)
     assert got is not None and (1, LARGER) in forward.steps.graphs
     assert torch.allclose(got[1], want[1], atol=1e-4)
@@ -132,9 +132,9 @@ def test_trees_past_the_start_up_widths_are_built_and_opened_before_any_request(
     target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
     graphs = target.compiled.steps.graphs
     target.compile_trees(16)                                # the start-up widths serve it: nothing to do
-    assert not {w for w, _ in graphs} - set(compiled.STARTUP_WIDTHS) - {compiled.PREFILL_WIDTH}
+    assert not {w for w, _ in graphs} - set(forwards.STARTUP_WIDTHS) - {forwards.PREFILL_WIDTH}
     target.compile_trees(20)                                # a 20-node tree runs at width 32
-    assert {(32, c) for c in compiled.PACKAGED_CAPACITIES} <= set(graphs) and not target.compiled.due
+    assert {(32, c) for c in forwards.PACKAGED_CAPACITIES} <= set(graphs) and not target.compiled.due
     assert (64, LARGER) not in graphs                       # nor wider (width 64 at 256 slots: prefill's)
     eager = TargetModel(ModelSpec(str(tiny_family["target"])))
     eager.compile_trees(64)                                 # eager forwards: a no-op
@@ -143,9 +143,9 @@ def test_trees_past_the_start_up_widths_are_built_and_opened_before_any_request(
 
 def test_a_server_never_builds_a_graph_on_a_request_and_verifies_that_tree_eagerly(tiny_family, monkeypatch,
                                                                                     caplog):
-    from specdec.fixed_graphs import FixedGraphs
-    from specdec.params import SamplingParams
-    from specdec.tree import tree_from_lists
+    from specdec.compile.fixed_graphs import FixedGraphs
+    from specdec.request.params import SamplingParams
+    from specdec.tree.build import tree_from_lists
     from verifier.engine import VerifierEngine
 
     target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
@@ -157,7 +157,7 @@ def test_a_server_never_builds_a_graph_on_a_request_and_verifies_that_tree_eager
     def no_build(*args):
         raise AssertionError("a request built a package")
 
-    monkeypatch.setattr(compiled_aot, "build_package", no_build)
+    monkeypatch.setattr(aot, "build_package", no_build)
     engines = [VerifierEngine(target), VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))]
     prompt = [5, 9, 2, 7, 11, 3]
     firsts = {e.prefill("s", prompt, SamplingParams(), 8).token for e in engines}
@@ -165,13 +165,13 @@ def test_a_server_never_builds_a_graph_on_a_request_and_verifies_that_tree_eager
     root = firsts.pop()
     parents = [-1] + [i // 2 for i in range(19)]             # 20 nodes: width 32
     tokens = [root] + [(7 * i + 3) % 50 for i in range(19)]
-    with caplog.at_level(logging.WARNING, logger="specdec.compiled"):
+    with caplog.at_level(logging.WARNING, logger="specdec.compile.forwards"):
         results = [e.verify("s", tree_from_lists(tokens, parents)) for e in engines]
         again = [e.verify("s", tree_from_lists([r.tokens[-1]] + tokens[1:], parents))
                  for e, r in zip(engines, results)]
     assert results[0].tokens == results[1].tokens and again[0].tokens == again[1].tokens
     assert (32, FIRST) not in target.compiled.steps.graphs
-    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compiled"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specdec.compile.forwards"]
     assert len(lines) == 1 and "32-wide" in lines[0] and "--compile-tree-tokens" in lines[0]
     assert target.compiled.run(target.compiled.new_cache(), torch.tensor([[1]]), torch.tensor([[0]]),
                                None) is not None        # a built width still runs compiled

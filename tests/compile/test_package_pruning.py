@@ -1,11 +1,11 @@
 """Compiled packages no start has used for ``UNUSED_DAYS`` are removed
-(specdec.compiled_aot.mark_used / prune_unused): a cache does not grow with
+(specdec.compile.aot.mark_used / prune_unused): a cache does not grow with
 every code, torch or model version it has seen."""
 
 import os
 import time
 
-from specdec import compiled_aot
+from specdec.compile import aot
 
 DAY = 86400
 
@@ -16,7 +16,7 @@ def package_root(parent, name, used_days_ago=None, built_days_ago=0.0):
     root.mkdir(parents=True)
     (root / "step-w1-c256-packed.pt2").write_bytes(b"pt2")
     if used_days_ago is not None:
-        mark = root / compiled_aot.USED_MARK
+        mark = root / aot.USED_MARK
         mark.touch()
         os.utime(mark, (time.time() - used_days_ago * DAY,) * 2)
     os.utime(root, (time.time() - built_days_ago * DAY,) * 2)
@@ -30,21 +30,21 @@ def test_directories_unused_for_long_are_removed_and_the_rest_kept(tmp_path):
     unmarked_old = package_root(parent, "unmarked-old", built_days_ago=20)
     unmarked_new = package_root(parent, "unmarked-new", built_days_ago=2)
     (parent / "stray-file").write_text("not a package directory")
-    removed = compiled_aot.prune_unused(parent)
+    removed = aot.prune_unused(parent)
     assert sorted(p.name for p in removed) == ["stale", "unmarked-old"]
     assert recent.is_dir() and unmarked_new.is_dir() and (parent / "stray-file").exists()
     assert not stale.exists() and not unmarked_old.exists()
-    assert compiled_aot.prune_unused(tmp_path / "missing") == []
+    assert aot.prune_unused(tmp_path / "missing") == []
 
 
 def test_a_start_marks_what_it_uses_and_prunes_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(compiled_aot, "_pruned", set())
+    monkeypatch.setattr(aot, "_pruned", set())
     parent = tmp_path / "specdec-aot"
     stale = package_root(parent, "stale", used_days_ago=30)
     used = parent / "in-use"
-    compiled_aot.mark_used(used)
-    assert (used / compiled_aot.USED_MARK).stat().st_mtime > time.time() - 60
+    aot.mark_used(used)
+    assert (used / aot.USED_MARK).stat().st_mtime > time.time() - 60
     assert not stale.exists()
     again = package_root(parent, "stale-again", used_days_ago=30)
-    compiled_aot.mark_used(parent / "other")              # the same cache: pruned once per process
-    assert again.exists() and (parent / "other" / compiled_aot.USED_MARK).exists()
+    aot.mark_used(parent / "other")              # the same cache: pruned once per process
+    assert again.exists() and (parent / "other" / aot.USED_MARK).exists()

@@ -96,7 +96,7 @@ def test_orchestrator_runs_on_its_image_dependencies():
     """The image's entry point and every module the orchestrator loads, with
     only what orchestrator-requirements.txt installs (no torch, no numpy)."""
     modules = [f"orchestrator.{p.stem}" for p in sorted((REPO / "orchestrator").glob("*.py"))
-               if p.stem != "__init__"] + ["specdec.client", "specdec.models", "specdec.server"]
+               if p.stem != "__init__"] + ["specdec.client", "specdec.model.loading", "specdec.serving.server"]
     allowed = sorted(_orchestrator_image_modules())
     proc = subprocess.run([sys.executable, "-c", _BLOCKER, json.dumps(allowed), *modules],
                           capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from services.helpers import drafter_builder, verifier_builder
-from specdec.decoding import StopCriteria
+from serving.helpers import drafter_builder, verifier_builder
+from specdec.request.decoding import StopCriteria
 from specdec.local import generate
-from specdec.params import SamplingParams
-from specdec.params import TreeParams
+from specdec.request.params import SamplingParams
+from specdec.request.params import TreeParams
 
 CFG = TreeParams(method="eagle2", total_tokens=10, depth=4, expand_k=3)
 
@@ -146,7 +146,7 @@ def test_no_tree_ahead_without_a_recorded_tree(engines):
 
 @pytest.mark.parametrize("kind", ["eagle", "draft-lm", "oracle"])
 def test_greedy_output_is_unchanged(engines, tiny_family, kind):
-    from specdec.models import load_tokenizer
+    from specdec.model.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_family["target"])
     stop = StopCriteria(max_new_tokens=40)

@@ -9,13 +9,15 @@ import random
 import grpc
 import pytest
 import torch
-from services.helpers import channel_to, drafter_builder, rpc_error, start_drafter
+from serving.helpers import channel_to, drafter_builder, rpc_error, start_drafter
 from trees import assert_same_tree
 
 from drafter.batch import DraftScheduler, draft_batch
-from specdec import kv, tensor_wire, wire
-from specdec.errors import FailedPrecondition, InvalidArgument, NotFound
-from specdec.params import SamplingParams, TreeParams
+from specdec.model import kv
+from specdec.request import wire
+from specdec.serving import tensor_wire
+from specdec.request.errors import FailedPrecondition, InvalidArgument, NotFound
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import (
     DrafterPrefillRequest,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from drafter.eagle3_head import save_head
+from drafter.eagle.eagle3_head import save_head
 from eagle3_family import TARGET_LAYERS, random_head3
 from tiny import build_family, tiny_llama
 

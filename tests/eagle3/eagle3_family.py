@@ -5,10 +5,10 @@ import json
 import torch
 from transformers import AutoConfig
 
-from drafter.eagle3 import Eagle3Drafter
-from drafter.eagle3_head import Eagle3Head, head3_config, head3_config_for, save_head
-from drafter import eagle3_layouts as layouts
-from services.helpers import start_drafter
+from drafter.eagle.eagle3 import Eagle3Drafter
+from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for, save_head
+from drafter.eagle import eagle3_layouts as layouts
+from serving.helpers import start_drafter
 
 TARGET_LAYERS = 6
 DRAFT_VOCAB = 64

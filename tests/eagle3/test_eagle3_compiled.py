@@ -1,4 +1,4 @@
-"""Compiled draft levels of EAGLE-3 heads (``drafter.compiled_head``): with a
+"""Compiled draft levels of EAGLE-3 heads (``drafter.compiled.head_levels``): with a
 reduced draft vocabulary (log-probs placed at their target ids, -inf
 elsewhere), a compiled drafter drafts the eager drafter's trees, alone and in
 a batch with other sessions."""
@@ -8,10 +8,10 @@ import random
 import torch
 from trees import assert_same_tree
 
-from drafter import compiled_head
+from drafter.compiled import head_levels
 from drafter.batch import draft_batch
-from drafter.eagle3 import Eagle3Drafter
-from specdec.params import SamplingParams, TreeParams
+from drafter.eagle.eagle3 import Eagle3Drafter
+from specdec.request.params import SamplingParams, TreeParams
 
 CONFIGS = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(total_tokens=10, depth=3, expand_k=8),
            TreeParams(method="chain", total_tokens=6, depth=5)]
@@ -56,6 +56,6 @@ def test_levels_over_the_heads_own_weights_give_the_eager_ones(family3):
     """The packages a GPU drafter builds (no packed copy: the head's weights and
     its vocabulary map, bound by name at load) pass the check at load."""
     drafter = Eagle3Drafter(family3["eagle3"], family3["target"])
-    compiled = compiled_head.CompiledHead(drafter, packed=False)
+    compiled = head_levels.CompiledHead(drafter, packed=False)
     assert not compiled.steps.packed and set(drafter.step_tensors()) <= set(compiled.steps.weights)
-    assert compiled_head.check_head(compiled) is None
+    assert head_levels.check_head(compiled) is None

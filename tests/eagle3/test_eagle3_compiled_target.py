@@ -1,4 +1,4 @@
-"""Compiled verifies of EAGLE-3 sessions (``specdec.compiled``'s capturing
+"""Compiled verifies of EAGLE-3 sessions (``specdec.compile.forwards``'s capturing
 graphs): the residual streams a compiled forward returns are the eager ones
 (any layers, fewer than three too), generations with an EAGLE-3 head on a
 compiled target are plain greedy decoding and, sampled, the eager stack's
@@ -11,14 +11,14 @@ import logging
 import pytest
 import torch
 
-from specdec import compiled, compiled_start
-from specdec.decoding import StopCriteria
+from specdec.compile import forwards, startup
+from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.masks import tree_allowed
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams, TreeParams
+from specdec.model.masks import tree_allowed
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.procs import feature_layer_flags
-from specdec.tree import tree_from_lists
+from specdec.tree.build import tree_from_lists
 from verifier.engine import TargetModel
 
 GREEDY = SamplingParams()
@@ -38,8 +38,8 @@ def stacks(family3):
     (checked, warmed at the verify width: few cold builds), same weights."""
     choice = DrafterChoice("eagle", str(family3["eagle3"]))
     eager, fast = (build_local(ModelSpec(str(family3["target"])), choice) for _ in range(2))
-    forward = compiled.CompiledForward(fast.verifier.target.lm)
-    assert compiled_start.compile_captures(forward, widths=(TREE.total_tokens,))
+    forward = forwards.CompiledForward(fast.verifier.target.lm)
+    assert startup.compile_captures(forward, widths=(TREE.total_tokens,))
     forward.open_all()            # nothing left to open in the background: the forwards counted below are the tests'
     fast.verifier.target.compiled = forward
     return eager, fast
@@ -80,7 +80,7 @@ def test_compiled_forwards_return_the_eager_feature_layers(stacks, layers):
 
 def _step_and_tree(lm, forward, target, prefix, tree, layers):
     outs = {}
-    for name, run in (("compiled", forward.run), ("eager", lambda *a: compiled.eager_run(lm, *a))):
+    for name, run in (("compiled", forward.run), ("eager", lambda *a: forwards.eager_run(lm, *a))):
         cache = forward.new_cache(16)
         lm.hidden(cache, prefix[None, :7], torch.arange(7)[None], None)
         one = run(cache, prefix[None, 7:8], torch.tensor([[7]]), None, layers)

@@ -7,12 +7,12 @@ import shutil
 import pytest
 import torch
 
-from specdec.decoding import StopCriteria
+from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams
-from specdec.params import METHODS, TreeParams
-from specdec.tree_sizing import TreeSizer, sizes_up_to
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams
+from specdec.request.params import METHODS, TreeParams
+from specdec.tree.sizing import TreeSizer, sizes_up_to
 
 N_PROMPTS, NEW_TOKENS = 20, 64
 GREEDY = SamplingParams()

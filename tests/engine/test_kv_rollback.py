@@ -2,9 +2,9 @@
 
 import torch
 
-from specdec import kv, masks
-from specdec.models import ModelSpec
-from specdec.tree import tree_from_lists
+from specdec.model import kv, masks
+from specdec.model.loading import ModelSpec
+from specdec.tree.build import tree_from_lists
 from verifier.engine import TargetModel
 
 
@@ -45,7 +45,7 @@ def test_commit_path_matches_fresh_prefill(tiny_family):
 
 
 def test_verifier_rollback_truncates_to_committed_prefix(tiny_family):
-    from specdec.params import SamplingParams
+    from specdec.request.params import SamplingParams
     from verifier.engine import VerifierEngine
 
     engine = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
@@ -62,8 +62,8 @@ def test_verifier_rollback_truncates_to_committed_prefix(tiny_family):
 
 
 def test_kv_budget_refuses_instead_of_crashing(tiny_family):
-    from specdec.errors import ResourceExhausted
-    from specdec.params import SamplingParams
+    from specdec.request.errors import ResourceExhausted
+    from specdec.request.params import SamplingParams
     from verifier.engine import VerifierEngine
 
     target = TargetModel(ModelSpec(str(tiny_family["target"])))
@@ -88,7 +88,7 @@ def test_kv_budget_refuses_instead_of_crashing(tiny_family):
 
 def test_resumed_session_continues_exactly(tiny_family):
     """A session moved to another verifier (prefill with resume) decodes on as if never moved."""
-    from specdec.params import SamplingParams
+    from specdec.request.params import SamplingParams
     from verifier.engine import VerifierEngine
 
     target = TargetModel(ModelSpec(str(tiny_family["target"])))

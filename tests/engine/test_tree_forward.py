@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdec import masks
-from specdec.models import ModelSpec
-from specdec.tree import tree_from_lists
+from specdec.model import masks
+from specdec.model.loading import ModelSpec
+from specdec.tree.build import tree_from_lists
 from verifier.engine import TargetModel
 
 

@@ -11,7 +11,7 @@ from tokenizers.processors import TemplateProcessing
 
 from orchestrator.chat_template import ChatTemplate, chat_prompt, load_chat_template, special_tokens
 from orchestrator.text import TextTokenizer
-from specdec.errors import InvalidArgument
+from specdec.request.errors import InvalidArgument
 
 # A template in the style of real ones: loop controls, tojson, generation
 # blocks, raise_exception, whitespace control.
@@ -88,7 +88,7 @@ def test_where_templates_are_found(tmp_path):
 
 
 def test_the_demo_tokenizer_has_no_template():
-    from specdec.models import demo_path
+    from specdec.model.loading import demo_path
 
     assert load_chat_template(demo_path("target")) is None
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from http_api.helpers import TOKEN, wait_until
-from services.helpers import channel_to
+from serving.helpers import channel_to
 from specdec.v1.common_pb2 import SamplingParams
 from specdec.v1.verifier_pb2 import VerifierPrefillRequest, VerifierReleaseRequest
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub

@@ -10,7 +10,7 @@ import pytest
 
 from http_api.helpers import CHAT_TEMPLATE
 from specdec.client import SpecdecClient
-from specdec.params import choice_seed
+from specdec.request.params import choice_seed
 
 PROMPTS = ["def add(a, b):", "for i in range(3):\n"]
 N = 24

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import openai_schema as schema
-from specdec.errors import InvalidArgument
+from specdec.request.errors import InvalidArgument
 
 
 def completion(**fields) -> schema.CompletionRequest:

@@ -16,7 +16,7 @@ from specdec.client import (
     SpecdecUnauthenticated,
     SpecdecUnavailable,
 )
-from specdec.metrics import REGISTRY
+from specdec.serving.metrics import REGISTRY
 from trees import CutTo
 
 PROMPTS = ["def add(a, b):", "for i in range(3):\n"]
@@ -40,18 +40,18 @@ class Local:
     """In-process engines over the same weights: the reference runs."""
 
     def __init__(self, paths):
-        from services.helpers import drafter_builder, verifier_builder
-        from specdec.models import load_tokenizer
+        from serving.helpers import drafter_builder, verifier_builder
+        from specdec.model.loading import load_tokenizer
 
         self.verifier = verifier_builder(paths)()
         self.drafters = {kind: drafter_builder(paths, kind)() for kind in ("eagle", "draft-lm", "ngram")}
         self.tok = load_tokenizer(paths["target"])
 
     def run(self, prompt, kind=None, method=None, n=N, min_tau=0.0, proposals="auto", **sampling):
-        from specdec.decoding import StopCriteria
+        from specdec.request.decoding import StopCriteria
         from specdec.local import generate
-        from specdec.params import SamplingParams
-        from specdec.params import TreeParams
+        from specdec.request.params import SamplingParams
+        from specdec.request.params import TreeParams
 
         ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
         stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset([self.tok.eos_token_id]))
@@ -124,7 +124,7 @@ def test_automatic_gate_follows_the_drafter_kind(stack, local, monkeypatch):
     threshold of the drafter kind it is pinned to (``knobs.default_min_tau``):
     the same cycles as the in-process loop with that threshold. The tiny
     drafters reach τ ~1, so the test gives the kinds thresholds on either side."""
-    from specdec import knobs
+    from specdec.request import knobs
 
     assert (knobs.default_min_tau("eagle"), knobs.default_min_tau("draft-lm"),
             knobs.default_min_tau("ngram")) == (knobs.DEFAULT_MIN_TAU,) * 2 + (knobs.NGRAM_MIN_TAU,)
@@ -258,7 +258,7 @@ def test_invalid_argument_names_the_field(stack, prompt, params, field):
 
 
 def _bad_requests():
-    from specdec.params import MAX_ID_CHARS, MAX_STOP_CHARS
+    from specdec.request.params import MAX_ID_CHARS, MAX_STOP_CHARS
     from specdec.v1 import common_pb2
     from specdec.v1.orchestrator_pb2 import GenerateRequest
 

@@ -8,10 +8,10 @@ import pytest
 
 from running_stack import Stack
 from specdec.client import SpecdecClient, SpecdecInvalidArgument
-from specdec.decoding import StopCriteria
+from specdec.request.decoding import StopCriteria
 from specdec.local import generate
-from specdec.models import load_tokenizer
-from specdec.params import SamplingParams, TreeParams
+from specdec.model.loading import load_tokenizer
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.orchestrator_pb2 import ChatMessage, CompleteRequest, GenerateRequest
 from specdec.v1.orchestrator_pb2_grpc import OrchestratorServiceStub
@@ -33,7 +33,7 @@ def stack(tiny_family):
 
 @pytest.fixture(scope="module")
 def local(tiny_family):
-    from services.helpers import drafter_builder, verifier_builder
+    from serving.helpers import drafter_builder, verifier_builder
 
     return verifier_builder(tiny_family)(), drafter_builder(tiny_family, "eagle")(), \
         load_tokenizer(tiny_family["target"])

@@ -12,13 +12,13 @@ import torch
 
 from running_stack import Stack
 from running_stack import Tap
-from services.helpers import drafter_builder, rpc_error, verifier_builder
+from serving.helpers import drafter_builder, rpc_error, verifier_builder
 from specdec.client import SpecdecClient
-from specdec.decoding import StopCriteria
+from specdec.request.decoding import StopCriteria
 from specdec.local import generate
-from specdec.metrics import REGISTRY
-from specdec.models import load_tokenizer
-from specdec.params import SamplingParams, TreeParams
+from specdec.serving.metrics import REGISTRY
+from specdec.model.loading import load_tokenizer
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import DraftAheadRequest, DrafterPrefillRequest, DraftRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
@@ -65,11 +65,11 @@ def test_greedy_output_unchanged_and_trees_ready(stack):
 
 
 def test_sampled_sessions_do_not_look_ahead(stack, tiny_family):
-    from specdec.decoding import StopCriteria
+    from specdec.request.decoding import StopCriteria
     from specdec.local import generate
-    from specdec.models import load_tokenizer
-    from specdec.params import SamplingParams
-    from specdec.params import TreeParams
+    from specdec.model.loading import load_tokenizer
+    from specdec.request.params import SamplingParams
+    from specdec.request.params import TreeParams
 
     params = dict(temperature=0.75, top_p=0.875, top_k=50, seed=7)
     with SpecdecClient(stack.address("oracle-ahead")) as client:
@@ -117,7 +117,7 @@ def test_draft_ahead_rpc_statuses(stack):
 def _zeros(rows: int, stack) -> common_pb2.Tensor:
     import torch
 
-    from specdec import tensor_wire
+    from specdec.serving import tensor_wire
 
     hidden = stack.servicer("eagle").drafter.hidden_size
     return tensor_wire.tensor_to_proto(torch.zeros(rows, hidden), "float32")

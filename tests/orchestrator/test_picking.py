@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from orchestrator.routing import REPROBE_AFTER_S, SLOW_PROBES, Discovery, Pool, parse_addresses, split_address
-from specdec.errors import ResourceExhausted, Unavailable
+from specdec.request.errors import ResourceExhausted, Unavailable
 from specdec.v1 import verifier_pb2
 
 

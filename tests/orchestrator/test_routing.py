@@ -13,7 +13,7 @@ import pytest
 
 from running_stack import Stack, Tap, start_orchestrator
 from specdec.client import SpecdecClient, SpecdecResourceExhausted
-from specdec.metrics import REGISTRY
+from specdec.serving.metrics import REGISTRY
 
 PROMPT = "class Point:"
 N = 24
@@ -215,7 +215,7 @@ def test_address_leaving_dns_is_drained_its_sessions_finish(stack, tiny_family, 
     holds runs to the end, then A is dropped."""
     from orchestrator.service import OrchestratorConfig, OrchestratorService
     from orchestrator.text import TextTokenizer
-    from specdec.server import ServerConfig, start_server
+    from specdec.serving.server import ServerConfig, start_server
 
     stack.add_verifier("drain-a")
     stack.add_verifier("drain-b")
@@ -262,7 +262,7 @@ def test_address_leaving_dns_is_drained_its_sessions_finish(stack, tiny_family, 
 def test_drafter_with_another_vocabulary_is_refused_at_once(stack):
     from drafter.ngram import NgramDrafter
     from drafter.service import DrafterService
-    from specdec.server import ServerConfig, start_server
+    from specdec.serving.server import ServerConfig, start_server
 
     async def start_misfit():
         servicer = DrafterService()
@@ -324,7 +324,7 @@ def test_draining_verifier_gets_no_new_sessions(stack, reference):
 
 
 def test_shared_tree_tokens_split_the_budget_with_a_floor():
-    from specdec.speculative import MIN_SHARED_TREE, shared_tree_tokens
+    from specdec.request.speculative import MIN_SHARED_TREE, shared_tree_tokens
     from orchestrator.service import OrchestratorConfig
 
     assert [shared_tree_tokens(64, s) for s in (0, 1, 2, 4, 8, 64)] == [64, 64, 32, 16, 8, MIN_SHARED_TREE]

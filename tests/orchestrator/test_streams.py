@@ -1,4 +1,4 @@
-"""Session streams (orchestrator.backend, specdec.engine_servicer): every
+"""Session streams (orchestrator.backend, specdec.serving.engine_servicer): every
 per-cycle step of a session on one bidirectional stream per backend.
 
 - through the services, greedy output equals plain decoding and a seeded
@@ -19,19 +19,20 @@ import asyncio
 import grpc
 import pytest
 from running_stack import Stack, start_orchestrator
-from services.helpers import channel_to, rpc_error, start_verifier
+from serving.helpers import channel_to, rpc_error, start_verifier
 
 from orchestrator.backend import BackendError, Deadline
 from orchestrator.failover import RemoteVerifier
 from orchestrator.lease import Leases
 from orchestrator.routing import Discovery, Pool
-from specdec import tensor_wire, wire
+from specdec.request import wire
+from specdec.serving import tensor_wire
 from specdec.client import SpecdecClient
-from specdec.errors import Unavailable
-from specdec.metrics import REGISTRY
-from specdec.params import SamplingParams
-from specdec.speculative import Draft
-from specdec.tree import tree_from_lists
+from specdec.request.errors import Unavailable
+from specdec.serving.metrics import REGISTRY
+from specdec.request.params import SamplingParams
+from specdec.request.speculative import Draft
+from specdec.tree.build import tree_from_lists
 from specdec.v1 import verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 

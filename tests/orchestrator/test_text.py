@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from orchestrator.text import REPLACEMENT, IncrementalDetokenizer, TextStream, TextTokenizer, validate_stop_strings
-from specdec.decoding import Decoding, StopCriteria
+from specdec.request.decoding import Decoding, StopCriteria
 
 MIXED = "def f():  # 你好, wörld 🎉🚀 — ok\n    return '日本語' + \"ü\"\n"
 
@@ -39,7 +39,7 @@ def stream_all(tok, ids, stop=(), step=1):
 
 
 def test_tokenizer_matches_transformers(tok, tiny_family):
-    from specdec.models import load_tokenizer
+    from specdec.model.loading import load_tokenizer
 
     hf = load_tokenizer(tiny_family["target"])
     for text in [MIXED, "x", "  leading spaces", "<|endoftext|> after eos"]:

@@ -65,8 +65,8 @@ def test_loss_goes_down(trained, name):
 def test_artifacts_load_through_public_loaders(trained):
     from transformers import AutoModelForCausalLM
 
-    from drafter.eagle import EagleDrafter
-    from specdec.params import TreeParams
+    from drafter.eagle.eagle2 import EagleDrafter
+    from specdec.request.params import TreeParams
 
     for name in ("target", "draft"):
         model = AutoModelForCausalLM.from_pretrained(trained / name, dtype=torch.float32)
@@ -77,7 +77,7 @@ def test_artifacts_load_through_public_loaders(trained):
 
 
 def test_eagle_head_ships_its_fitted_value_temperature(trained, corpus, capsys):
-    from drafter.eagle import EagleDrafter
+    from drafter.eagle.eagle2 import EagleDrafter
     from specdec.train.eagle import TEMPERATURE_GRID
 
     written = json.loads((trained / "eagle" / "calibration.json").read_text())

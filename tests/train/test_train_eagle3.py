@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from drafter.base import read_value_temperature
-from drafter.eagle3_head import load_head3
+from drafter.eagle.eagle3_head import load_head3
 from specdec.cli.main import main
 from specdec.train.draft_vocab import choose_draft_vocab, draft_target_ids, token_counts
 from specdec.train.eagle3 import (computes_the_same, corpus_draft_vocab, eagle3_losses, new_head, target_batch,
@@ -40,7 +40,7 @@ def family(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(family):
-    from specdec.models import ModelSpec, load_causal_lm
+    from specdec.model.loading import ModelSpec, load_causal_lm
 
     model = load_causal_lm(ModelSpec(str(family["target"])))
     for p in model.parameters():

@@ -7,14 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specdec.errors import FailedPrecondition, NotFound
+from specdec.request.errors import FailedPrecondition, NotFound
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.speculative import cycle_tree
-from specdec.decoding import StopCriteria
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams
-from specdec.params import TreeParams
-from specdec.tree import tree_from_lists
+from specdec.request.speculative import cycle_tree
+from specdec.request.decoding import StopCriteria
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams
+from specdec.request.params import TreeParams
+from specdec.tree.build import tree_from_lists
 from verifier.batch import BatchScheduler, verify_batch
 
 PROMPTS = [[5, 6, 7], [20, 21, 22, 20, 21, 22, 23], [3] * 12, [100, 50, 25, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
@@ -25,7 +25,7 @@ NEW = 30
 @pytest.fixture(scope="module", params=["off", "on"], ids=["eager", "compiled"])
 def stack(tiny_family, request):
     """The tiny stack, eager or with compiled forwards and batched compiled
-    graphs (``specdec.compiled_batch``: batches of root-only cycles and of
+    graphs (``specdec.compile.batched``: batches of root-only cycles and of
     12-node trees take them, smaller trees run row by row)."""
     built = build_local(ModelSpec(str(tiny_family["target"]), compile=request.param),
                         DrafterChoice("eagle", str(tiny_family["eagle"])))

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from specdec.decoding import StopCriteria
+from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams
 from specdec.v1 import common_pb2, verifier_pb2
 from verifier.service import VerifierService, VerifierServiceConfig
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from specdec.decoding import StopCriteria
+from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.models import ModelSpec
-from specdec.params import SamplingParams
-from specdec.params import TreeParams
+from specdec.model.loading import ModelSpec
+from specdec.request.params import SamplingParams
+from specdec.request.params import TreeParams
 from verifier.tp import check_tp_degree, launch
 
 PROMPTS = [[5, 6, 7, 8], [20, 21, 22, 20, 21], [3] * 6, [100, 50, 25, 12, 6, 3]]

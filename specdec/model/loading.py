@@ -1,0 +1,127 @@
+"""Loading local Hugging Face models, shared by the verifier and drafter engines.
+
+Models come only from local directories (``from_pretrained(path)``); nothing is
+fetched from a hub. The bundled demo family lives in ``specdec/demo/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
+
+DTYPES = ("float32", "float16", "bfloat16")
+# auto: specdec's SDPA where the model goes through transformers' attention
+# interface, else the best the model supports (specdec.model.attention.choose_implementation)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
+COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
+# auto (packed weights for a small model on CPU), on or off: ``specdec.compile.fixed_graphs.packed_setting``
+PACKED_ENV = "SPECDEC_COMPILE_PACKED"
+# on (default) or off: compiled steps on a CUDA device replay as CUDA graphs (``specdec.compile.cuda_graphs``)
+CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES = "SPECDEC_CUDA_GRAPHS", ("on", "off")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str
+    dtype: str = "float32"          # fp32 by default on CPU: greedy equality with plain decoding
+    device: str = "cpu"
+    attn_implementation: str = "auto"   # one of ATTN_IMPLEMENTATIONS
+    compile: str = "off"                # one of COMPILE_MODES: compiled target forwards (specdec.compile.forwards)
+    compile_layers: bool = False        # with compile: also the forwards returning feature layers (EAGLE-3)
+
+    def __post_init__(self):
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+                             f"got {self.attn_implementation!r}")
+
+
+def demo_path(name: str) -> Path:
+    """Directory of a bundled demo model: tokenizer, target, eagle, draft-lm."""
+    return DEMO_DIR / name
+
+
+def require_model_dir(path: str | os.PathLike, what: str = "model") -> Path:
+    """A local model directory with a config.json, or ValueError saying which."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{what} directory not found: {p}")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{what} directory {p} has no config.json")
+    return p
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def torch_device(name: str):
+    """``torch.device(name)``, or ValueError saying why it cannot be used here."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device must be a torch device such as cpu or cuda:0, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name} asked for, but this torch ({torch.__version__}) sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
+
+
+def quiet_transformers() -> None:
+    """No download/loading progress bars in service logs and CLI output."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def causal_lm_class(path: str | os.PathLike):
+    """The transformers ``*ForCausalLM`` class for the model in ``path``; ValueError
+    (one line, naming the model type) when transformers has none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"model type {config.model_type!r} cannot be served: transformers has no causal LM "
+                         f"class for it") from None
+
+
+def load_causal_lm(spec: ModelSpec, **kwargs):
+    """The ``*ForCausalLM`` in a local directory, eval mode, with the attention
+    implementation chosen for its class (``specdec.model.attention``); ``kwargs`` go
+    to ``from_pretrained`` (a tensor-parallel plan)."""
+    from specdec.model.attention import choose_implementation
+
+    quiet_transformers()
+    path = require_model_dir(spec.path)
+    device = torch_device(spec.device)
+    cls = causal_lm_class(path)
+    model = cls.from_pretrained(path, dtype=torch_dtype(spec.dtype),
+                                attn_implementation=choose_implementation(cls, spec.attn_implementation),
+                                local_files_only=True, **kwargs)
+    return model.eval() if kwargs else model.to(device).eval()
+
+
+def load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())

@@ -1,0 +1,242 @@
+"""Lossless acceptance of a draft tree against the target's distributions.
+
+Vocabulary (per verify cycle):
+
+- **root**: node 0 of the tree, the last committed token. The target's
+  distribution at node u, `probs[u]`, is over the token that follows the
+  root-to-u path.
+- **accepted tokens**: the draft nodes on the path the target agrees with,
+  walking down from the root. Indices exclude the root; may be empty.
+- **residual**: the target distribution at the last accepted node with the
+  tokens of every rejected child removed (and renormalised).
+- **bonus token**: one token drawn from the residual (or the target's argmax
+  under greedy decoding). It is always committed, so each cycle commits
+  `len(accepted) + 1` tokens; the bonus becomes the next cycle's root.
+
+Sampling uses multi-draft recursive rejection with deterministic (one-hot)
+proposals, as in SpecInfer (Miao et al., 2023, arXiv:2305.09781, "multi-step
+speculative sampling") and the EAGLE / EAGLE-2 reference (Li et al., 2024,
+arXiv:2401.15077, arXiv:2406.16858). With a one-hot proposal q = e_x the
+speculative-sampling rule min(1, p(x)/q(x)) becomes "accept x with
+probability p(x)", and the residual norm(max(0, p - q)) becomes "p with x
+zeroed, renormalised". Trying siblings one after another on successive
+residuals makes the committed tokens distributed exactly as sampling from
+the target step by step, whatever tokens the drafter proposed.
+
+A node whose children were drawn from the draft distribution (sampled
+proposals, ``tree.proposals``; see specdec.tree.proposals) is accepted with that
+distribution as q: min(1, p(x)/q(x)) per child, residual norm(max(0, p - q)),
+q losing each drawn token in turn. Both rules are exact, node by node, so a
+tree may mix them.
+
+Greedy decoding (temperature 0) is the special case of one-hot target
+distributions; `accept_greedy` implements it directly on argmaxes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.request.params import SamplingParams
+from specdec.tree.sampling import TokenCounts, greedy_tokens, sample, target_probs
+
+
+class TreeLike(Protocol):
+    tokens: torch.Tensor  # [n] int64, tokens[0] is the root
+    parents: torch.Tensor  # [n] int64, -1 at the root, parents[i] < i
+    proposals: dict | None  # node -> Proposal its children were drawn from (optional attribute)
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    accepted: list[int]  # accepted node indices, root excluded, in path order
+    bonus: int  # token drawn at the last accepted node (or the root)
+
+    @property
+    def last_node(self) -> int:
+        """Tree node whose target distribution produced the bonus token."""
+        return self.accepted[-1] if self.accepted else 0
+
+    def tokens(self, tree: TreeLike) -> list[int]:
+        """Tokens committed this cycle: accepted draft tokens, then the bonus."""
+        tree_tokens = tree.tokens.tolist()
+        return [tree_tokens[i] for i in self.accepted] + [self.bonus]
+
+
+def _children(parents: list[int]) -> list[list[int]]:
+    # Children in index order, i.e. draft-rank order within a depth.
+    children: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            children[parent].append(node)
+    return children
+
+
+def _check_shapes(tree: TreeLike, per_node: torch.Tensor, what: str) -> int:
+    n = tree.tokens.shape[0]
+    if tree.parents.shape[0] != n or per_node.shape[0] != n:
+        raise ValueError(
+            f"{what} has {per_node.shape[0]} rows, tree has {n} tokens and "
+            f"{tree.parents.shape[0]} parents"
+        )
+    return n
+
+
+def accept_greedy(tree: TreeLike, target_argmax: torch.Tensor) -> Acceptance:
+    """Walk from the root, at each node taking the first child whose token is
+    the target's argmax there; the bonus is the argmax at the last node.
+
+    target_argmax: [n] int64, the target's argmax at every tree node.
+    """
+    _check_shapes(tree, target_argmax, "target_argmax")
+    tokens = tree.tokens.tolist()
+    children = _children(tree.parents.tolist())
+    best = target_argmax.tolist()
+
+    accepted: list[int] = []
+    node = 0
+    while True:
+        nxt = next((c for c in children[node] if tokens[c] == best[node]), None)
+        if nxt is None:
+            return Acceptance(accepted=accepted, bonus=int(best[node]))
+        accepted.append(nxt)
+        node = nxt
+
+
+def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
+    """Multi-draft recursive rejection sampling with one-hot proposals, or the
+    node's drawn proposal where the tree has one (``_accept_drawn``).
+
+    probs: [n, V] target distributions at every tree node (rows need not be
+    normalised; they are treated as p / p.sum()).
+
+    At node u, children are tried in index order with one uniform draw each:
+    child c (token x) is accepted with probability p[x] / sum(p), where p is
+    the current residual; on rejection p[x] is zeroed. If every child is
+    rejected (or u is a leaf) the bonus is drawn from the residual. A second
+    sibling carrying an already rejected token therefore has p[x] = 0 and is
+    rejected with certainty (its uniform is still drawn, so the number of
+    draws depends only on the path taken). Only `generator` supplies
+    randomness, so a seed reproduces the result.
+    """
+    n = _check_shapes(tree, probs, "probs")
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    children = _children(parents)
+
+    # p(token of node i | parent of i) for every non-root node in one gather,
+    # so the walk touches the vocabulary only for the row sums and the bonus.
+    edge_p = [0.0] * n
+    if n > 1:
+        rows, cols = tree.parents[1:].to(probs.device), tree.tokens[1:].to(probs.device)
+        edge_p[1:] = probs[rows, cols].tolist()
+
+    proposals = getattr(tree, "proposals", None) or {}
+    accepted: list[int] = []
+    node = 0
+    while True:
+        row = probs[node]
+        if node in proposals and children[node]:
+            pick, bonus = _accept_drawn(row, [tokens[c] for c in children[node]], proposals[node], generator)
+            if pick is None:
+                return Acceptance(accepted=accepted, bonus=bonus)
+            node = children[node][pick]
+            accepted.append(node)
+            continue
+        remaining = float(row.sum(dtype=torch.float64))  # residual mass, unnormalised
+        rejected: set[int] = set()
+        nxt = None
+        for child in children[node]:
+            tok = tokens[child]
+            p_x = 0.0 if tok in rejected else edge_p[child]
+            u = float(torch.rand((), generator=generator, device=generator.device))
+            # u < p_x / remaining, without dividing; remaining <= p_x (rounding
+            # on a residual with no other mass) then accepts with certainty.
+            if p_x > 0.0 and u * remaining < p_x:
+                nxt = child
+                break
+            rejected.add(tok)
+            remaining -= p_x
+        if nxt is None:
+            return Acceptance(accepted=accepted, bonus=_draw_residual(row, rejected, generator))
+        accepted.append(nxt)
+        node = nxt
+
+
+def _accept_drawn(row: torch.Tensor, drawn: list[int], proposal, generator: torch.Generator
+                  ) -> tuple[int | None, int]:
+    """Recursive rejection over children drawn without replacement from
+    ``proposal`` (tokens [m], probs [m]), in draw order -> (index of the accepted
+    child, -1) or (None, bonus token drawn from the final residual).
+
+    row: [V] target distribution (unnormalised). Work is fp64 over the
+    vocabulary: p and q as dense vectors, one uniform per child tried."""
+    p = row.to(torch.float64)
+    p = p / p.sum()
+    q = torch.zeros_like(p)
+    q[proposal.tokens.to(p.device)] = proposal.probs.to(p.device, torch.float64)
+    q = q / q.sum()
+    for i, x in enumerate(drawn):
+        q_x, p_x = float(q[x]), float(p[x])
+        u = float(torch.rand((), generator=generator, device=generator.device))
+        if q_x > 0.0 and u * q_x < p_x:        # probability min(1, p(x) / q(x))
+            return i, -1
+        p = _drawn_residual(p, q)
+        q = _without(q, x)
+    return None, sample(p, generator)
+
+
+def _without(q: torch.Tensor, x: int) -> torch.Tensor:
+    """The next draw's distribution: q [V] with x drawn, renormalised."""
+    q = q.clone()
+    q[x] = 0.0
+    total = float(q.sum())
+    return q / total if total > 0.0 else q
+
+
+def _drawn_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) for p, q [V] normalised; p itself when that is empty
+    (p <= q everywhere means p == q, where a rejection is only rounding)."""
+    residual = (p - q).clamp_(min=0.0)
+    total = float(residual.sum())
+    return residual / total if total > 0.0 else p
+
+
+def _draw_residual(row: torch.Tensor, rejected: set[int], generator: torch.Generator) -> int:
+    # row: [V]. multinomial renormalises, so zeroing the rejected tokens is the
+    # whole residual computation.
+    if not rejected:
+        return sample(row, generator)
+    residual = row.to(generator.device, copy=True)
+    residual[list(rejected)] = 0.0
+    if not bool(residual.sum() > 0):
+        # Only reachable through rounding: the rejected tokens held all the
+        # mass, yet rounding in `remaining` rejected the last of them.
+        residual = row.to(generator.device)
+    return sample(residual, generator)
+
+
+def accept(
+    tree: TreeLike,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    counts: TokenCounts | None = None,
+) -> Acceptance:
+    """Acceptance from raw target logits [n, V] under `params`.
+
+    ``counts`` [n, V]: each node's own penalty counts (committed tokens plus
+    its path, ``specdec.tree.sampling.History.node_counts``), needed when a penalty
+    is on. Greedy params use the argmaxes of the penalised logits and need no
+    generator; otherwise the logits are processed by `target_probs` and
+    accepted by rejection sampling, in fp32 (fp64 for sampled proposals).
+    """
+    params.validate()
+    if params.greedy:
+        return accept_greedy(tree, greedy_tokens(logits, params, counts))
+    if generator is None:
+        raise ValueError("generator is required when temperature > 0")
+    return accept_sampling(tree, target_probs(logits, params, counts), generator)

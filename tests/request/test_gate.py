@@ -1,0 +1,79 @@
+"""specdec.request.decoding.SpeculationGate: drafting pauses while recent drafted
+cycles commit too few tokens, deterministically, from token counts alone."""
+
+import pytest
+
+from specdec.request.decoding import SpeculationGate
+
+
+def run(gate, committed_when_drafting, cycles):
+    """Drive the gate: a drafted cycle commits the next count, a paused one 1 token.
+    Returns the pattern of drafted (True) / paused (False) cycles."""
+    pattern, counts = [], iter(committed_when_drafting)
+    for _ in range(cycles):
+        drafted = gate.speculate()
+        pattern.append(drafted)
+        gate.record(drafted, next(counts) if drafted else 1)
+    return pattern
+
+
+def test_off_always_drafts():
+    assert run(SpeculationGate(0.0), [1] * 50, 50) == [True] * 50
+
+
+def test_good_sessions_never_pause():
+    gate = SpeculationGate(2.0)
+    assert run(gate, [2, 3, 2, 4] * 20, 80) == [True] * 80
+    assert gate.paused_cycles == 0
+
+
+def test_low_tau_pauses_and_the_pause_doubles_until_max():
+    gate = SpeculationGate(2.0, window=4, max_pause=16)
+    pattern = run(gate, [1] * 100, 4 + 4 + 4 + 8 + 4 + 16 + 4 + 16 + 1)
+    # 4 drafted to fill the window, pause 4, a fresh window of 4, pause 8, ..., pause 16 (the cap), ...
+    expected = ([True] * 4 + [False] * 4 + [True] * 4 + [False] * 8 + [True] * 4 + [False] * 16
+                + [True] * 4 + [False] * 16 + [True])
+    assert pattern == expected
+    assert gate.paused_cycles == 4 + 8 + 16 + 16
+
+
+def test_recovery_resets_the_pause_length():
+    gate = SpeculationGate(2.0, window=2)
+    # two bad cycles -> pause 2; a fresh window (5, 4) has mean 4.5 >= 2: drafting goes on
+    assert run(gate, [1, 1, 5, 4, 4, 1, 1], 9) == [True, True, False, False, True, True, True, True, True]
+    assert gate.pause_len == 4                       # doubled after the last bad pair, from the reset 2
+
+
+def test_a_pause_is_judged_on_fresh_cycles_only():
+    """The bad cycles that caused a pause do not count against the cycles after
+    it: a window of (3, 2) after a pause keeps drafting even though the window
+    before it averaged 1."""
+    gate = SpeculationGate(2.0, window=2)
+    assert run(gate, [1, 1, 3, 2, 2, 2], 8) == [True, True, False, False, True, True, True, True]
+    assert gate.paused_cycles == 2
+
+
+def test_noisy_good_sessions_mostly_draft():
+    """A session whose drafted cycles commit 2.4 tokens on average, spread
+    widely, keeps drafting most of the time under a threshold of 2."""
+    import random
+
+    rng = random.Random(0)
+    counts = []
+    for _ in range(5000):
+        t = 1
+        while t <= 6 and rng.random() < 0.6:
+            t += 1
+        counts.append(t)
+    pattern = run(SpeculationGate(2.0), counts, 5000)
+    assert sum(pattern) / len(pattern) > 0.5
+
+
+def test_same_counts_same_decisions():
+    counts = [1, 2, 1, 1, 3, 1, 1, 1, 4, 4, 4, 1] * 5
+    assert run(SpeculationGate(2.0), counts, 60) == run(SpeculationGate(2.0), counts, 60)
+
+
+def test_negative_threshold_is_refused():
+    with pytest.raises(ValueError, match="min_tau"):
+        SpeculationGate(-1.0)

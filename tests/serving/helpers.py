@@ -1,0 +1,132 @@
+"""Start real verifier / drafter servers in-process on 127.0.0.1, port 0.
+
+    server, servicer = await start_verifier(paths, max_sessions=4, session_ttl=0.5)
+    server, servicer = await start_drafter(paths, "eagle", limits=TreeParams(...))
+    ...
+    await server.stop()
+
+``paths`` is a tiny family (the ``tiny_family`` fixture). Keyword arguments
+are split by name: ``ServerConfig`` fields (``auth_token``, ``tls_cert``,
+``metrics_port``...) configure the server, ``max_sessions`` / ``session_ttl``
+the engine's session table, the rest the service config. ``warm=False``
+starts the server without loading the model (health: not ready; RPCs:
+UNAVAILABLE); ``await load_verifier(servicer, paths)`` /
+``load_drafter(...)`` and ``server.set_ready(True)`` finish the job.
+Importable from any test as ``serving.helpers`` (tests/ is on sys.path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import grpc
+
+from specdec.serving.server import ClientTls, RunningServer, ServerConfig, open_channel, start_server
+
+_SERVER_FIELDS = {f.name for f in fields(ServerConfig)}
+
+
+def _split(cfg: dict) -> tuple[ServerConfig, int, float, dict]:
+    server = ServerConfig(**{k: cfg.pop(k) for k in list(cfg) if k in _SERVER_FIELDS})
+    return server, cfg.pop("max_sessions", 8), cfg.pop("session_ttl", 600.0), cfg
+
+
+def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, dtype: str = "float32"):
+    def build():
+        from specdec.model.loading import ModelSpec
+        from verifier.engine import TargetModel, VerifierEngine
+
+        return VerifierEngine(TargetModel(ModelSpec(str(paths["target"]), dtype=dtype)),
+                              max_sessions=max_sessions, ttl_s=session_ttl)
+    return build
+
+
+def oracle_dir(paths):
+    """A copy of the target to serve as a draft LM, calibrated for greedy
+    acceptance as ``specdec train calibrate`` would find (its top token is
+    always right): the sharp value temperature makes its node values say so."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    target = Path(paths["target"])
+    oracle = target.parent / "oracle"
+    if not oracle.is_dir():
+        tmp = target.parent / "oracle.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(target, tmp)
+        (tmp / "calibration.json").write_text(json.dumps({"greedy_value_temperature": 0.05}))
+        tmp.rename(oracle)
+    return oracle
+
+
+def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0):
+    def build():
+        sessions = dict(max_sessions=max_sessions, ttl_s=session_ttl)
+        if kind == "eagle":
+            from drafter.eagle.eagle2 import EagleDrafter
+
+            return EagleDrafter(paths["eagle"], paths["target"], **sessions)
+        if kind == "draft-lm":
+            from drafter.draft_lm import DraftLmDrafter
+            from specdec.model.loading import ModelSpec
+
+            return DraftLmDrafter(ModelSpec(str(paths["draft-lm"])), **sessions)
+        if kind == "oracle":        # the target itself as draft LM: its greedy drafts are always accepted
+            from drafter.draft_lm import DraftLmDrafter
+            from specdec.model.loading import ModelSpec
+
+            return DraftLmDrafter(ModelSpec(str(oracle_dir(paths))), **sessions)
+        if kind == "ngram":
+            from drafter.ngram import NgramDrafter
+            from specdec.model.loading import read_config
+
+            return NgramDrafter(int(read_config(paths["target"])["vocab_size"]), **sessions)
+        raise ValueError(f"unknown drafter kind {kind!r}")
+    return build
+
+
+async def start_verifier(paths, warm: bool = True, **cfg) -> tuple[RunningServer, object]:
+    from verifier.service import VerifierService, VerifierServiceConfig
+
+    server_cfg, max_sessions, ttl, rest = _split(dict(cfg))
+    servicer = VerifierService(VerifierServiceConfig(**rest))
+    server = await start_server(server_cfg, [servicer.registration()], "verifier")
+    if warm:
+        await load_verifier(server, servicer, paths, max_sessions=max_sessions, session_ttl=ttl)
+    return server, servicer
+
+
+async def load_verifier(server, servicer, paths, **kw) -> None:
+    await servicer.load(verifier_builder(paths, **kw))
+    server.set_ready(True)
+
+
+async def start_drafter(paths, kind: str = "eagle", warm: bool = True, **cfg) -> tuple[RunningServer, object]:
+    from drafter.service import DrafterService, DrafterServiceConfig
+
+    server_cfg, max_sessions, ttl, rest = _split(dict(cfg))
+    servicer = DrafterService(DrafterServiceConfig(**rest))
+    server = await start_server(server_cfg, [servicer.registration()], "drafter")
+    if warm:
+        await load_drafter(server, servicer, paths, kind, max_sessions=max_sessions, session_ttl=ttl)
+    return server, servicer
+
+
+async def load_drafter(server, servicer, paths, kind: str, **kw) -> None:
+    await servicer.load(drafter_builder(paths, kind, **kw))
+    server.set_ready(True)
+
+
+def channel_to(server: RunningServer, tls: ClientTls | None = None, token: str | None = None):
+    """An aio channel to ``server`` (use ``async with``)."""
+    return open_channel(f"127.0.0.1:{server.port}", tls=tls, token=token)
+
+
+async def rpc_error(awaitable) -> grpc.aio.AioRpcError:
+    """The AioRpcError an RPC ends with; AssertionError if it succeeds."""
+    try:
+        result = await awaitable
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError(f"the RPC succeeded ({type(result).__name__}); an error status was expected")

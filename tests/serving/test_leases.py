@@ -1,0 +1,132 @@
+"""Session leases and Prefill backstops on the backends (issue 18).
+
+A session opened with an owner lives while its owner renews the lease; one
+whose lease lapsed is evicted (seconds, not the idle TTL); a session opened
+without an owner keeps the idle TTL. A Prefill whose RPC ends while the
+engine opens the session leaves nothing behind once the engine call lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from serving.helpers import channel_to, rpc_error, start_drafter, start_verifier
+from specdec.serving.sessions import SessionTable
+from specdec.v1.drafter_pb2 import DrafterGetInfoRequest, DrafterPrefillRequest, DrafterRenewRequest
+from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
+from specdec.v1.verifier_pb2 import VerifierGetInfoRequest, VerifierPrefillRequest, VerifierRenewRequest
+from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
+
+CODE = grpc.StatusCode
+PROMPT = [5, 17, 42, 8, 99, 23]
+LEASE_S = 0.4
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the table ------------------------------------------------------------------------------------
+def test_a_lapsed_lease_is_evicted_and_an_unowned_session_keeps_the_ttl():
+    clock = Clock()
+    table = SessionTable(max_sessions=8, ttl_s=100.0, clock=clock, lease_s=2.0)
+    for sid in ("renewed", "used", "lapsed", "other-owner", "unowned"):
+        table.add(sid, sid)
+    for sid in ("renewed", "used", "lapsed", "other-owner"):
+        table.lease(sid, "me" if sid != "other-owner" else "them")
+    for _ in range(3):                                  # 4.5 s: past the 2 s lease, far short of the TTL
+        clock.now += 1.5
+        assert table.renew("me", ["renewed", "other-owner", "never-opened"]) == 1
+        table.get("used")                               # a call on the session renews it too
+    assert sorted(table.evict_idle()) == ["lapsed", "other-owner"]
+    assert "renewed" in table and "used" in table and "unowned" in table
+    clock.now += 50.0                                   # the owner is gone: leases lapse, the TTL has not
+    assert sorted(table.evict_idle()) == ["renewed", "used"]
+    clock.now += 50.0
+    assert table.evict_idle() == ["unowned"]
+
+
+# -- the servers -------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_verifier_evicts_sessions_whose_lease_lapsed(tiny_family):
+    server, servicer = await start_verifier(tiny_family, lease_s=LEASE_S, metrics_port=None)
+    try:
+        async with channel_to(server) as ch:
+            stub = VerifierServiceStub(ch)
+            for sid, owner in (("kept", "orch-1"), ("dropped", "orch-1"), ("tool", "")):
+                await stub.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT, owner=owner))
+            deadline = time.monotonic() + 4 * LEASE_S
+            while time.monotonic() < deadline:
+                answer = await stub.Renew(VerifierRenewRequest(owner="orch-1", session_ids=["kept"]))
+                assert answer.renewed == 1 and answer.lease_s == pytest.approx(LEASE_S)
+                await asyncio.sleep(LEASE_S / 4)
+            assert "kept" in servicer.sessions and "tool" in servicer.sessions
+            assert "dropped" not in servicer.sessions
+            assert (await stub.GetInfo(VerifierGetInfoRequest())).active_sessions == 2
+            for request, field in ((VerifierRenewRequest(session_ids=["kept"]), "owner"),
+                                   (VerifierRenewRequest(owner="o", session_ids=["x" * 200]), "session_ids[0]"),
+                                   (VerifierPrefillRequest(session_id="s", prompt_ids=PROMPT, owner="o" * 200),
+                                    "owner")):
+                call = stub.Renew(request) if isinstance(request, VerifierRenewRequest) else stub.Prefill(request)
+                err = await rpc_error(call)
+                assert err.code() == CODE.INVALID_ARGUMENT and field in err.details(), err.details()
+                assert len(err.details()) < 300
+    finally:
+        await server.stop()
+
+
+@pytest.mark.asyncio
+async def test_drafter_evicts_sessions_whose_lease_lapsed(tiny_family):
+    server, servicer = await start_drafter(tiny_family, "ngram", lease_s=LEASE_S, metrics_port=None)
+    try:
+        async with channel_to(server) as ch:
+            stub = DrafterServiceStub(ch)
+            for sid, owner in (("kept", "orch-1"), ("dropped", "orch-1"), ("tool", "")):
+                await stub.Prefill(DrafterPrefillRequest(session_id=sid, token_ids=PROMPT, owner=owner))
+            deadline = time.monotonic() + 4 * LEASE_S
+            while time.monotonic() < deadline:
+                assert (await stub.Renew(DrafterRenewRequest(owner="orch-1", session_ids=["kept"]))).renewed == 1
+                await asyncio.sleep(LEASE_S / 4)
+            assert (await stub.GetInfo(DrafterGetInfoRequest())).active_sessions == 2
+            assert "dropped" not in servicer.sessions
+    finally:
+        await server.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("owner", ["", "orch-1"])
+async def test_a_prefill_whose_rpc_ended_is_released_when_it_lands(tiny_family, monkeypatch, owner):
+    server, servicer = await start_verifier(tiny_family, metrics_port=None)
+    original = servicer.engine.prefill
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.5)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(servicer.engine, "prefill", slowed)
+    try:
+        async with channel_to(server) as ch:
+            stub = VerifierServiceStub(ch)
+            for sid, timeout in (("deadline", 0.1), ("cancelled", None)):
+                call = stub.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT, owner=owner),
+                                    timeout=timeout)
+                if timeout is None:
+                    await asyncio.sleep(0.1)
+                    call.cancel()
+                with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
+                    await call
+            deadline = time.monotonic() + 3.0
+            while len(servicer.sessions) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert len(servicer.sessions) == 0
+            assert (await stub.GetInfo(VerifierGetInfoRequest())).active_sessions == 0
+    finally:
+        await server.stop()
