@@ -10,12 +10,14 @@ graph per frontier width over a session cache that is one stacked buffer
 - ``HeadStep``: the head's token embedding, its layer over the stacked cache
   (new K/V written at slots given as a tensor), and its log-probs over the
   target vocabulary, as ``FeatureHeadDrafter.step`` computes them eagerly;
-- widths padded to the next of ``WIDTHS`` (all built at start-up), the tree
+- widths padded to the next of ``WIDTHS`` (all built at start-up; with
+  ``SPECDEC_COMPILE_AHEAD=ready`` only ``READY_WIDTHS``, the rest on first use), the tree
   mask padded to the capacity (pad queries see only their own slot; their
   outputs are dropped);
 - on CPU the graphs are AOTInductor packages (``specdec.compile.aot``),
   built once and loaded on later starts, with the head's weights packed into
-  them (a head whose packed copies would not fit ``PACKED_BUDGET``, the
+  them (``SPECDEC_COMPILE_PACKED=off``: over the head's own weights, ~3x
+  faster to build, slower levels; a head whose packed copies would not fit ``PACKED_BUDGET``, the
   vocabulary tables of a large target, drafts eagerly); on a GPU they are
   ``torch.compile`` graphs over the head's own weights, replayed as CUDA
   graphs (``specdec.compile.cuda_graphs``), as the target's are.
@@ -38,14 +40,18 @@ import torch
 from transformers.cache_utils import Cache
 
 from specdec.model import kv
+from specdec.compile.fixed_graphs import ahead_setting, packed_setting
 from specdec.compile.forwards import PACKED_BUDGET, PAYS, FixedGraphs
 from specdec.compile.fixed_kv import FixedLayer, cache_shape, fixed_buffers, stacked_cache
 from specdec.model.loading import COMPILE_MODES
+from specdec.request.knobs import DEFAULT_EXPAND_K
 
 log = logging.getLogger(__name__)
 
 HEAD_CAPACITY = 512               # a session's committed tokens plus its tree's nodes, for most sessions
 WIDTHS = (1, 2, 4, 8, 16)              # frontier widths compiled, at start-up (expand_k <= 16; wider: eager)
+# built before readiness with SPECDEC_COMPILE_AHEAD=ready: the root's and a default tree's levels
+READY_WIDTHS = (1, next(w for w in WIDTHS if w >= DEFAULT_EXPAND_K))
 
 
 class HeadStep(torch.nn.Module):
@@ -237,15 +243,16 @@ def compile_head(drafter, mode: str) -> CompiledHead | None:
     t = time.perf_counter()
     reason = None
     on_cpu = torch.device(drafter.device).type == "cpu"     # packed copies: on CPU only (CompiledHead)
-    if on_cpu and weight_bytes * len(WIDTHS) > PACKED_BUDGET:
+    packed = packed_setting() != "off"
+    if on_cpu and packed and weight_bytes * len(WIDTHS) > PACKED_BUDGET:
         reason = (f"its weights ({weight_bytes >> 20} MiB with the vocabulary tables) are too large to pack once "
                   f"per width")
     else:
         try:
-            compiled = CompiledHead(drafter)
+            compiled = CompiledHead(drafter, packed=packed)
             reason = check_head(compiled)
             if reason is None:
-                compiled.warm()
+                compiled.warm(WIDTHS if ahead_setting() == "all" else READY_WIDTHS)
         except Exception as exc:  # noqa: BLE001 - any failure means: draft eagerly
             reason = f"compilation failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if reason is not None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from specdec.request import knobs
 from specdec.request.errors import SpecdecError, UsageError
-from specdec.model.loading import (ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, PACKED_ENV,
-                            demo_path)
+from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV,
+                                   CUDA_GRAPHS_MODES, PACKED_ENV, demo_path)
 from specdec.request.params import PROPOSALS
 
 
@@ -71,7 +71,8 @@ def compile_mode(text: str) -> str:
     if mode not in COMPILE_MODES:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(COMPILE_MODES)}, got {text!r}")
     # read where the graphs are built; checked here, before any start-up
-    for variable, choices, default in ((PACKED_ENV, COMPILE_MODES, "auto"), (CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, "on")):
+    for variable, choices, default in ((PACKED_ENV, COMPILE_MODES, "auto"), (AHEAD_ENV, AHEAD_MODES, "all"),
+                                       (CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, "on")):
         value = os.environ.get(variable, default)
         if value not in choices:
             raise argparse.ArgumentTypeError(f"{variable} must be one of {', '.join(choices)}, got {value!r}")

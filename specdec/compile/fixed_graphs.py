@@ -15,7 +15,7 @@ import torch
 
 from specdec.compile import aot, cuda_graphs
 from specdec.compile.fixed_kv import FixedLayer
-from specdec.model.loading import COMPILE_MODES, PACKED_ENV
+from specdec.model.loading import AHEAD_ENV, AHEAD_MODES, COMPILE_MODES, PACKED_ENV
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 PACKAGED_CAPACITIES = (256, 512)        # capacities with ahead-of-time packages (built at start-up)
@@ -31,6 +31,23 @@ def packed_setting() -> str:
     value = os.environ.get(PACKED_ENV, "auto")
     if value not in COMPILE_MODES:
         raise ValueError(f"{PACKED_ENV} must be one of {', '.join(COMPILE_MODES)}, got {value!r}")
+    return value
+
+
+def ahead_setting() -> str:
+    """``SPECDEC_COMPILE_AHEAD``: which graphs are built before a model serves.
+    ``all`` (default): every width a default-sized tree and a prefill chunk
+    pad to, at every packaged capacity, so no request waits for a build.
+    ``ready``: only those opened before readiness anyway (a root-only cycle's
+    and a default tree's, at the first capacity; batched graphs, which are
+    never built on a request, as with ``all``); any other graph is built the
+    first time a forward needs it, and that forward waits for it (seconds to
+    a minute on CPU). For development and test runs that start many models
+    and use few of their graphs; a package already on disk is opened while
+    idle as with ``all``."""
+    value = os.environ.get(AHEAD_ENV, "all")
+    if value not in AHEAD_MODES:
+        raise ValueError(f"{AHEAD_ENV} must be one of {', '.join(AHEAD_MODES)}, got {value!r}")
     return value
 
 

@@ -78,7 +78,7 @@ import torch
 
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
-from specdec.compile.fixed_graphs import MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs
+from specdec.compile.fixed_graphs import MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs, ahead_setting
 from specdec.compile.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
 from specdec.compile.fixed_step import FixedStep
 from specdec.request.knobs import DEFAULT_TOTAL_TOKENS
@@ -412,16 +412,21 @@ class CompiledForward:
         now, since a package's first run costs 70-140 ms (the demo target);
         the others left to ``open_next`` (a server opens them while idle)
         (opening them all here took a warm start-up from 1.9x to 2.5x the
-        eager one); seconds taken."""
+        eager one); with ``SPECDEC_COMPILE_AHEAD=ready`` (``ahead_setting``)
+        those others are not built here, only opened while idle where already
+        on disk; seconds taken."""
         t = time.perf_counter()
         graphs = self.graph_set(captures, batched)
         rows = 2 if batched else 1
+        build = batched or ahead_setting() == "all"        # batched graphs are never built on a request
         for i, capacity in enumerate(capacities):
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures, rows)
-                if (i == 0 and (ready is None or width in ready)) or graphs.packages is None:
+                if (i == 0 and (ready is None or width in ready)) or (graphs.packages is None and build):
                     self._first_run(width, capacity, captures, batched)     # (no package: compiled now)
-                elif (width, capacity) not in graphs.graphs and graphs.on_disk(width, capacity, example):
+                elif graphs.packages is None or (width, capacity) in graphs.graphs:
+                    continue
+                elif graphs.on_disk(width, capacity, example) if build else graphs.ready(width, capacity):
                     self.due.append((width, capacity, captures, batched))
         return time.perf_counter() - t
 

@@ -20,6 +20,9 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
 # auto (packed weights for a small model on CPU), on or off: ``specdec.compile.fixed_graphs.packed_setting``
 PACKED_ENV = "SPECDEC_COMPILE_PACKED"
+# all (default) or ready: which compiled graphs are built before a model serves
+# (``specdec.compile.fixed_graphs.ahead_setting``)
+AHEAD_ENV, AHEAD_MODES = "SPECDEC_COMPILE_AHEAD", ("all", "ready")
 # on (default) or off: compiled steps on a CUDA device replay as CUDA graphs (``specdec.compile.cuda_graphs``)
 CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES = "SPECDEC_CUDA_GRAPHS", ("on", "off")
 
