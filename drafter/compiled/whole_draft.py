@@ -199,16 +199,16 @@ def check_tree(tree: CompiledTree) -> str | None:
     tokens = torch.randint(0, drafter.vocab_size, (9,), generator=gen).tolist()
     features = torch.randn(8, drafter.feature_size, generator=gen)
     cfg = TreeParams(total_tokens=tree.total, depth=tree.levels, expand_k=tree.expand_k)
-    trees, served, had = {}, tree.drafts, drafter.compiled.whole_draft
+    trees, served, had = {}, tree.drafts, drafter.compiled_tree
     for run in ("graph", "levels"):
-        drafter.compiled.whole_draft = tree if run == "graph" else None
+        drafter.compiled_tree = tree if run == "graph" else None
         sid = f"whole-draft-check-{run}"
         drafter.prefill(sid, tokens, features, greedy=True)
         try:
             trees[run] = drafter.draft(sid, cfg)
         finally:
             drafter.release(sid)
-            drafter.compiled.whole_draft = had                 # (the caller installs this one if it passes)
+            drafter.compiled_tree = had                 # (the caller installs this one if it passes)
     if tree.drafts != served + 1:
         return "the check's draft did not take the graph"
     got, want = trees["graph"], trees["levels"]
@@ -256,4 +256,4 @@ def use_budget(drafter, cfg: TreeParams) -> None:
         return
     tree = compile_tree(drafter.compiled, cfg)
     if tree is not None:
-        drafter.compiled.whole_draft = tree
+        drafter.compiled_tree = tree

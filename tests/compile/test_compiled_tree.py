@@ -135,7 +135,7 @@ def test_a_graph_that_fails_to_build_drafts_level_by_level_with_one_line(tiny_fa
     monkeypatch.setattr(whole_draft.CompiledTree, "warm", broken)
     with caplog.at_level(logging.WARNING, logger="drafter.compiled.whole_draft"):
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
-    assert drafter.compiled is not None and drafter.compiled.whole_draft is None
+    assert drafter.compiled is not None and drafter.compiled_tree is None
     lines = [r.getMessage() for r in caplog.records if r.name == "drafter.compiled.whole_draft"]
     assert len(lines) == 1
     assert "RuntimeError: no C++ compiler" in lines[0] and "second line" not in lines[0]
@@ -154,7 +154,7 @@ def test_a_graph_whose_trees_differ_is_refused(tiny_family, caplog, monkeypatch)
     monkeypatch.setattr(whole_draft.CompiledTree, "draft", off_by_a_little)
     with caplog.at_level(logging.WARNING, logger="drafter.compiled.whole_draft"):
         drafter = EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on")
-    assert drafter.compiled.whole_draft is None
+    assert drafter.compiled_tree is None
     assert any("values differ" in r.getMessage() for r in caplog.records)
 
 
@@ -202,4 +202,4 @@ def test_a_drafter_service_drafts_its_default_tree_whole(tiny_family):
                                       "--depth", "3", "--expand-k", "2"])
     default = TreeParams(total_tokens=8, depth=3, expand_k=2)
     drafter = serve._drafter_builder(args, default)()
-    assert drafter.compiled.whole_draft.serves(default, 0) and not drafter.compiled.whole_draft.serves(DEFAULT, 0)
+    assert drafter.compiled_tree.serves(default, 0) and not drafter.compiled_tree.serves(DEFAULT, 0)
