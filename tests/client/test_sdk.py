@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from running_stack import Stack
+from running_stack import Stack, Tap
+from serving.helpers import SessionWatch
 from specdec.client import (
     AsyncSpecdecClient,
     SpecdecClient,
@@ -72,34 +73,69 @@ def test_sync_and_async_give_the_same_result(stack):
         assert s.stats.completion_tokens == 20 and s.stats.cycles == whole.stats.cycles
 
 
+class Dropped:
+    """A 400-token stream to drop: its verifies are held after the second, so
+    it cannot end by itself. ``opened()`` (after its first chunk) asserts both
+    sessions open, the drafter's included (it may open after the first chunk);
+    ``released()`` (after the drop) lets the verifies go and asserts both
+    sessions released (not left for their lease to lapse), the generation cut
+    short: far fewer verifies than its 400 tokens would take."""
+
+    def __init__(self, stack):
+        self.watch = SessionWatch(stack, *BACKENDS)
+        self.tap = Tap(stack.servicer("verifier").engine, "verify")
+        self.tap.close(after=2)
+
+    def opened(self) -> None:
+        assert self.watch.opened() == {"verifier": 1, "drafter": 1}
+
+    def released(self) -> None:
+        self.tap.open()
+        assert self.watch.released() == {"verifier": 0, "drafter": 0}
+        assert len(self.tap.sessions) < 20
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.tap.restore()
+
+
 def test_closing_a_stream_cancels_the_call(stack):
     with SpecdecClient(stack.address("orchestrator")) as client:
-        stream = client.generate(PROMPT, max_new_tokens=400)
-        next(stream)
-        stream.close()
-        assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+        with Dropped(stack) as run:
+            stream = client.generate(PROMPT, max_new_tokens=400)
+            next(stream)
+            run.opened()
+            stream.close()
+            run.released()
         assert list(stream) == [] and stream.stats is None
 
-        for _ in client.generate(PROMPT, max_new_tokens=400):
-            break                                   # dropping the iterator cancels too
-        assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+        with Dropped(stack) as run:
+            for _ in client.generate(PROMPT, max_new_tokens=400):
+                run.opened()
+                break                                   # dropping the iterator cancels too
+            run.released()
 
-        with client.generate(PROMPT, max_new_tokens=400) as stream:
-            next(stream)
-        assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+        with Dropped(stack) as run:
+            with client.generate(PROMPT, max_new_tokens=400) as stream:
+                next(stream)
+                run.opened()
+            run.released()
 
 
 def test_async_stream_aclose_cancels_the_call(stack):
     async def run():
         async with AsyncSpecdecClient(stack.address("orchestrator")) as client:
-            stream = client.generate(PROMPT, max_new_tokens=400)
-            async for _ in stream:
-                break
-            assert stack.wait_sessions(*BACKENDS, count=1) == {"verifier": 1, "drafter": 1}
-            await stream.aclose()
-            return stack.wait_sessions_closed(*BACKENDS, timeout=1.0)
+            with Dropped(stack) as dropped:
+                stream = client.generate(PROMPT, max_new_tokens=400)
+                async for _ in stream:
+                    break
+                dropped.opened()
+                await stream.aclose()
+                await asyncio.to_thread(dropped.released)
 
-    assert asyncio.run(run()) == {"verifier": 0, "drafter": 0}
+    asyncio.run(run())
 
 
 def test_retries_unavailable_before_the_stream_starts(stack):
@@ -139,6 +175,7 @@ def test_retries_stop_at_the_deadline(stack):
 
 
 def test_timeouts_are_grpc_deadlines(stack):
+    watch = SessionWatch(stack, *BACKENDS)
     with SpecdecClient(stack.address("orchestrator"), timeout=0.3) as client:
         with pytest.raises(SpecdecDeadlineExceeded):
             client.complete(PROMPT, max_new_tokens=400)
@@ -153,7 +190,7 @@ def test_timeouts_are_grpc_deadlines(stack):
                     pass
 
     asyncio.run(run_async())
-    assert stack.wait_sessions_closed(*BACKENDS, timeout=1.0) == {"verifier": 0, "drafter": 0}
+    assert watch.released() == {"verifier": 0, "drafter": 0}
 
 
 def test_typed_errors_carry_code_and_details(stack):

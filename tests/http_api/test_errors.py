@@ -14,13 +14,14 @@ import openai
 import pytest
 
 from http_api.helpers import TOKEN, wait_until
-from serving.helpers import channel_to
+from serving.helpers import SessionWatch, channel_to
 from specdec.v1.common_pb2 import SamplingParams
 from specdec.v1.verifier_pb2 import VerifierPrefillRequest, VerifierReleaseRequest
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 from running_stack import Tap
 
 LONG = {"prompt": "class Point:", "max_tokens": 400, "temperature": 0}
+BACKENDS = ("verifier", "drafter-eagle")
 
 
 def post(api, path: str, body: dict, server: str = "eagle", headers: dict | None = None) -> httpx.Response:
@@ -126,9 +127,21 @@ def test_bearer_token(api):
 
 
 def test_past_the_request_timeout_is_504_and_frees_the_sessions(api):
-    error = assert_error(post(api, "/v1/completions", LONG, server="timeout"), 504, None, "timeout")
-    assert error["type"] == "server_error"
-    assert api.wait_closed() == {"verifier": 0, "drafter-eagle": 0}
+    """A generation held at its third verify past the request timeout (2 s:
+    time enough to open both sessions however loaded the machine): 504, and
+    both sessions it opened are released, the generation cut short."""
+    watch = SessionWatch(api.stack, *BACKENDS)
+    api.serve("timeout-2s", "eagle", timeout_s=2.0)
+    try:
+        with prefills_tapped(api) as opened, verifies_held(api, after=2) as tap:
+            error = assert_error(post(api, "/v1/completions", LONG, server="timeout-2s"), 504, None, "timeout")
+            assert error["type"] == "server_error"
+            assert {name: len(sids) for name, sids in opened.items()} == {"verifier": 1, "drafter-eagle": 1}
+            assert tap.held == 1                        # the generation was still running
+            tap.open()
+        assert_left_early(api, tap, watch)
+    finally:
+        api.stop("timeout-2s")
 
 
 def test_at_capacity_is_429(api):
@@ -199,15 +212,29 @@ def verifies_held(api, after: int):
         tap.restore()
 
 
-def assert_left_early(api, tap) -> None:
-    """Both sessions freed, with the generation cut short: far fewer verifies
-    than its 400 tokens would take."""
-    assert api.wait_closed(timeout=5.0) == {"verifier": 0, "drafter-eagle": 0}
+@contextmanager
+def prefills_tapped(api):
+    """Yields {backend: ids of the sessions opened on it} (its prefills) until the block ends."""
+    stack = api.stack
+    taps = {"verifier": Tap(stack.servicer("verifier").engine, "prefill"),
+            "drafter-eagle": Tap(stack.servicer("drafter-eagle").drafter, "prefill")}
+    try:
+        yield {name: tap.sessions for name, tap in taps.items()}
+    finally:
+        for tap in taps.values():
+            tap.restore()
+
+
+def assert_left_early(api, tap, watch: SessionWatch) -> None:
+    """Both sessions released (not left to lapse), with the generation cut
+    short: far fewer verifies than its 400 tokens would take."""
+    assert watch.released() == {"verifier": 0, "drafter-eagle": 0}
     assert wait_until(lambda: api.stack.servicer("eagle").active == 0)
     assert len(tap.sessions) < 20
 
 
 def test_a_client_leaving_a_stream_frees_both_sessions(api):
+    watch = SessionWatch(api.stack, *BACKENDS)
     with verifies_held(api, after=2) as tap:
         with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True},
                           timeout=60) as resp:
@@ -215,7 +242,7 @@ def test_a_client_leaving_a_stream_frees_both_sessions(api):
             assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1,
                                                                                      "drafter-eagle": 1}
         tap.open()                          # the held verify returns to a cancelled request
-        assert_left_early(api, tap)
+        assert_left_early(api, tap, watch)
 
 
 def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
@@ -225,6 +252,7 @@ def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
     body = json.dumps(LONG).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
+    watch = SessionWatch(api.stack, *BACKENDS)
     with verifies_held(api, after=2) as tap:
         sock = socket.create_connection((host, int(port)))
         try:
@@ -234,17 +262,39 @@ def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
         finally:
             sock.close()
         tap.open()
-        assert_left_early(api, tap)
+        assert_left_early(api, tap, watch)
 
 
 def test_concurrent_streams_leaving_free_every_session(api):
-    def leave():
+    """Two clients, two choices each: all four sessions open on each backend
+    before the clients leave, then every one is released, the generations cut
+    short (one choice of 400 tokens takes about 400 verifies here, four 1600)."""
+    watch = SessionWatch(api.stack, *BACKENDS)
+    read_first, leave = threading.Barrier(3, timeout=60), threading.Event()
+
+    def client():
         with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True, "n": 2},
                           timeout=60) as resp:
-            next(resp.iter_raw())
-    threads = [threading.Thread(target=leave) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert api.wait_closed(timeout=2.0) == {"verifier": 0, "drafter-eagle": 0}
+            chunks = resp.iter_raw()                # (held: dropping the iterator closes the response)
+            next(chunks)
+            read_first.wait()
+            leave.wait(60)
+
+    verifies = Tap(api.stack.servicer("verifier").engine, "verify")
+    try:
+        with prefills_tapped(api) as opened:
+            threads = [threading.Thread(target=client) for _ in range(2)]
+            for t in threads:
+                t.start()
+            try:
+                read_first.wait()
+                assert watch.opened(count=4) == {"verifier": 4, "drafter-eagle": 4}
+            finally:
+                leave.set()
+                for t in threads:
+                    t.join(60)
+            assert watch.released() == {"verifier": 0, "drafter-eagle": 0}
+        assert {name: len(set(sids)) for name, sids in opened.items()} == {"verifier": 4, "drafter-eagle": 4}
+        assert len(verifies.sessions) < 400
+    finally:
+        verifies.restore()

@@ -7,6 +7,8 @@ import re
 
 import httpx
 
+from serving.helpers import SessionWatch
+
 N = 12
 EVENT = re.compile(rb"data: ([^\n]*)\n\n")
 
@@ -86,6 +88,7 @@ def test_an_error_after_the_first_token_is_an_event(api):
     """Headers are out with the first text: a later failure (here the server's
     0.3 s request timeout) is an error event, then [DONE]."""
     body = {"prompt": "class Point:", "max_tokens": 400, "temperature": 0, "stream": True}
+    watch = SessionWatch(api.stack, "verifier", "drafter-eagle")
     with httpx.stream("POST", api.root("timeout") + "/v1/completions", json=body, timeout=60) as resp:
         raw = resp.read()
     assert resp.status_code == 200
@@ -94,4 +97,4 @@ def test_an_error_after_the_first_token_is_an_event(api):
     error = json.loads(payloads[-2])
     assert set(error) == {"error"} and error["error"]["code"] == "timeout" and error["error"]["type"] == "server_error"
     assert all("choices" in json.loads(p) for p in payloads[:-2])
-    assert api.wait_closed() == {"verifier": 0, "drafter-eagle": 0}
+    assert watch.released() == {"verifier": 0, "drafter-eagle": 0}

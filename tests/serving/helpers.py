@@ -13,10 +13,19 @@ starts the server without loading the model (health: not ready; RPCs:
 UNAVAILABLE); ``await load_verifier(servicer, paths)`` /
 ``load_drafter(...)`` and ``server.set_ready(True)`` finish the job.
 Importable from any test as ``serving.helpers`` (tests/ is on sys.path).
+
+Waiting for sessions to close: ``SessionWatch`` (a running stack's backends)
+and ``evicted`` / ``eventually`` (one servicer) poll to a generous deadline and
+return as soon as the condition holds. A session that closed must also not
+have been *evicted*: the sweep frees an orchestrator's session seconds after
+its lease lapses, released or not, so "no session left" alone would pass with
+the release gone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import fields
 
 import grpc
@@ -130,3 +139,39 @@ async def rpc_error(awaitable) -> grpc.aio.AioRpcError:
     except grpc.aio.AioRpcError as exc:
         return exc
     raise AssertionError(f"the RPC succeeded ({type(result).__name__}); an error status was expected")
+
+
+def evicted(servicer) -> set[str]:
+    """Ids of the sessions ``servicer``'s table evicted (idle past its TTL, or
+    its owner's lease lapsed) rather than had released."""
+    return set(servicer.sessions._evicted)
+
+
+async def eventually(predicate, timeout: float = 30.0, every_s: float = 0.01) -> bool:
+    """Poll ``predicate()`` on the event loop until it holds (True, at once) or
+    ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(every_s)
+    return True
+
+
+class SessionWatch:
+    """Sessions of a running stack's backends (``running_stack.Stack``), from
+    now on: ``opened(count)`` waits until each holds ``count``; ``released()``
+    until none holds any -> {name: sessions not released}: those still open
+    plus those the sweep evicted since the watch began (0 each: all released)."""
+
+    def __init__(self, stack, *names: str):
+        self.stack, self.names = stack, names
+        self.before = {name: evicted(stack.servicer(name)) for name in names}
+
+    def opened(self, count: int = 1, timeout: float = 30.0) -> dict[str, int]:
+        return self.stack.wait_sessions(*self.names, count=count, timeout=timeout)
+
+    def released(self, timeout: float = 30.0) -> dict[str, int]:
+        left = self.stack.wait_sessions(*self.names, count=0, timeout=timeout)
+        return {name: left[name] + len(evicted(self.stack.servicer(name)) - self.before[name])
+                for name in self.names}

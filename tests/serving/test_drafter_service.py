@@ -1,13 +1,11 @@
 """DrafterService over real gRPC: the same trees as an in-process drafter fed
 the same commits, knobs clamped to the server's limits, error statuses."""
 
-import asyncio
-
 import grpc
 import pytest
 import torch
 
-from serving.helpers import channel_to, rpc_error, start_drafter
+from serving.helpers import channel_to, eventually, rpc_error, start_drafter
 from specdec.request import wire
 from specdec.serving import tensor_wire
 from specdec.request.params import SamplingParams
@@ -164,7 +162,7 @@ async def test_idle_drafter_session_is_evicted(tiny_family):
             stub = DrafterServiceStub(ch)
             await stub.Prefill(DrafterPrefillRequest(session_id="n", token_ids=PROMPT))
             assert len((await stub.Draft(DraftRequest(session_id="n"))).tree.tokens) > 1   # "5, 17" repeats
-            await asyncio.sleep(0.6)
+            assert await eventually(lambda: "n" not in servicer.sessions)     # swept past its 0.2 s TTL
             err = await rpc_error(stub.Draft(DraftRequest(session_id="n")))
             assert err.code() == CODE.NOT_FOUND and "evicted" in err.details()
             assert servicer.stats.active == 0

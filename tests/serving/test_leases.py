@@ -9,12 +9,13 @@ engine opens the session leaves nothing behind once the engine call lands.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
 import pytest
 
-from serving.helpers import channel_to, rpc_error, start_drafter, start_verifier
+from serving.helpers import channel_to, evicted, eventually, rpc_error, start_drafter, start_verifier
 from specdec.serving.sessions import SessionTable
 from specdec.v1.drafter_pb2 import DrafterGetInfoRequest, DrafterPrefillRequest, DrafterRenewRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
@@ -63,8 +64,9 @@ async def test_verifier_evicts_sessions_whose_lease_lapsed(tiny_family):
             stub = VerifierServiceStub(ch)
             for sid, owner in (("kept", "orch-1"), ("dropped", "orch-1"), ("tool", "")):
                 await stub.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT, owner=owner))
-            deadline = time.monotonic() + 4 * LEASE_S
-            while time.monotonic() < deadline:
+            start = time.monotonic()                # renewing "kept" past its lease, until "dropped" is evicted
+            while time.monotonic() < start + 4 * LEASE_S or ("dropped" in servicer.sessions
+                                                             and time.monotonic() < start + 30):
                 answer = await stub.Renew(VerifierRenewRequest(owner="orch-1", session_ids=["kept"]))
                 assert answer.renewed == 1 and answer.lease_s == pytest.approx(LEASE_S)
                 await asyncio.sleep(LEASE_S / 4)
@@ -91,8 +93,9 @@ async def test_drafter_evicts_sessions_whose_lease_lapsed(tiny_family):
             stub = DrafterServiceStub(ch)
             for sid, owner in (("kept", "orch-1"), ("dropped", "orch-1"), ("tool", "")):
                 await stub.Prefill(DrafterPrefillRequest(session_id=sid, token_ids=PROMPT, owner=owner))
-            deadline = time.monotonic() + 4 * LEASE_S
-            while time.monotonic() < deadline:
+            start = time.monotonic()                # renewing "kept" past its lease, until "dropped" is evicted
+            while time.monotonic() < start + 4 * LEASE_S or ("dropped" in servicer.sessions
+                                                             and time.monotonic() < start + 30):
                 assert (await stub.Renew(DrafterRenewRequest(owner="orch-1", session_ids=["kept"]))).renewed == 1
                 await asyncio.sleep(LEASE_S / 4)
             assert (await stub.GetInfo(DrafterGetInfoRequest())).active_sessions == 2
@@ -104,29 +107,53 @@ async def test_drafter_evicts_sessions_whose_lease_lapsed(tiny_family):
 @pytest.mark.asyncio
 @pytest.mark.parametrize("owner", ["", "orch-1"])
 async def test_a_prefill_whose_rpc_ended_is_released_when_it_lands(tiny_family, monkeypatch, owner):
+    """Each engine call is held until its RPC has ended (past its deadline, or
+    cancelled), lands having opened the session, and the session is released:
+    not left open, and not evicted (an owned session's lease would lapse)."""
     server, servicer = await start_verifier(tiny_family, metrics_port=None)
     original = servicer.engine.prefill
+    started, go = threading.Event(), threading.Event()
+    landed = []                                     # (session id, open once the engine call returned)
 
-    def slowed(*args, **kwargs):
-        time.sleep(0.5)
-        return original(*args, **kwargs)
+    def held(sid, *args, **kwargs):                 # on the worker thread
+        started.set()
+        go.wait(30)
+        result = original(sid, *args, **kwargs)
+        landed.append((sid, sid in servicer.sessions))
+        return result
 
-    monkeypatch.setattr(servicer.engine, "prefill", slowed)
+    monkeypatch.setattr(servicer.engine, "prefill", held)
     try:
         async with channel_to(server) as ch:
             stub = VerifierServiceStub(ch)
-            for sid, timeout in (("deadline", 0.1), ("cancelled", None)):
+            for sid, timeout in (("deadline", 2.0), ("cancelled", None)):
+                started.clear()
+                go.clear()
                 call = stub.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT, owner=owner),
                                     timeout=timeout)
+                assert await asyncio.to_thread(started.wait, 30)    # the engine call is running
                 if timeout is None:
-                    await asyncio.sleep(0.1)
                     call.cancel()
                 with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
                     await call
-            deadline = time.monotonic() + 3.0
-            while len(servicer.sessions) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert len(servicer.sessions) == 0
-            assert (await stub.GetInfo(VerifierGetInfoRequest())).active_sessions == 0
+                go.set()
+                assert await eventually(lambda: sid in dict(landed))
+                assert dict(landed)[sid], f"the engine call did not open session {sid}"
+                assert await eventually(lambda: sid not in servicer.sessions), f"session {sid} was left open"
+            assert [s for s, _ in landed] == ["deadline", "cancelled"] and len(servicer.sessions) == 0
+            assert evicted(servicer) == set()           # released, not swept after its lease lapsed
+            info = VerifierGetInfoRequest()
+            assert await eventually_async(lambda: stub.GetInfo(info), lambda a: a.active_sessions == 0)
     finally:
+        go.set()
         await server.stop()
+
+
+async def eventually_async(call, holds, timeout: float = 30.0) -> bool:
+    """Poll ``await call()`` until ``holds(answer)`` (True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while not holds(await call()):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

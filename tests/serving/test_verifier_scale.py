@@ -24,7 +24,9 @@ PROMPTS = [[5, 6, 7, 8], [20, 21, 22, 20, 21], [3] * 6]
 NEW = 20
 
 
-def greedy_over_grpc(addr: str, prompts, prefix="s") -> list[list[int]]:
+def greedy_over_grpc(addr: str, prompts, prefix="s", computes: dict | None = None) -> list[list[int]]:
+    """Each prompt's greedy tokens, the sessions concurrent; ``computes``, if
+    given, gets each session's verify ``compute_s``, in order."""
     async def one(stub, i, p):
         sid = f"{prefix}{i}"
         first = await stub.Prefill(verifier_pb2.VerifierPrefillRequest(
@@ -34,6 +36,8 @@ def greedy_over_grpc(addr: str, prompts, prefix="s") -> list[list[int]]:
             tree = tensor_wire.tree_to_proto(tree_from_lists([toks[-1]], [-1]))
             res = await stub.Verify(verifier_pb2.VerifyRequest(session_id=sid, tree=tree))
             toks.extend(res.tokens)
+            if computes is not None:
+                computes.setdefault(sid, []).append(res.compute_s)
         await stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=sid))
         return toks[:NEW]
 
@@ -87,12 +91,29 @@ def test_tp2_server_matches_single_process(tiny_family, tmp_path, reference):
         stop(proc)
 
 
+def batches(computes: dict[str, list[float]]) -> list[int]:
+    """The sizes of the batches the verifies ran in, as their ``compute_s``
+    tell: a batched verify answers each of its calls with the seconds of the
+    one forward they shared, a verify run alone its own (float timings that
+    never coincide)."""
+    calls: dict[float, int] = {}
+    for seconds in computes.values():
+        for s in seconds:
+            calls[s] = calls.get(s, 0) + 1
+    return sorted(calls.values(), reverse=True)
+
+
 def test_batched_server_concurrent_sessions_match(tiny_family, tmp_path, reference):
     proc, addr = serve(tiny_family, tmp_path, "--batch-window-ms", "20")
+    computes: dict[str, list[float]] = {}
     try:
-        assert greedy_over_grpc(addr, PROMPTS) == reference
+        assert greedy_over_grpc(addr, PROMPTS, computes=computes) == reference
     finally:
         stop(proc)
+    assert sorted(computes) == ["s0", "s1", "s2"] and all(len(c) == NEW - 1 for c in computes.values())
+    assert all(len(set(c)) == len(c) for c in computes.values())     # one session's verifies: one per batch
+    sizes = batches(computes)
+    assert sizes[0] > 1, f"no two sessions' verifies ran as one batch: {sizes}"
 
 
 def test_bad_tp_degree_is_one_line(tiny_family):
