@@ -39,10 +39,11 @@ def ahead_setting() -> str:
     ``all`` (default): every width a default-sized tree and a prefill chunk
     pad to, at every packaged capacity, so no request waits for a build.
     ``ready``: only those opened before readiness anyway (a root-only cycle's
-    and a default tree's, at the first capacity; batched graphs, which are
-    never built on a request, as with ``all``); any other graph is built the
-    first time a forward needs it, and that forward waits for it (seconds to
-    a minute on CPU). For development and test runs that start many models
+    and a default tree's, at the first capacity, and the batched graphs at
+    the first capacity); any other graph is built the first time a forward
+    needs it, and that forward waits for it (seconds to a minute on CPU),
+    except batched ones, never built on a request (such batches run row by
+    row), and prefill chunks (a prompt then runs eagerly). For development and test runs that start many models
     and use few of their graphs; a package already on disk is opened while
     idle as with ``all``."""
     value = os.environ.get(AHEAD_ENV, "all")

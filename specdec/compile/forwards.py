@@ -414,12 +414,14 @@ class CompiledForward:
         (opening them all here took a warm start-up from 1.9x to 2.5x the
         eager one); with ``SPECDEC_COMPILE_AHEAD=ready`` (``ahead_setting``)
         those others are not built here, only opened while idle where already
-        on disk; seconds taken."""
+        on disk (batched graphs, never built on a request: those at the first
+        capacity built, the others left to row-by-row batches); seconds taken."""
         t = time.perf_counter()
         graphs = self.graph_set(captures, batched)
         rows = 2 if batched else 1
-        build = batched or ahead_setting() == "all"        # batched graphs are never built on a request
+        ahead = ahead_setting() == "all"
         for i, capacity in enumerate(capacities):
+            build = ahead or (batched and i == 0)        # batched graphs are never built on a request
             for width in widths:
                 example = functools.partial(self._example, width, capacity, None, captures, rows)
                 if (i == 0 and (ready is None or width in ready)) or (graphs.packages is None and build):

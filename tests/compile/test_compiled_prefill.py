@@ -14,12 +14,18 @@ import torch
 from specdec.compile import forwards, startup
 
 from specdec.model import kv
-from specdec.model.loading import ModelSpec
+from specdec.model.loading import AHEAD_ENV, ModelSpec
 from verifier.engine import TargetModel
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_family):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(AHEAD_ENV, "all")          # the prefill chunks are built at start-up (the default)
+        return compiled_targets(tiny_family)
+
+
+def compiled_targets(tiny_family):
     path = str(tiny_family["target"])
     eager = TargetModel(ModelSpec(path))
     fast = TargetModel(ModelSpec(path), model=eager.model)

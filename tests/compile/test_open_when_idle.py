@@ -18,7 +18,8 @@ import torch
 
 from specdec.compile import forwards, aot
 from specdec.local import DrafterChoice, build_local
-from specdec.model.loading import ModelSpec
+from specdec.model.loading import AHEAD_ENV, ModelSpec
+from specdec.model.masks import causal_allowed
 from specdec.v1 import verifier_pb2
 from verifier.engine import TargetModel
 from verifier.service import VerifierService, VerifierServiceConfig
@@ -29,7 +30,7 @@ LATER = {(w, c) for w in forwards.STARTUP_WIDTHS for c in (FIRST, LARGER)} - REA
 LATER |= {(forwards.PREFILL_WIDTH, c) for c in forwards.PREFILL_CAPACITIES}
 
 
-def test_only_what_a_first_request_needs_opens_at_start_up_and_open_next_opens_the_rest(tiny_family):
+def test_only_what_a_first_request_needs_opens_at_start_up_and_open_next_opens_the_rest(tiny_family, ahead_all):
     target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
     graphs = target.compiled.steps.graphs
     assert READY <= set(graphs) and not LATER & set(graphs)
@@ -39,7 +40,28 @@ def test_only_what_a_first_request_needs_opens_at_start_up_and_open_next_opens_t
     assert LATER <= set(graphs) and not target.compiled.due
 
 
-def test_the_verifier_service_opens_them_while_idle_and_not_beside_a_session(tiny_family):
+def test_ahead_ready_builds_only_the_ready_graphs_and_the_rest_on_first_use(tiny_family, monkeypatch, tmp_path):
+    """``SPECDEC_COMPILE_AHEAD=ready`` on an empty cache: start-up builds only
+    the graphs it opens, leaves nothing due, and a forward at another width
+    builds its package then and gives the eager logits."""
+    monkeypatch.setenv(AHEAD_ENV, "ready")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
+    packages = target.compiled.steps.packages
+    assert packages.is_relative_to(tmp_path)
+    built = {p.name for p in packages.iterdir() if p.suffix in (".so", ".pt2")}
+    assert built == {aot.package_path(packages, w, c, False).with_suffix(".so").name for w, c in READY}
+    assert not target.compiled.due
+    ids, pos = torch.tensor([[3, 5, 7, 9]]), torch.arange(4)[None]     # 4 nodes: a width start-up did not build
+    mask = target.lm.masks(causal_allowed(4, 0)[None], pos, pos)
+    with torch.inference_mode():
+        got = target.compiled.run(target.compiled.new_cache(), ids, pos, mask)
+        want = forwards.eager_run(target.lm, target.lm.new_cache(8), ids, pos, mask)
+    assert torch.allclose(got[2], want[2], atol=1e-4)
+    assert aot.package_built(aot.package_path(packages, 4, FIRST, False))
+
+
+def test_the_verifier_service_opens_them_while_idle_and_not_beside_a_session(tiny_family, ahead_all):
     path = str(tiny_family["target"])
 
     async def main():
@@ -128,7 +150,7 @@ def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_
     assert torch.allclose(got[1], want[1], atol=1e-4)
 
 
-def test_trees_past_the_start_up_widths_are_built_and_opened_before_any_request(tiny_family):
+def test_trees_past_the_start_up_widths_are_built_and_opened_before_any_request(tiny_family, ahead_all):
     target = TargetModel(ModelSpec(str(tiny_family["target"]), compile="on"))
     graphs = target.compiled.steps.graphs
     target.compile_trees(16)                                # the start-up widths serve it: nothing to do
