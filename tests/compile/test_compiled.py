@@ -99,9 +99,17 @@ def test_demo_target_seeded_sampling_reproducible(demo_engines):
 def test_packed_packages_give_the_eager_logits(tiny_family):
     """The packed path (the weights frozen into each package, inductor's CPP
     GEMM), which the rest of the suite leaves off (``tests/conftest.py``)."""
-    forward = forwards.CompiledForward(TargetModel(ModelSpec(str(tiny_family["target"]))).lm, packed=True)
+    lm = TargetModel(ModelSpec(str(tiny_family["target"]))).lm
+    forward = forwards.CompiledForward(lm, packed=True)
     assert forward.packed and forward.steps.weights is None
-    assert startup.check_compiled(forward) is None
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.inference_mode():                  # one packed graph (they build slowly): a one-token step
+        cache, eager_cache = forward.new_cache(), lm.new_cache(8)
+        for c in (cache, eager_cache):
+            lm.hidden(c, ids[:, :4], torch.arange(4)[None], None)
+        got = forward.run(cache, ids[:, 4:], torch.tensor([[4]]), None)
+        want = forwards.eager_run(lm, eager_cache, ids[:, 4:], torch.tensor([[4]]), None)
+    assert got is not None and torch.allclose(got[2], want[2], atol=1e-4) and torch.allclose(got[0], want[0], atol=1e-4)
     assert aot.package_built(aot.package_path(forward.packages, 1, forwards.MIN_CAPACITY, True))
 
 
