@@ -162,7 +162,7 @@ class EngineServicer:
         if job.cancelled() or job.exception() is not None:
             return
         try:
-            self._executor.submit(self.release_session, sid)
+            self._executor.submit(self._timed, self.release_session, (sid,))     # (stats refreshed after it)
         except RuntimeError:                    # shut down: the sessions go with the process
             return
         log.info("released a session opened after its request ended", extra={"role": self.role, "session": sid})
