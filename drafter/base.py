@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from drafter.ahead import draft_forest, likely_stops, stop_scores
 from specdec.model import kv
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import SamplingParams, TreeParams
-from specdec.tree.proposals import ProposalSampler
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
+from specdec.tree.proposals import ProposalSampler
+from drafter.ahead import draft_forest, likely_stops, stop_scores
 
 
 @dataclass

@@ -49,14 +49,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.model import kv, masks
+from specdec.request.errors import FailedPrecondition
+from specdec.request.params import TreeParams
+from specdec.serving.batching import BatchScheduler
+from specdec.tree.build import DraftTree, Frontier, build_tree, tree_from_lists
 from drafter.base import CachedTreeDrafter, Drafter, DraftSession
 from drafter.draft_lm import DraftLmDrafter
 from drafter.eagle.eagle2 import FeatureHeadDrafter
-from specdec.model import kv, masks
-from specdec.serving.batching import BatchScheduler
-from specdec.request.errors import FailedPrecondition
-from specdec.request.params import TreeParams
-from specdec.tree.build import DraftTree, Frontier, build_tree, tree_from_lists
 
 # (session id, tokens to commit first (may be empty), their features [n, H] or None,
 #  tree config or None = VANILLA: no drafting, the tree is the root alone)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
-from specdec.model.causal_lm import CausalLm
 from specdec.compile.startup import compile_target
+from specdec.model.causal_lm import CausalLm
 from specdec.model.loading import ModelSpec, load_causal_lm
+from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
 
 
 class DraftLmDrafter(CachedTreeDrafter):

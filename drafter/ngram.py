@@ -14,9 +14,9 @@ from collections import Counter, defaultdict
 
 import torch
 
-from drafter.base import DraftSession, Drafter
 from specdec.request.params import TreeParams
 from specdec.tree.build import DraftTree, Frontier, build_tree
+from drafter.base import DraftSession, Drafter
 
 
 class NgramIndex:

@@ -32,13 +32,11 @@ from typing import Callable
 import torch
 
 from specdec.model import kv
-
 from specdec.request import wire
-
-from specdec.serving import metrics, tensor_wire
 from specdec.request.errors import InvalidArgument
-from specdec.serving.engine_servicer import EngineServicer
 from specdec.request.params import TreeParams, check_count, check_owner, check_session_id, check_token_ids
+from specdec.serving import metrics, tensor_wire
+from specdec.serving.engine_servicer import EngineServicer
 from specdec.serving.sessions import DEFAULT_LEASE_S
 from specdec.tree.build import tree_from_lists
 from specdec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc

@@ -34,9 +34,9 @@ from abc import ABC, abstractmethod
 
 import grpc
 
+from specdec.request.errors import SpecdecError
 from orchestrator.lease import Leases
 from orchestrator.routing import PROBE_TIMEOUT_S, Endpoint, Pool
-from specdec.request.errors import SpecdecError
 
 log = logging.getLogger("specdec.orchestrator")
 

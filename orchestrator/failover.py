@@ -47,16 +47,16 @@ from typing import Callable
 import grpc
 from prometheus_client import Counter
 
+from specdec.request import wire
+from specdec.request.errors import ResourceExhausted, Unavailable
+from specdec.request.params import TREE_KNOBS, SamplingParams, TreeParams
+from specdec.request.speculative import Committed, Draft
+from specdec.request.wire import TENSOR_DTYPES
+from specdec.serving.metrics import REGISTRY
+from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from orchestrator.backend import Backend, BackendError, Deadline
 from orchestrator.lease import Leases
 from orchestrator.routing import Pool
-from specdec.request import wire
-from specdec.request.errors import ResourceExhausted, Unavailable
-from specdec.serving.metrics import REGISTRY
-from specdec.request.params import TREE_KNOBS, SamplingParams, TreeParams
-from specdec.request.speculative import Committed, Draft
-from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specdec.request.wire import TENSOR_DTYPES
 
 log = logging.getLogger("specdec.orchestrator")
 

@@ -41,13 +41,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specdec.request.errors import InvalidArgument, SpecdecError, Unavailable
+from specdec.request.params import is_request_id
+from specdec.serving.logs import request_id_var
+from specdec.serving.server import status_code_of
 from orchestrator import openai_schema as schema
 from orchestrator.chat_template import ChatTemplate, chat_prompt
 from orchestrator.service import GenerationResult, OrchestratorService
-from specdec.request.errors import InvalidArgument, SpecdecError, Unavailable
-from specdec.serving.logs import request_id_var
-from specdec.request.params import is_request_id
-from specdec.serving.server import status_code_of
 
 TIMEOUT_GRACE_S = 0.1    # the service's own deadline fires first; this cap only catches a stuck call
 CLIENT_CLOSED = 499      # nginx's status for a client that left (nobody reads it)

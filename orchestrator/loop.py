@@ -36,15 +36,15 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from specdec.request import knobs
+from specdec.request.decoding import Decoding
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.request.speculative import Request, speculative_generate
+from specdec.serving import metrics
 from orchestrator.backend import Deadline
 from orchestrator.failover import RemoteDrafter, RemoteVerifier
 from orchestrator.routing import Endpoint, Router
 from orchestrator.text import Delta, TextStream
-from specdec.request import knobs
-from specdec.serving import metrics
-from specdec.request.decoding import Decoding
-from specdec.request.params import SamplingParams, TreeParams
-from specdec.request.speculative import Request, speculative_generate
 
 __all__ = ["Deadline", "Generation", "Job"]
 

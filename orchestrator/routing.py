@@ -40,10 +40,10 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.lease import Leases
 from specdec.request.errors import ResourceExhausted, Unavailable
 from specdec.serving.server import ClientTls, open_channel
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from orchestrator.lease import Leases
 
 log = logging.getLogger("specdec.orchestrator")
 

@@ -32,17 +32,17 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Awaitable, Callable, Sequence
 
+from specdec.request import wire
+from specdec.request.decoding import Decoding, StopCriteria
+from specdec.request.errors import InvalidArgument, Unavailable
+from specdec.request.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
+from specdec.serving import metrics
+from specdec.serving.logs import request_id_var
+from specdec.serving.server import ClientTls, Lifecycle, status_code_of
+from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 from orchestrator.loop import Deadline, Generation, Job
 from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
 from orchestrator.text import Delta, TextStream, TextTokenizer
-from specdec.request import wire
-from specdec.serving import metrics
-from specdec.request.decoding import Decoding, StopCriteria
-from specdec.request.errors import InvalidArgument, Unavailable
-from specdec.serving.logs import request_id_var
-from specdec.request.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
-from specdec.serving.server import ClientTls, Lifecycle, status_code_of
-from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 
 log = logging.getLogger("specdec.orchestrator")
 

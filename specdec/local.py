@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.request.decoding import Decoding, StopCriteria
 from specdec.model.loading import ModelSpec, demo_path, load_tokenizer
+from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.request.speculative import Committed, Draft, Request, speculative_generate
 from specdec.tree.build import tree_from_lists

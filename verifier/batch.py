@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-import specdec.serving.batching
 from specdec.model import kv
 from specdec.request.errors import FailedPrecondition
 from specdec.tree.build import DraftTree
+import specdec.serving.batching
 from verifier.target import TargetSession, VerifyResult, check_tree, select_features
 
 

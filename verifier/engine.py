@@ -21,11 +21,11 @@ import torch
 
 from specdec.model import kv
 from specdec.request.errors import InvalidArgument, ResourceExhausted
+from specdec.request.knobs import check_tree_sizing
 from specdec.request.params import SamplingParams
-from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
-from specdec.request.knobs import check_tree_sizing
+from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdec.request import wire
-
-from specdec.serving import metrics, tensor_wire
-from specdec.serving.engine_servicer import EngineServicer
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import (MAX_LOGPROBS, SamplingParams, check_count, check_owner, check_session_id,
-                            check_token_ids)
+                                    check_token_ids)
+from specdec.serving import metrics, tensor_wire
+from specdec.serving.engine_servicer import EngineServicer
 from specdec.serving.sessions import DEFAULT_LEASE_S
 from specdec.tree.build import tree_from_lists
 from specdec.tree.sizing import restore

@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from specdec.model import kv
-from specdec.tree.acceptance import Acceptance, accept
-from specdec.model.causal_lm import CausalLm
-from specdec.compile.forwards import CAPTURED, STARTUP_WIDTHS, WIDTHS, eager_run, width_bucket
 from specdec.compile.batched import compile_batches
+from specdec.compile.forwards import CAPTURED, STARTUP_WIDTHS, WIDTHS, eager_run, width_bucket
 from specdec.compile.startup import compile_captures, compile_target
-from specdec.request.errors import FailedPrecondition, InvalidArgument
-from specdec.model.masks import tree_allowed
+from specdec.model import kv
+from specdec.model.causal_lm import CausalLm
 from specdec.model.loading import ModelSpec, load_causal_lm
+from specdec.model.masks import tree_allowed
+from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
-from specdec.tree.sampling import History, token_logprobs
+from specdec.tree.acceptance import Acceptance, accept
 from specdec.tree.build import DraftTree
+from specdec.tree.sampling import History, token_logprobs
 
 log = logging.getLogger(__name__)
 

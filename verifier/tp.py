@@ -21,8 +21,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from specdec.request.errors import SpecdecError
 from specdec.model.loading import ModelSpec, load_causal_lm, read_config
+from specdec.request.errors import SpecdecError
 from specdec.request.params import SamplingParams
 from verifier.engine import TargetModel, VerifierEngine
 

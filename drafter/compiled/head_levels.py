@@ -39,10 +39,10 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
-from specdec.model import kv
 from specdec.compile.fixed_graphs import ahead_setting, packed_setting
-from specdec.compile.forwards import PACKED_BUDGET, PAYS, FixedGraphs
 from specdec.compile.fixed_kv import FixedLayer, cache_shape, fixed_buffers, stacked_cache
+from specdec.compile.forwards import PACKED_BUDGET, PAYS, FixedGraphs
+from specdec.model import kv
 from specdec.model.loading import COMPILE_MODES
 from specdec.request.knobs import DEFAULT_EXPAND_K
 

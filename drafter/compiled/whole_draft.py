@@ -43,13 +43,13 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
-from drafter.compiled import head_levels
-from drafter.compiled.head_levels import HEAD_CAPACITY, CompiledHead, HeadKey
-from specdec.model import kv
 from specdec.compile.fixed_graphs import FixedGraphs
 from specdec.compile.fixed_kv import FixedLayer, fixed_buffers
+from specdec.model import kv
 from specdec.request.params import TreeParams
 from specdec.tree.build import LOGP_SLACK, DraftTree
+from drafter.compiled import head_levels
+from drafter.compiled.head_levels import HEAD_CAPACITY, CompiledHead, HeadKey
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
-from drafter.eagle.eagle2_head import TargetHead, load_head, load_target_head
 from specdec.model import kv, masks
 from specdec.model.loading import torch_device
+from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
+from drafter.eagle.eagle2_head import TargetHead, load_head, load_target_head
 
 
 class FeatureHeadDrafter(CachedTreeDrafter):

@@ -26,8 +26,8 @@ from torch import nn
 
 from specdec.model import attention, kv, masks
 from specdec.model.causal_lm import final_logit_transform
-from specdec.request.errors import InvalidArgument
 from specdec.model.loading import causal_lm_class
+from specdec.request.errors import InvalidArgument
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Some released heads also carry a copy of the target's embedding: allowed, unused.

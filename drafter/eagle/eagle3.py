@@ -30,13 +30,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from drafter.eagle import eagle3_layouts as layouts
-from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
-from drafter.eagle.eagle2 import EagleDrafter, FeatureHeadDrafter
-from drafter.eagle.eagle3_head import Eagle3Head, load_head3
-from drafter.eagle.eagle2_head import WEIGHT_FILES, load_target_head
-from specdec.request.errors import InvalidArgument
 from specdec.model.loading import torch_device
+from specdec.request.errors import InvalidArgument
+from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
+from drafter.eagle import eagle3_layouts as layouts
+from drafter.eagle.eagle2 import EagleDrafter, FeatureHeadDrafter
+from drafter.eagle.eagle2_head import WEIGHT_FILES, load_target_head
+from drafter.eagle.eagle3_head import Eagle3Head, load_head3
 
 
 class Eagle3Drafter(FeatureHeadDrafter):

@@ -43,10 +43,10 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from drafter.eagle import eagle3_layouts as layouts
-from drafter.eagle.eagle2_head import head_config_for, read_weights
 from specdec.model import attention, kv, masks
 from specdec.request.errors import InvalidArgument
+from drafter.eagle import eagle3_layouts as layouts
+from drafter.eagle.eagle2_head import head_config_for, read_weights
 
 EMBED_KEY = "embed_tokens.weight"       # optional on disk (module doc)
 

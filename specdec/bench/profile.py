@@ -46,20 +46,20 @@ from pathlib import Path
 
 import torch
 
-from drafter.base import DraftSession
-from drafter.eagle.eagle2 import EagleDrafter
-from drafter.eagle.eagle3 import load_eagle_drafter
-from specdec.model import kv
 from specdec.bench import batch_profile
 from specdec.bench.batch_profile import sync
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
 from specdec.compile.forwards import MIN_CAPACITY, WIDTHS, CompiledForward, width_bucket
 from specdec.compile.startup import compile_target
-from specdec.request.decoding import StopCriteria
+from specdec.model import kv
 from specdec.model.loading import ModelSpec, load_tokenizer
-from specdec.request.params import SamplingParams, TreeParams
 from specdec.procs import feature_layer_flags
+from specdec.request.decoding import StopCriteria
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree.layout import tree_from_lists
+from drafter.base import DraftSession
+from drafter.eagle.eagle2 import EagleDrafter
+from drafter.eagle.eagle3 import load_eagle_drafter
 from verifier.engine import TargetModel, VerifierEngine
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu")

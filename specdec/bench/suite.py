@@ -18,13 +18,13 @@ import torch
 from specdec.bench.calibration import TreeRecorder, calibration_bins
 from specdec.bench.llamacpp_peer import identical_fraction, llamacpp_methods
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
-from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, PEER_METHODS, SPECULATIVE,
-                                  BenchConfig, LocalMethod, Method, PinnedMethod, Prompt, device_name, measure,
-                                  method_tree, other_sizing, stderr_progress, summarize, with_references)
+from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig,
+                                  LocalMethod, Method, PinnedMethod, Prompt, device_name, measure, method_tree,
+                                  other_sizing, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
+from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.procs import pinned_cores
 from specdec.request.decoding import StopCriteria
-from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.request.params import TreeParams
 from drafter.compiled import whole_draft
 from drafter.eagle.eagle3 import Eagle3Drafter

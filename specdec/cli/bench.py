@@ -17,8 +17,8 @@ from pathlib import Path
 
 from specdec.cli.options import (add_compile_flag, add_tree_flags, add_tree_sizing_flag, model_dir, read_prompts,
                                  resolved_min_tau)
-from specdec.request.errors import UsageError
 from specdec.procs import pinned_cores
+from specdec.request.errors import UsageError
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency

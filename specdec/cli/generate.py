@@ -7,10 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.request import knobs
-from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, print_logprobs,
-                                 read_prompts, resolved_min_tau, result_record)
+from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, print_logprobs, read_prompts,
+                                 resolved_min_tau, result_record)
 from specdec.cli.remote import run_remote
+from specdec.request import knobs
 from specdec.request.decoding import StopCriteria
 from specdec.request.errors import UsageError
 from specdec.request.params import MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams

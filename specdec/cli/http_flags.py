@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator.chat_template import ChatTemplate, load_chat_template
-from orchestrator.http import HttpConfig
 from specdec.cli.options import env
 from specdec.request.errors import UsageError
+from orchestrator.chat_template import ChatTemplate, load_chat_template
+from orchestrator.http import HttpConfig
 
 UP_HTTP_PORT = 8000
 NOT_GIVEN = object()     # ``up --http-port`` left out (unlike 'off')

@@ -14,10 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from specdec.request import knobs
-from specdec.request.errors import SpecdecError, UsageError
 from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV,
                                    CUDA_GRAPHS_MODES, PACKED_ENV, demo_path)
+from specdec.request import knobs
+from specdec.request.errors import SpecdecError, UsageError
 from specdec.request.params import PROPOSALS
 
 

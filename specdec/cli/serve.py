@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec.request import knobs
 from specdec.cli.options import add_compile_flag, add_tree_sizing_flag, env, model_dir
-from specdec.request.errors import UsageError
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
+from specdec.request import knobs
+from specdec.request.errors import UsageError
 from specdec.request.params import METHODS, PROPOSALS, TreeParams
 from specdec.serving.server import ServerConfig
 from specdec.serving.sessions import DEFAULT_LEASE_S

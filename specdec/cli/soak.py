@@ -24,8 +24,8 @@ from pathlib import Path
 
 from specdec.cli.generate import add_model_flags
 from specdec.cli.options import model_dir
-from specdec.request.errors import UsageError
 from specdec.procs import feature_layer_flags
+from specdec.request.errors import UsageError
 from specdec.soak.run import DEFAULT_KILLS, Backend, Soak, SoakConfig, SoakError
 from specdec.soak.stack import ROLES, Models, SoakStack, StackError
 

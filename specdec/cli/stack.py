@@ -26,19 +26,19 @@ import json
 import sys
 from pathlib import Path
 
+from specdec.cli.http_flags import add_http_flags, chat_template_from, http_config_from
+from specdec.cli.options import env, run_parsed
+from specdec.cli.serve import add_server_flags, server_config_from
+from specdec.model.loading import demo_path
+from specdec.request import knobs
+from specdec.request.errors import UsageError
+from specdec.request.params import METHODS, TreeParams
+from specdec.serving.server import ClientTls, configure_logging, install_signal_drain, start_server
 from orchestrator.chat_template import MessageRenderer
 from orchestrator.http_server import start_http
 from orchestrator.routing import parse_addresses, split_address
 from orchestrator.service import OrchestratorConfig, OrchestratorService
 from orchestrator.text import TextTokenizer
-from specdec.request import knobs
-from specdec.cli.http_flags import add_http_flags, chat_template_from, http_config_from
-from specdec.cli.options import env, run_parsed
-from specdec.cli.serve import add_server_flags, server_config_from
-from specdec.request.errors import UsageError
-from specdec.model.loading import demo_path
-from specdec.request.params import METHODS, TreeParams
-from specdec.serving.server import ClientTls, configure_logging, install_signal_drain, start_server
 
 ORCHESTRATOR_PORTS = (50051, 9451)    # (gRPC, metrics) defaults
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdec.request.errors import UsageError
 from specdec.model.loading import demo_path
+from specdec.request.errors import UsageError
 
 # The demo family's shapes (the bundled models were trained with these).
 TARGET_SHAPE = dict(hidden=192, layers=20, heads=4, kv_heads=2, intermediate=512)

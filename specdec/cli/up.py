@@ -25,15 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.request import knobs
 from specdec.cli.http_flags import add_up_http_flag, up_http_port
 from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env
 from specdec.cli.stack import ORCHESTRATOR_PORTS
-from specdec.request.errors import UsageError
 from specdec.model.loading import demo_path
-from specdec.request.params import REQUEST_METHODS, VANILLA
 from specdec.procs import (Child, ChildDied, check_alive, feature_layer_flags, ignore_stop_signals, solo_env,
                            solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
+from specdec.request import knobs
+from specdec.request.errors import UsageError
+from specdec.request.params import REQUEST_METHODS, VANILLA
 
 DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from specdec.request.params import TokenLogprob
-from specdec.v1 import orchestrator_pb2
 from specdec.request.wire import logprobs_from_proto
+from specdec.v1 import orchestrator_pb2
 
 
 @dataclass(frozen=True)

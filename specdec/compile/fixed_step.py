@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from specdec.compile.fixed_kv import FixedLayer
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
-from specdec.compile.fixed_kv import FixedLayer
 
 
 class FixedStep(torch.nn.Module):

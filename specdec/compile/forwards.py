@@ -76,13 +76,14 @@ import time
 
 import torch
 
-from specdec.model import kv
-from specdec.model.causal_lm import CausalLm
-from specdec.compile.fixed_graphs import MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs, ahead_setting
+from specdec.compile.fixed_graphs import (MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs,
+                                          ahead_setting)
 from specdec.compile.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
 from specdec.compile.fixed_step import FixedStep
-from specdec.request.knobs import DEFAULT_TOTAL_TOKENS
+from specdec.model import kv
+from specdec.model.causal_lm import CausalLm
 from specdec.model.masks import causal_allowed
+from specdec.request.knobs import DEFAULT_TOTAL_TOKENS
 
 log = logging.getLogger(__name__)
 

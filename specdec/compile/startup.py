@@ -11,10 +11,10 @@ import time
 
 import torch
 
+from specdec.compile.forwards import (ALIBI_REASON, CAPTURED, MIN_CAPACITY, PAYS, PREFILL_CAPACITIES, PREFILL_WIDTH,
+                                      READY_WIDTHS, STARTUP_WIDTHS, CompiledForward, eager_forward, eager_run)
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
-from specdec.compile.forwards import (ALIBI_REASON, CAPTURED, MIN_CAPACITY, PAYS, PREFILL_CAPACITIES, PREFILL_WIDTH,
-                              READY_WIDTHS, STARTUP_WIDTHS, CompiledForward, eager_forward, eager_run)
 from specdec.model.loading import COMPILE_MODES
 
 log = logging.getLogger(__name__)

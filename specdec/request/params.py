@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from specdec.request.errors import InvalidArgument
 from specdec.request.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_PROPOSALS,
-                           DEFAULT_TOTAL_TOKENS)
+                                   DEFAULT_TOTAL_TOKENS)
 from specdec.request.tree_shapes import Shape, check_shape
 
 # The tree methods a drafter implements (specdec.tree.build). A request may also ask

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import (PROPOSALS, REQUEST_METHODS, ChatMessage, GenerationRequest, SamplingParams,
-                            TokenLogprob, TreeParams, TreeRequest, check_max_new_tokens)
+                                    TokenLogprob, TreeParams, TreeRequest, check_max_new_tokens)
 from specdec.v1 import common_pb2, orchestrator_pb2
 
 def _enum_suffix(name: str) -> str:

@@ -38,9 +38,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import AsyncIterator, Awaitable, Callable
 
-from specdec.serving import metrics
 from specdec.request.errors import InvalidArgument, Unavailable
 from specdec.request.params import MAX_LEASED_SESSIONS, check_owner, check_session_id, shown
+from specdec.serving import metrics
 from specdec.serving.server import Lifecycle
 from specdec.serving.sessions import DEFAULT_LEASE_S
 

@@ -26,10 +26,10 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
-from specdec.serving import metrics
 from specdec.request.errors import SpecdecError
-from specdec.serving.logs import request_id_var
 from specdec.request.params import is_request_id
+from specdec.serving import metrics
+from specdec.serving.logs import request_id_var
 
 log = logging.getLogger("specdec.serving.server")
 

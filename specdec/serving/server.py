@@ -39,8 +39,8 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.serving import metrics
 from specdec.request.errors import Unavailable
+from specdec.serving import metrics
 from specdec.serving.interceptor import HEALTH_SERVICE, RpcInterceptor, abort_from, status_code_of
 from specdec.serving.logs import configure_logging, request_id_var
 

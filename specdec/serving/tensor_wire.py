@@ -15,10 +15,10 @@ import math
 import torch
 
 from specdec.request.errors import InvalidArgument
-from specdec.tree.proposals import Proposal, ProposalError, check_proposals
-from specdec.tree.build import DraftTree, TreeError, tree_from_lists
-from specdec.v1 import common_pb2
 from specdec.request.wire import TENSOR_DTYPES
+from specdec.tree.build import DraftTree, TreeError, tree_from_lists
+from specdec.tree.proposals import Proposal, ProposalError, check_proposals
+from specdec.v1 import common_pb2
 
 
 # -- tensors -------------------------------------------------------------------

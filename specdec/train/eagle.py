@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafter.base import CALIBRATION_FILE
-from drafter.eagle.eagle2_head import EagleHead, TargetHead, head_config, head_config_for, save_head
 from specdec.train.data import eval_windows, sample_batch, tokenize_stream
 from specdec.train.loop import TrainConfig, train
+from drafter.base import CALIBRATION_FILE
+from drafter.eagle.eagle2_head import EagleHead, TargetHead, head_config, head_config_for, save_head
 
 
 @dataclass(frozen=True)

@@ -29,16 +29,16 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle import eagle3_layouts as layouts
-from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for, load_head3, save_head
-from drafter.eagle.eagle2_head import TargetHead
 from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
-from specdec.train.data import eval_windows, sample_batch, tokenize_stream
 from specdec.request.errors import InvalidArgument
+from specdec.train.data import eval_windows, sample_batch, tokenize_stream
 from specdec.train.draft_vocab import DraftVocab, choose_draft_vocab, token_counts
 from specdec.train.eagle import calibration_record, write_calibration
 from specdec.train.loop import TrainConfig, train
 from specdec.train.ttt import DEFAULT_STEPS, TttBatch, unrolled_losses
+from drafter.eagle import eagle3_layouts as layouts
+from drafter.eagle.eagle2_head import TargetHead
+from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for, load_head3, save_head
 
 MAX_DRAFT_VOCAB = 32000      # the reference's draft vocabulary (of Llama-3's 128K)
 

@@ -45,10 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.request.params import TreeParams
-from specdec.tree.proposals import Proposal, ProposalSampler
-from specdec.tree.layout import (DraftTree, TreeError, best_positions, subtree, tree_from_lists,
-                                 validate_tree)
 from specdec.request.tree_shapes import default_static_shape
+from specdec.tree.layout import DraftTree, TreeError, best_positions, subtree, tree_from_lists, validate_tree
+from specdec.tree.proposals import Proposal, ProposalSampler
 
 # The layout (DraftTree, its checks, tree_from_lists, subtree) lives in
 # specdec.tree.layout; it is re-exported here, where builders and callers meet.

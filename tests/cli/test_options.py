@@ -5,8 +5,8 @@ SPECDEC_COMPILE_AHEAD (which graphs start-up builds) and SPECDEC_CUDA_GRAPHS (co
 
 import pytest
 
-from specdec.request import knobs
 from specdec.cli.main import build_parser, main
+from specdec.request import knobs
 
 SERVE = (["verifier", "serve"], ["drafter", "serve"])
 

@@ -13,14 +13,8 @@ import pytest
 
 from running_stack import Stack, Tap
 from serving.helpers import SessionWatch
-from specdec.client import (
-    AsyncSpecdecClient,
-    SpecdecClient,
-    SpecdecClientError,
-    SpecdecDeadlineExceeded,
-    SpecdecInvalidArgument,
-    SpecdecUnavailable,
-)
+from specdec.client import (AsyncSpecdecClient, SpecdecClient, SpecdecClientError, SpecdecDeadlineExceeded,
+                            SpecdecInvalidArgument, SpecdecUnavailable)
 from specdec.serving.metrics import REGISTRY
 
 PROMPT = "class Point:"

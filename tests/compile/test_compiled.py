@@ -16,12 +16,11 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec.compile import forwards, aot, startup, fixed_kv
-
-from specdec.model import kv
-from specdec.request.decoding import StopCriteria
+from specdec.compile import aot, fixed_kv, forwards, startup
 from specdec.local import generate
+from specdec.model import kv
 from specdec.model.loading import PACKED_ENV, ModelSpec, demo_path, load_tokenizer
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from verifier.engine import TargetModel, VerifierEngine
 

@@ -17,10 +17,9 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec.compile import forwards, batched, startup, fixed_kv
-
-from specdec.model import kv
+from specdec.compile import batched, fixed_kv, forwards, startup
 from specdec.local import DrafterChoice, build_local
+from specdec.model import kv
 from specdec.model.loading import ModelSpec
 from specdec.request.params import SamplingParams
 from specdec.tree.build import tree_from_lists

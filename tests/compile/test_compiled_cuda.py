@@ -13,15 +13,15 @@ import torch
 from families import BY_NAME
 from trees import assert_same_tree
 
-from drafter.eagle.eagle2 import EagleDrafter
-from drafter.ngram import NgramDrafter
-from specdec.compile import forwards, batched, startup, cuda_graphs
-from specdec.model import kv
-from specdec.request.decoding import StopCriteria
+from specdec.compile import batched, cuda_graphs, forwards, startup
 from specdec.local import generate
+from specdec.model import kv
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree.build import tree_from_lists
+from drafter.eagle.eagle2 import EagleDrafter
+from drafter.ngram import NgramDrafter
 from verifier.engine import TargetModel, VerifierEngine
 
 pytestmark = pytest.mark.cuda

@@ -12,12 +12,12 @@ import random
 import pytest
 from trees import assert_drafts_plain_greedy, assert_same_tree
 
-from drafter.batch import draft_batch
-from drafter.draft_lm import DraftLmDrafter
-from specdec.compile import forwards, fixed_kv
+from specdec.compile import fixed_kv, forwards
 from specdec.model import kv
 from specdec.model.loading import ModelSpec
 from specdec.request.params import SamplingParams, TreeParams
+from drafter.batch import draft_batch
+from drafter.draft_lm import DraftLmDrafter
 
 TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(method="chain", total_tokens=6, depth=5),
          TreeParams(total_tokens=10, depth=3, expand_k=8)]

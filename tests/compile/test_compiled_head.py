@@ -13,10 +13,10 @@ import pytest
 import torch
 from trees import assert_drafts_plain_greedy, assert_same_tree
 
-from drafter.compiled import head_levels
-from drafter.eagle.eagle2 import EagleDrafter
 from specdec.model import kv
 from specdec.request.params import SamplingParams, TreeParams
+from drafter.compiled import head_levels
+from drafter.eagle.eagle2 import EagleDrafter
 
 TREES = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(total_tokens=10, depth=3, expand_k=8),
          TreeParams(method="chain", total_tokens=6, depth=5)]

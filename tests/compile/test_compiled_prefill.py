@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from specdec.compile import forwards, startup
-
 from specdec.model import kv
 from specdec.model.loading import AHEAD_ENV, ModelSpec
 from verifier.engine import TargetModel

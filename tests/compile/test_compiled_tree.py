@@ -13,11 +13,11 @@ import pytest
 import torch
 from trees import assert_drafts_plain_greedy, assert_same_tree
 
+from specdec.model import kv
+from specdec.request.params import SamplingParams, TreeParams
 from drafter.compiled import whole_draft
 from drafter.compiled.head_levels import HEAD_CAPACITY
 from drafter.eagle.eagle2 import EagleDrafter
-from specdec.model import kv
-from specdec.request.params import SamplingParams, TreeParams
 
 DEFAULT = TreeParams()
 

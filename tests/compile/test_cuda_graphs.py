@@ -7,9 +7,9 @@ The recordings themselves run in ``tests/compile/test_compiled_cuda.py``
 import pytest
 import torch
 
-from drafter.compiled.head_levels import HeadStep
 from specdec.compile import cuda_graphs
 from specdec.compile.fixed_step import FixedStep
+from drafter.compiled.head_levels import HeadStep
 
 
 def test_graphs_are_for_cuda_devices_unless_turned_off(monkeypatch):

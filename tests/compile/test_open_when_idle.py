@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specdec.compile import forwards, aot
+from specdec.compile import aot, forwards
 from specdec.local import DrafterChoice, build_local
 from specdec.model.loading import AHEAD_ENV, ModelSpec
 from specdec.model.masks import causal_allowed

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from serving.helpers import drafter_builder, verifier_builder
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
 

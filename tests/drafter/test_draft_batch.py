@@ -12,19 +12,15 @@ import torch
 from serving.helpers import channel_to, drafter_builder, rpc_error, start_drafter
 from trees import assert_same_tree
 
-from drafter.batch import DraftScheduler, draft_batch
 from specdec.model import kv
 from specdec.request import wire
-from specdec.serving import tensor_wire
 from specdec.request.errors import FailedPrecondition, InvalidArgument, NotFound
 from specdec.request.params import SamplingParams, TreeParams
+from specdec.serving import tensor_wire
 from specdec.v1 import common_pb2
-from specdec.v1.drafter_pb2 import (
-    DrafterPrefillRequest,
-    DrafterReleaseRequest,
-    DraftRequest,
-)
+from specdec.v1.drafter_pb2 import DrafterPrefillRequest, DrafterReleaseRequest, DraftRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub
+from drafter.batch import DraftScheduler, draft_batch
 
 # Different methods, sizes and depths: trees of one batch stop at different levels.
 CONFIGS = [

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter.eagle.eagle2 import EagleDrafter
-from drafter.eagle.eagle2_head import load_head
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import TreeParams
+from drafter.eagle.eagle2 import EagleDrafter
+from drafter.eagle.eagle2_head import load_head
 
 LAYOUT = {
     "fc.weight", "fc.bias",

@@ -5,9 +5,9 @@ import json
 import torch
 from transformers import AutoConfig
 
+from drafter.eagle import eagle3_layouts as layouts
 from drafter.eagle.eagle3 import Eagle3Drafter
 from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for, save_head
-from drafter.eagle import eagle3_layouts as layouts
 from serving.helpers import start_drafter
 
 TARGET_LAYERS = 6

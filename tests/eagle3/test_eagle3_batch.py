@@ -11,10 +11,10 @@ import pytest
 import torch
 from trees import assert_same_tree
 
-from drafter.batch import draft_batch
-from drafter.eagle.eagle3 import Eagle3Drafter
 from specdec.model import kv
 from specdec.request.params import SamplingParams, TreeParams
+from drafter.batch import draft_batch
+from drafter.eagle.eagle3 import Eagle3Drafter
 
 CONFIGS = [TreeParams(method="eagle2", total_tokens=12, depth=4, expand_k=3),
            TreeParams(method="eagle2", total_tokens=6, depth=2, expand_k=2),

@@ -8,10 +8,10 @@ import random
 import torch
 from trees import assert_same_tree
 
-from drafter.compiled import head_levels
-from drafter.batch import draft_batch
-from drafter.eagle.eagle3 import Eagle3Drafter
 from specdec.request.params import SamplingParams, TreeParams
+from drafter.batch import draft_batch
+from drafter.compiled import head_levels
+from drafter.eagle.eagle3 import Eagle3Drafter
 
 CONFIGS = [TreeParams(total_tokens=16, depth=6, expand_k=4), TreeParams(total_tokens=10, depth=3, expand_k=8),
            TreeParams(method="chain", total_tokens=6, depth=5)]

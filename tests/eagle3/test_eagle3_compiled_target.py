@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from specdec.compile import forwards, startup
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.model.masks import tree_allowed
 from specdec.model.loading import ModelSpec
-from specdec.request.params import SamplingParams, TreeParams
+from specdec.model.masks import tree_allowed
 from specdec.procs import feature_layer_flags
+from specdec.request.decoding import StopCriteria
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree.build import tree_from_lists
 from verifier.engine import TargetModel
 

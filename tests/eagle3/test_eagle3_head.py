@@ -5,8 +5,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from eagle3_family import DRAFT_VOCAB, TARGET_LAYERS, random_head3, read_config
-from drafter.eagle.eagle3_head import load_head3
 from specdec.model import kv
+from drafter.eagle.eagle3_head import load_head3
 
 
 def reference_shapes(hidden, heads, kv_heads, head_dim, inter, vocab, draft_vocab, target_hidden):

@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_family import TARGET_LAYERS, read_config
-from drafter.eagle import eagle3_layouts as layouts
-from drafter.eagle.eagle3 import Eagle3Drafter
-from drafter.eagle.eagle3_head import load_head3
 from specdec.cli.main import main
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import TreeParams
+from drafter.eagle import eagle3_layouts as layouts
+from drafter.eagle.eagle3 import Eagle3Drafter
+from drafter.eagle.eagle3_head import load_head3
 
 CFG = TreeParams(total_tokens=10, depth=3, expand_k=3)
 

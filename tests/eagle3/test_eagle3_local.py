@@ -5,14 +5,14 @@ draft vocabulary mapped to the right target ids."""
 import pytest
 import torch
 
+from specdec.local import DrafterChoice, build_local, generate
+from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
+from specdec.request.params import METHODS, SamplingParams, TreeParams
+from specdec.tree.build import tree_from_lists
 from drafter.eagle.eagle2 import EagleDrafter
 from drafter.eagle.eagle3 import Eagle3Drafter, is_eagle3_head, load_eagle_drafter
 from drafter.eagle.eagle3_head import load_head3
-from specdec.request.decoding import StopCriteria
-from specdec.local import DrafterChoice, build_local, generate
-from specdec.model.loading import ModelSpec
-from specdec.request.params import METHODS, SamplingParams, TreeParams
-from specdec.tree.build import tree_from_lists
 
 from eagle3_family import DRAFT_VOCAB, TARGET_LAYERS
 

@@ -6,15 +6,15 @@ proposals put no mass outside the draft vocabulary."""
 import pytest
 import torch
 
+from specdec.local import generate
+from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.tree import acceptance
+from specdec.tree.sampling import target_probs
 from drafter.eagle import eagle3_layouts as layouts
 from drafter.eagle.eagle3 import Eagle3Drafter
 from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for
-from specdec.tree import acceptance
-from specdec.request.decoding import StopCriteria
-from specdec.local import generate
-from specdec.model.loading import ModelSpec
-from specdec.request.params import SamplingParams, TreeParams
-from specdec.tree.sampling import target_probs
 from stats import chi2_sf
 from verifier.engine import TargetModel, VerifierEngine
 

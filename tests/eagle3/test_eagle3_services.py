@@ -12,8 +12,8 @@ import torch
 
 from running_stack import Stack
 from serving.helpers import channel_to, rpc_error
-from specdec.serving import tensor_wire
 from specdec.client import SpecdecClient
+from specdec.serving import tensor_wire
 from specdec.serving.metrics import REGISTRY
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub

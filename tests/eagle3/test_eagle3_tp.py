@@ -18,11 +18,11 @@ import torch
 from drafter.eagle.eagle3 import Eagle3Drafter
 from eagle3_family import add_eagle3_drafter
 from running_stack import Stack, start_orchestrator
-from specdec.request import wire
-from specdec.serving import tensor_wire
 from specdec.client import SpecdecClient
 from specdec.model.loading import ModelSpec
+from specdec.request import wire
 from specdec.request.params import SamplingParams
+from specdec.serving import tensor_wire
 from specdec.tree.build import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier.engine import TargetModel, VerifierEngine

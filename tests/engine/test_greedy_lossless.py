@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams
 from specdec.request.params import METHODS, TreeParams
 from specdec.tree.sizing import TreeSizer, sizes_up_to

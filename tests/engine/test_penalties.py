@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import METHODS, SamplingParams, TreeParams
-from specdec.tree.sampling import History, TokenCounts, target_probs
 from specdec.tree.build import tree_from_lists
+from specdec.tree.sampling import History, TokenCounts, target_probs
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
 from stats import chi2_sf

@@ -6,13 +6,13 @@ exact joint (enumerated), and a deliberately broken residual step is caught."""
 import pytest
 import torch
 
-import specdec.tree.acceptance as acceptance
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams
-from specdec.tree.sampling import target_probs
 from specdec.request.params import TreeParams
+from specdec.tree.sampling import target_probs
+import specdec.tree.acceptance as acceptance
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
 from stats import chi2_sf

@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
+from specdec.request.errors import InvalidArgument
 from orchestrator.chat_template import ChatTemplate, chat_prompt, load_chat_template, special_tokens
 from orchestrator.text import TextTokenizer
-from specdec.request.errors import InvalidArgument
 
 # A template in the style of real ones: loop controls, tojson, generation
 # blocks, raise_exception, whitespace control.

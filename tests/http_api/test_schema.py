@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import openai_schema as schema
 from specdec.request.errors import InvalidArgument
+from orchestrator import openai_schema as schema
 
 
 def completion(**fields) -> schema.CompletionRequest:

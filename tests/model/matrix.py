@@ -18,12 +18,12 @@ import argparse
 import torch
 from families import FAMILIES, build_model
 
-from drafter.draft_lm import DraftLmDrafter
-from drafter.ngram import NgramDrafter
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
+from drafter.draft_lm import DraftLmDrafter
+from drafter.ngram import NgramDrafter
 from verifier.engine import TargetModel, VerifierEngine
 
 VOCAB = 64

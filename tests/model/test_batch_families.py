@@ -10,12 +10,12 @@ import pytest
 import torch
 from families import BY_NAME
 
-from drafter.batch import draft_batch
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.request.speculative import cycle_tree
+from drafter.batch import draft_batch
 from verifier.batch import verify_batch
 
 NEW = 20

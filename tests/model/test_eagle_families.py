@@ -7,12 +7,12 @@ same way, drafts with it token-identical to vanilla."""
 import pytest
 from families import BY_NAME
 
-from drafter.eagle.eagle2 import EagleDrafter
 from specdec.cli.main import main
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
+from drafter.eagle.eagle2 import EagleDrafter
 from verifier.engine import TargetModel, VerifierEngine
 
 TEXT = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n\n"

@@ -10,9 +10,9 @@ import pytest
 import torch
 from families import FAMILIES, NARROW
 
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 
 NEW = 20

@@ -7,9 +7,9 @@ import pytest
 import torch
 from families import BY_NAME
 
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 
 NEW = 16

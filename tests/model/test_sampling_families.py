@@ -9,13 +9,13 @@ import torch
 from families import BY_NAME, build_model
 from stats import chi2_sf
 
-from drafter.draft_lm import DraftLmDrafter
-from specdec.model import causal_lm
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
+from specdec.model import causal_lm
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree.sampling import target_probs
+from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
 
 V, NEW, RUNS = 5, 3, 1500

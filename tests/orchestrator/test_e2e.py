@@ -10,13 +10,8 @@ import pytest
 
 from running_stack import Stack, Tap
 from serving.helpers import SessionWatch
-from specdec.client import (
-    SpecdecClient,
-    SpecdecDeadlineExceeded,
-    SpecdecInvalidArgument,
-    SpecdecUnauthenticated,
-    SpecdecUnavailable,
-)
+from specdec.client import (SpecdecClient, SpecdecDeadlineExceeded, SpecdecInvalidArgument, SpecdecUnauthenticated,
+                            SpecdecUnavailable)
 from specdec.serving.metrics import REGISTRY
 from trees import CutTo
 

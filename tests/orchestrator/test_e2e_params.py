@@ -8,9 +8,9 @@ import pytest
 
 from running_stack import Stack
 from specdec.client import SpecdecClient, SpecdecInvalidArgument
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
 from specdec.model.loading import load_tokenizer
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.v1 import common_pb2
 from specdec.v1.orchestrator_pb2 import ChatMessage, CompleteRequest, GenerateRequest

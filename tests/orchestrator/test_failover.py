@@ -26,13 +26,13 @@ import torch
 from orchestrator.failover import FeatureLog
 from running_stack import Stack, alive
 from serving.helpers import channel_to, drafter_builder, rpc_error, start_verifier, verifier_builder
-from specdec.request import wire
-from specdec.serving import tensor_wire
 from specdec.client import SpecdecClient, SpecdecClientError, SpecdecUnavailable
+from specdec.request import wire
 from specdec.request.errors import FailedPrecondition, SpecdecError
-from specdec.serving.metrics import REGISTRY
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
+from specdec.serving import tensor_wire
+from specdec.serving.metrics import REGISTRY
 from specdec.tree.build import tree_from_lists
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub

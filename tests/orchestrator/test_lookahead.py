@@ -14,11 +14,11 @@ from running_stack import Stack
 from running_stack import Tap
 from serving.helpers import drafter_builder, rpc_error, verifier_builder
 from specdec.client import SpecdecClient
-from specdec.request.decoding import StopCriteria
 from specdec.local import generate
-from specdec.serving.metrics import REGISTRY
 from specdec.model.loading import load_tokenizer
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
+from specdec.serving.metrics import REGISTRY
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import DraftAheadRequest, DrafterPrefillRequest, DraftRequest
 from specdec.v1.drafter_pb2_grpc import DrafterServiceStub

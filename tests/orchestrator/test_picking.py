@@ -8,9 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from orchestrator.routing import REPROBE_AFTER_S, SLOW_PROBES, Discovery, Pool, parse_addresses, split_address
 from specdec.request.errors import ResourceExhausted, Unavailable
 from specdec.v1 import verifier_pb2
+from orchestrator.routing import REPROBE_AFTER_S, SLOW_PROBES, Discovery, Pool, parse_addresses, split_address
 
 
 # -- picking, unit level ----------------------------------------------------------------

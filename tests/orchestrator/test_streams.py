@@ -21,20 +21,20 @@ import pytest
 from running_stack import Stack, start_orchestrator
 from serving.helpers import channel_to, rpc_error, start_verifier
 
+from specdec.client import SpecdecClient
+from specdec.request import wire
+from specdec.request.errors import Unavailable
+from specdec.request.params import SamplingParams
+from specdec.request.speculative import Draft
+from specdec.serving import tensor_wire
+from specdec.serving.metrics import REGISTRY
+from specdec.tree.build import tree_from_lists
+from specdec.v1 import verifier_pb2
+from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 from orchestrator.backend import BackendError, Deadline
 from orchestrator.failover import RemoteVerifier
 from orchestrator.lease import Leases
 from orchestrator.routing import Discovery, Pool
-from specdec.request import wire
-from specdec.serving import tensor_wire
-from specdec.client import SpecdecClient
-from specdec.request.errors import Unavailable
-from specdec.serving.metrics import REGISTRY
-from specdec.request.params import SamplingParams
-from specdec.request.speculative import Draft
-from specdec.tree.build import tree_from_lists
-from specdec.v1 import verifier_pb2
-from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 
 PROMPT = "class Point:"
 N = 40

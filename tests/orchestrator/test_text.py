@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from orchestrator.text import REPLACEMENT, IncrementalDetokenizer, TextStream, TextTokenizer, validate_stop_strings
 from specdec.request.decoding import Decoding, StopCriteria
+from orchestrator.text import REPLACEMENT, IncrementalDetokenizer, TextStream, TextTokenizer, validate_stop_strings
 
 MIXED = "def f():  # 你好, wörld 🎉🚀 — ok\n    return '日本語' + \"ü\"\n"
 

@@ -12,9 +12,9 @@ import pytest
 
 from specdec.request import knobs
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import (MAX_ID_CHARS, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, METHODS, PROPOSALS,
-                            REQUEST_METHODS, VANILLA, GenerationRequest, SamplingParams, TreeParams, TreeRequest,
-                            check_count, check_session_id, is_request_id)
+from specdec.request.params import (MAX_ID_CHARS, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, METHODS,
+                                    PROPOSALS, REQUEST_METHODS, VANILLA, GenerationRequest, SamplingParams, TreeParams,
+                                    TreeRequest, check_count, check_session_id, is_request_id)
 
 NAN, INF = math.nan, math.inf
 

@@ -17,15 +17,8 @@ import pytest
 
 from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
-from specdec.request.speculative import (
-    Committed,
-    Draft,
-    Request,
-    cycle_tree,
-    overlap,
-    shared_tree_tokens,
-    speculative_generate,
-)
+from specdec.request.speculative import (Committed, Draft, Request, cycle_tree, overlap, shared_tree_tokens,
+                                         speculative_generate)
 
 VOCAB = 50
 GREEDY = SamplingParams()

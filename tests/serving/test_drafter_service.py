@@ -7,9 +7,9 @@ import torch
 
 from serving.helpers import channel_to, eventually, rpc_error, start_drafter
 from specdec.request import wire
-from specdec.serving import tensor_wire
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
+from specdec.serving import tensor_wire
 from specdec.v1 import common_pb2
 from specdec.v1.drafter_pb2 import (DrafterCommitRequest, DrafterGetInfoRequest, DrafterPrefillRequest,
                                     DrafterReleaseRequest, DrafterRollbackRequest, DraftRequest)

@@ -24,9 +24,9 @@ from serving.helpers import channel_to, load_verifier, rpc_error, start_verifier
 from specdec.request import errors
 from specdec.serving.logs import JsonFormatter, request_id_var
 from specdec.serving.server import ClientTls, ServerConfig, open_channel, start_server, status_code_of
+from specdec.v1.common_pb2 import DraftTree
 from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequest, VerifierReleaseRequest,
                                      VerifyRequest)
-from specdec.v1.common_pb2 import DraftTree
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 
 CODE = grpc.StatusCode

@@ -10,13 +10,12 @@ import time
 import grpc
 import pytest
 
-from specdec.request import wire
-
-from specdec.serving import tensor_wire
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.request.decoding import StopCriteria
 from specdec.model.loading import ModelSpec
+from specdec.request import wire
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams
+from specdec.serving import tensor_wire
 from specdec.tree.build import tree_from_lists
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
 

@@ -10,10 +10,10 @@ import torch
 
 from serving.helpers import channel_to, rpc_error, start_verifier
 from specdec.request import wire
-from specdec.serving import tensor_wire
-from specdec.serving.metrics import REGISTRY
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
+from specdec.serving import tensor_wire
+from specdec.serving.metrics import REGISTRY
 from specdec.tree.build import tree_from_lists
 from specdec.v1 import common_pb2
 from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequest, VerifierReleaseRequest,

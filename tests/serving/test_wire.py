@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from specdec.request import wire
-
-from specdec.serving import tensor_wire
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import SamplingParams
 from specdec.request.params import METHODS, TreeParams
+from specdec.serving import tensor_wire
 from specdec.tree.build import DraftTree, tree_from_lists
 from specdec.v1 import common_pb2
 

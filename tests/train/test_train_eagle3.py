@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafter.base import read_value_temperature
-from drafter.eagle.eagle3_head import load_head3
 from specdec.cli.main import main
 from specdec.train.draft_vocab import choose_draft_vocab, draft_target_ids, token_counts
 from specdec.train.eagle3 import (computes_the_same, corpus_draft_vocab, eagle3_losses, new_head, target_batch,
                                   training_feature_layers)
 from specdec.train.ttt import shifted, step_weights, ttt_allowed, unrolled_hidden, unrolled_losses
+from drafter.base import read_value_temperature
+from drafter.eagle.eagle3_head import load_head3
 from tiny import CORPUS, build_family
 
 DRAFT_VOCAB = 48

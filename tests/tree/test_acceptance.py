@@ -6,10 +6,10 @@ from functools import partial
 import pytest
 import torch
 
-from specdec.tree.acceptance import Acceptance, accept, accept_greedy, accept_sampling
 from specdec.request.params import SamplingParams
-from specdec.tree.sampling import make_generator, target_probs
+from specdec.tree.acceptance import Acceptance, accept, accept_greedy, accept_sampling
 from specdec.tree.build import DraftTree, tree_from_lists
+from specdec.tree.sampling import make_generator, target_probs
 from stats import chi2_pvalue
 
 P_MIN = 1e-4  # chi-square p-value below which a distribution check fails

@@ -11,14 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.request.params import METHODS, TreeParams
-from specdec.tree.build import (
-    DraftTree,
-    Frontier,
-    TreeError,
-    build_tree,
-    validate_tree,
-)
 from specdec.request.tree_shapes import check_shape, default_static_shape
+from specdec.tree.build import DraftTree, Frontier, TreeError, build_tree, validate_tree
 
 # ---------------------------------------------------------------- helpers
 

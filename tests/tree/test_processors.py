@@ -10,8 +10,8 @@ import torch
 
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import MAX_LOGPROBS, ChatMessage, GenerationRequest, SamplingParams, choice_seed
-from specdec.tree.sampling import History, greedy_tokens, penalize, target_probs, token_logprobs
 from specdec.tree.build import tree_from_lists
+from specdec.tree.sampling import History, greedy_tokens, penalize, target_probs, token_logprobs
 
 V = 12
 

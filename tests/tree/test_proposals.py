@@ -11,13 +11,13 @@ from collections import Counter
 import pytest
 import torch
 
-import specdec.tree.acceptance as acceptance
-from specdec.tree.acceptance import accept_sampling
-from specdec.tree.proposals import Proposal, ProposalError, ProposalSampler, check_proposals
 from specdec.request.params import SamplingParams
-from specdec.tree.sampling import make_generator, target_probs
 from specdec.request.params import TreeParams
+from specdec.tree.acceptance import accept_sampling
 from specdec.tree.build import build_tree, sampled_level_budget
+from specdec.tree.proposals import Proposal, ProposalError, ProposalSampler, check_proposals
+from specdec.tree.sampling import make_generator, target_probs
+import specdec.tree.acceptance as acceptance
 from stats import chi2_pvalue
 
 V, NEW, RUNS = 5, 3, 6000

@@ -7,11 +7,10 @@ import itertools
 import pytest
 import torch
 
-from specdec.tree.proposals import Proposal
-from specdec.tree.layout import DraftTree, tree_from_lists
 from specdec.request.knobs import check_tree_sizing
-from specdec.tree.sizing import (EXPLORE_EVERY, TreeSizer, best_size, monotone_values, restore,
-                                 sizes_up_to, width_of)
+from specdec.tree.layout import DraftTree, tree_from_lists
+from specdec.tree.proposals import Proposal
+from specdec.tree.sizing import EXPLORE_EVERY, TreeSizer, best_size, monotone_values, restore, sizes_up_to, width_of
 
 COSTS = {1: 3e-3, 2: 3.2e-3, 4: 5e-3, 8: 8e-3, 16: 10e-3}
 

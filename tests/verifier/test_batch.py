@@ -7,13 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specdec.request.errors import FailedPrecondition, NotFound
 from specdec.local import DrafterChoice, build_local, generate
-from specdec.request.speculative import cycle_tree
-from specdec.request.decoding import StopCriteria
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
+from specdec.request.errors import FailedPrecondition, NotFound
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
+from specdec.request.speculative import cycle_tree
 from specdec.tree.build import tree_from_lists
 from verifier.batch import BatchScheduler, verify_batch
 

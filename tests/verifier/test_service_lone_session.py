@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams
 from specdec.v1 import common_pb2, verifier_pb2
 from verifier.service import VerifierService, VerifierServiceConfig

@@ -2,9 +2,9 @@
 
 import pytest
 
-from specdec.request.decoding import StopCriteria
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
+from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
 from verifier.tp import check_tp_degree, launch
