@@ -30,8 +30,12 @@ protos-check: setup
 run: setup
 	$(VENV)/bin/specdec up --demo-generation
 
+# Two workers, a test file each at a time (module fixtures stay with their file):
+# most of a cold run is compiling packages, one g++ at a time per worker.
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 bench: setup
 	$(PY) -m pytest -q -m slow

@@ -147,7 +147,7 @@ def test_a_failed_check_turns_the_batched_graphs_off_with_one_line(tiny_family, 
     assert len(lines) == 1 and "batched logits differ (test)" in lines[0] and "row by row" in lines[0]
 
 
-def test_a_batching_verifier_service_builds_them_before_readiness_and_opens_them_while_idle(tiny_family):
+def test_a_batching_verifier_service_builds_them_before_readiness_and_opens_them_while_idle(tiny_family, ahead_all):
     path = str(tiny_family["target"])
 
     async def main():
