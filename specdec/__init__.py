@@ -8,7 +8,8 @@ modules ``procs`` and ``local`` beside them), then what the services share
 torch-free request layer (``request``) and the generated messages (``v1``).
 ``protos_build`` regenerates ``v1`` (``make protos``).
 
-The import contracts in pyproject.toml hold each package to its layer.
+May import: each package only those below its layer; the import contracts
+in pyproject.toml (``tests/test_layers.py``) hold each package to it.
 """
 
 __version__ = "0.1.0"

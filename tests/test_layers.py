@@ -143,3 +143,22 @@ def test_no_module_is_over_500_lines():
     long = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not long, f"split these (at most {MAX_LINES} lines): " + ", ".join(
         f"{name} ({n})" for name, n in sorted(long.items()))
+
+
+# -- the layout ------------------------------------------------------------------------------
+APPLICATION_MODULES = {"__init__.py", "local.py", "procs.py", "protos_build.py"}
+
+
+def test_specdec_holds_packages_not_modules():
+    """The core lives in packages named for their layers; directly in specdec/
+    only the application's entry points beside them (DESIGN.md §9)."""
+    flat = {p.name for p in (ROOT / "specdec").glob("*.py")}
+    assert flat == APPLICATION_MODULES, f"move these into the package of their layer: {sorted(flat - APPLICATION_MODULES)}"
+
+
+def test_every_package_says_what_it_is_and_what_it_may_import():
+    packages = sorted(p.parent for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")
+                      if p.parent != GENERATED)
+    missing = [rel(p) for p in packages
+               if "May import:" not in (ast.get_docstring(ast.parse((p / "__init__.py").read_text())) or "")]
+    assert len(packages) >= 16 and not missing, f"docstrings without a 'May import:' line: {missing}"
