@@ -138,7 +138,8 @@ class EngineServicer:
         """``fn(*args)``, which opens session ``sid``, on the worker thread ->
         (result, seconds it ran); the session goes under ``owner``'s lease ("":
         none). An RPC that ends while the call is queued skips it; one that ends
-        while it runs gets the session released when it lands."""
+        while it runs gets the session released when it lands, and so does one
+        cancelled after the call landed but before its answer went out."""
         ctx = contextvars.copy_context()
         job = self._submit(ctx.run, self._timed, self._open, (sid, owner, fn, args), True)
         try:
@@ -150,6 +151,9 @@ class EngineServicer:
         if rpc_ended(context):
             await self.run(self.release_session, sid, shield=True)
             raise TimeoutError(f"the request ended while session {shown(sid)} was opening; it was released")
+        if context is not None:
+            # a cancel the handler did not see before it returned (the client has no answer): release then
+            context.add_done_callback(lambda ended: ended.cancelled() and self._release_landed(sid, job))
         return result
 
     def _open(self, sid: str, owner: str, fn: Callable, args: tuple):
@@ -162,10 +166,13 @@ class EngineServicer:
         if job.cancelled() or job.exception() is not None:
             return
         try:
-            self._executor.submit(self._timed, self.release_session, (sid,))     # (stats refreshed after it)
+            self._executor.submit(self._timed, self._release_ended, (sid,))     # (stats refreshed after it)
         except RuntimeError:                    # shut down: the sessions go with the process
             return
-        log.info("released a session opened after its request ended", extra={"role": self.role, "session": sid})
+
+    def _release_ended(self, sid: str) -> None:
+        if self.release_session(sid):
+            log.info("released a session opened after its request ended", extra={"role": self.role, "session": sid})
 
     async def serve_session(self, requests: AsyncIterator, context, steps: dict[str, Callable[..., Awaitable]],
                             response_type) -> AsyncIterator:

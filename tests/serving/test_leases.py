@@ -157,3 +157,43 @@ async def eventually_async(call, holds, timeout: float = 30.0) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+class EndingContext:
+    """A servicer context whose RPC is cancelled only after the handler has
+    returned (the cancel reached the server too late for the handler to see)."""
+
+    def __init__(self):
+        self.ended, self.callbacks = False, []
+
+    def cancelled(self) -> bool:
+        return self.ended
+
+    def time_remaining(self):
+        return None
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def end(self, cancelled: bool) -> None:
+        self.ended = cancelled
+        for callback in self.callbacks:
+            callback(self)
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_cancelled_after_its_handler_returned_is_released(tiny_family):
+    """The handler returned the answer, then the RPC ended cancelled (the client
+    never got it): the session is released; one whose RPC ends well stays."""
+    server, servicer = await start_verifier(tiny_family, metrics_port=None)
+    try:
+        for sid, cancelled in (("late-cancel", True), ("answered", False)):
+            context = EndingContext()
+            await servicer.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT), context)
+            assert sid in servicer.sessions and context.callbacks
+            context.end(cancelled)
+        assert await eventually(lambda: "late-cancel" not in servicer.sessions)
+        await asyncio.sleep(0.2)                        # the worker thread has nothing left to release
+        assert "answered" in servicer.sessions and evicted(servicer) == set()
+    finally:
+        await server.stop()
