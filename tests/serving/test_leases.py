@@ -55,6 +55,17 @@ def test_a_lapsed_lease_is_evicted_and_an_unowned_session_keeps_the_ttl():
     assert table.evict_idle() == ["unowned"]
 
 
+async def renew_kept_until_dropped_is_evicted(renew, servicer) -> list:
+    """Renew "kept" (``await renew()``) every quarter lease for at least four
+    leases, then until "dropped" is evicted (30 s at most): the answers."""
+    answers, start = [], time.monotonic()
+    while time.monotonic() < start + 4 * LEASE_S or ("dropped" in servicer.sessions
+                                                     and time.monotonic() < start + 30):
+        answers.append(await renew())
+        await asyncio.sleep(LEASE_S / 4)
+    return answers
+
+
 # -- the servers -------------------------------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_verifier_evicts_sessions_whose_lease_lapsed(tiny_family):
@@ -64,12 +75,9 @@ async def test_verifier_evicts_sessions_whose_lease_lapsed(tiny_family):
             stub = VerifierServiceStub(ch)
             for sid, owner in (("kept", "orch-1"), ("dropped", "orch-1"), ("tool", "")):
                 await stub.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT, owner=owner))
-            start = time.monotonic()                # renewing "kept" past its lease, until "dropped" is evicted
-            while time.monotonic() < start + 4 * LEASE_S or ("dropped" in servicer.sessions
-                                                             and time.monotonic() < start + 30):
-                answer = await stub.Renew(VerifierRenewRequest(owner="orch-1", session_ids=["kept"]))
+            for answer in await renew_kept_until_dropped_is_evicted(
+                    lambda: stub.Renew(VerifierRenewRequest(owner="orch-1", session_ids=["kept"])), servicer):
                 assert answer.renewed == 1 and answer.lease_s == pytest.approx(LEASE_S)
-                await asyncio.sleep(LEASE_S / 4)
             assert "kept" in servicer.sessions and "tool" in servicer.sessions
             assert "dropped" not in servicer.sessions
             assert (await stub.GetInfo(VerifierGetInfoRequest())).active_sessions == 2
@@ -93,11 +101,9 @@ async def test_drafter_evicts_sessions_whose_lease_lapsed(tiny_family):
             stub = DrafterServiceStub(ch)
             for sid, owner in (("kept", "orch-1"), ("dropped", "orch-1"), ("tool", "")):
                 await stub.Prefill(DrafterPrefillRequest(session_id=sid, token_ids=PROMPT, owner=owner))
-            start = time.monotonic()                # renewing "kept" past its lease, until "dropped" is evicted
-            while time.monotonic() < start + 4 * LEASE_S or ("dropped" in servicer.sessions
-                                                             and time.monotonic() < start + 30):
-                assert (await stub.Renew(DrafterRenewRequest(owner="orch-1", session_ids=["kept"]))).renewed == 1
-                await asyncio.sleep(LEASE_S / 4)
+            for answer in await renew_kept_until_dropped_is_evicted(
+                    lambda: stub.Renew(DrafterRenewRequest(owner="orch-1", session_ids=["kept"])), servicer):
+                assert answer.renewed == 1
             assert (await stub.GetInfo(DrafterGetInfoRequest())).active_sessions == 2
             assert "dropped" not in servicer.sessions
     finally:
