@@ -102,6 +102,11 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         finally:
             engine.release(sid)
 
+    async def aclose(self) -> None:
+        if self.scheduler is not None:          # its batching task ends with the server, not after the loop
+            await self.scheduler.close()
+        await super().aclose()
+
     def _evict(self) -> list[str]:
         # an engine replicated over tensor-parallel ranks evicts on every rank
         evict = getattr(self.engine, "evict_idle", None)

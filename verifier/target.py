@@ -268,12 +268,12 @@ def check_tokens(target: TargetModel, tokens: list[int], what: str) -> None:
 
 def check_tree(target: TargetModel, sess: TargetSession, tree: DraftTree) -> None:
     """A tree rooted at the session's pending token, inside the vocabulary and the context."""
-    root = int(tree.tokens[0])
+    root = tree.token_list[0]
     if root != sess.tokens[-1]:
         raise FailedPrecondition(
             f"tree root token {root} is not the session's last committed token {sess.tokens[-1]}")
-    check_tokens(target, tree.tokens.tolist(), "tree token")
-    deepest = sess.prefix_len + int(tree.depths.max())
+    check_tokens(target, tree.token_list, "tree token")
+    deepest = sess.prefix_len + max(tree.depth_list)
     if deepest >= target.max_positions:
         raise InvalidArgument(f"tree reaches position {deepest}, beyond the model's context of "
                               f"{target.max_positions} tokens")

@@ -142,8 +142,13 @@ class CompiledHead:
         dev = self.device
         mask = self.padded_mask(allowed, width, fixed.stack.shape[4]).to(dev)
         pad = width - k
-        tokens = torch.cat([tokens.to(dev), tokens.new_zeros(pad, device=dev)])[None]
-        positions = torch.cat([positions.to(dev), positions[-1:].to(dev).expand(pad)])[None]
+        if tokens.device == positions.device and tokens.dtype == positions.dtype:
+            # padded where they are (the host, from the tree builder), then one copy to the device
+            tokens, positions = torch.stack([torch.cat([tokens, tokens.new_zeros(pad)]),
+                                             torch.cat([positions, positions[-1:].expand(pad)])]).to(dev)[:, None]
+        else:
+            tokens = torch.cat([tokens.to(dev), tokens.new_zeros(pad, device=dev)])[None]
+            positions = torch.cat([positions.to(dev), positions[-1:].to(dev).expand(pad)])[None]
         parent = torch.cat([parent_hidden.to(dev, self.dtype),
                             parent_hidden.new_zeros(pad, parent_hidden.shape[1], device=dev, dtype=self.dtype)])[None]
         slots = torch.arange(past, past + width, device=dev)

@@ -140,6 +140,11 @@ class CompiledTree:
         self.levels = min(cfg.depth, cfg.total_tokens - 1)
         self.expand_k, self.total = cfg.expand_k, cfg.total_tokens
         self.drafts = 0                          # drafts this graph served (``draft``)
+        # the graph's scalar inputs, kept on the device and filled per draft (a fill, not a copy up);
+        # drafts run one at a time, on the engine's one thread (``specdec.serving.engine_servicer``)
+        dev = head.device
+        self.root, self.committed = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(2))
+        self.temperature = torch.ones(1, device=dev)
         step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total).eval()
         # keyed as the levels' packages are, and by the level module it reads the head through
         sources = tuple({inspect.getfile(type(m)) for m in self.drafter.head.modules()}
@@ -174,14 +179,25 @@ class CompiledTree:
         dev = self.head.device
         committed = kv.seq_len(cache)
         graph = self.graphs.get(self.expand_k, HEAD_CAPACITY, self._example)
+        self.root.fill_(root_token)
+        self.committed.fill_(committed)
+        self.temperature.fill_(float(temperature))
         tokens, parents, depths, values, hidden, ok = graph(
-            torch.tensor([root_token], device=dev), root_hidden.to(dev, torch.float32).reshape(-1),
-            root_logp.to(dev).reshape(-1), torch.tensor([committed], device=dev),
-            torch.tensor([float(temperature)], device=dev), fixed.stack)
-        if not bool(ok):
+            self.root, root_hidden.to(dev, torch.float32).reshape(-1), root_logp.to(dev).reshape(-1),
+            self.committed, self.temperature, fixed.stack)
+        # the draft's one read of the tree: the flag, then tokens, parents, depths and values
+        # (token ids < 2**53 and fp32 values are exact in fp64)
+        n = tokens.shape[0]
+        read = torch.cat([ok.reshape(1).double(), tokens.double(), parents.double(), depths.double(),
+                          values.double()]).tolist()
+        if not read[0]:
             return None
         self.drafts += 1
-        return DraftTree(tokens.cpu(), parents.cpu(), depths.cpu(), values.cpu()), hidden.cpu()
+        toks, pars, deps = ([int(v) for v in read[1 + i * n:1 + (i + 1) * n]] for i in range(3))
+        structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read
+        tree = DraftTree(structure[0], structure[1], structure[2], torch.tensor(read[1 + 3 * n:], dtype=torch.float32),
+                         lists=(toks, pars, deps))
+        return tree, hidden.cpu()
 
     def warm(self) -> float:
         """Build (or load) the graph and run it once; seconds taken."""

@@ -7,6 +7,7 @@ instead, all in one process on the same machine.
 - ``peers``: transformers' own generate (plain, assisted, prompt lookup);
 - ``llamacpp_peer``: llama.cpp on a GGUF export of the same weights (opt-in methods);
 - ``profile``: ``specdec bench profile``, where a step's time goes (eager and compiled);
+- ``cycle_profile``: ``specdec bench profile --cycle``, host syncs, eager operators and replays per cycle;
 - ``services``: the same methods through the gRPC services (``--grpc``);
 - ``calibration``: draft confidence vs acceptance (Figure 6);
 - ``report``: markdown table and PNG plots;

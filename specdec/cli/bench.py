@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from specdec.cli.options import (add_compile_flag, add_tree_flags, add_tree_sizing_flag, model_dir, read_prompts,
@@ -22,6 +23,7 @@ from specdec.request.errors import UsageError
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 CONCURRENCY_METHODS = ("vanilla", "eagle2")       # --methods default with --concurrency
+CYCLE_METHODS = ("vanilla", "eagle2", "eagle3")   # --methods default with `bench profile --cycle`
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -128,6 +130,18 @@ def add_profile_flags(p) -> None:
     g.add_argument("--prefill", type=_int_list, default=(), metavar="LIST",
                    help="with --compile: also time a prefill of each prompt length (e.g. 96,192,400), eager and "
                         "compiled")
+    g.add_argument("--cycle", action="store_true",
+                   help="count per speculative cycle instead: host syncs (values read back, tensors made from host "
+                        "data, value-shaped operators), eager operators and graph replays, per method (--methods, "
+                        f"default {','.join(CYCLE_METHODS)}) and per code site; on CUDA also the device's "
+                        "synchronising calls and kernel / graph launches (specdec.bench.cycle_profile)")
+    for flag, kind, default, what in (("--top-k", int, 0, "top-k"), ("--top-p", float, 1.0, "top-p"),
+                                      ("--min-p", float, 0.0, "min-p"),
+                                      ("--repetition-penalty", float, 1.0, "repetition penalty"),
+                                      ("--presence-penalty", float, 0.0, "presence penalty"),
+                                      ("--frequency-penalty", float, 0.0, "frequency penalty")):
+        g.add_argument(flag, type=kind, default=default, help=f"with --cycle: the sampling's {what} "
+                                                              f"(default {default}; with --temperature)")
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -272,6 +286,8 @@ def run_profile_command(args) -> int:
     import torch
 
     from specdec.bench.profile import profile_markdown, run_profile
+    if args.cycle:
+        return run_cycle_command(args)
     if (args.batches or args.prefill) and args.compile == "off":
         raise UsageError("--batches and --prefill compare the eager and compiled paths: add --compile on")
     if any(b < 1 for b in args.batches) or any(n < 1 for n in args.prefill):
@@ -282,4 +298,35 @@ def run_profile_command(args) -> int:
                          model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"))
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(profile_markdown(result))
+    return 0
+
+
+def run_cycle_command(args) -> int:
+    """``specdec bench profile --cycle``: host syncs, eager operators and replays per cycle."""
+    import torch
+
+    from specdec.bench.cycle_profile import cycle_markdown, run_cycle_profile
+    from specdec.bench.runner import SPECULATIVE, stderr_progress
+    from specdec.request.errors import InvalidArgument
+    from specdec.request.params import SamplingParams
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                  presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty).validate()
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    names = _methods(args.methods or ",".join(CYCLE_METHODS))
+    bad = [m for m in names if m != "vanilla" and m not in SPECULATIVE]
+    if bad:
+        raise UsageError(f"--cycle counts the in-process methods, not {bad[0]!r}")
+    cfg = replace(config_from(argparse.Namespace(**{**vars(args), "methods": ",".join(names)}), sweep=False),
+                  methods=names)
+    prompts = load_prompts(args.prompts, args.limit_prompts, cfg.target)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = None if args.quiet else stderr_progress("bench profile --cycle")
+    result = run_cycle_profile(cfg, prompts, sampling, progress)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(cycle_markdown(result))
     return 0

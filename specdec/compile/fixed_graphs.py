@@ -62,6 +62,28 @@ def batch_dims(example: tuple) -> tuple:
     return ({0: batch}, {0: batch}, masks, None, {2: batch}, *(None for _ in rest))
 
 
+class Replayed:
+    """A compiled step as ``FixedGraphs.get`` hands it out: the step itself,
+    called through ``REPLAY_WATCH`` when one is set (``specdec.bench.cycle_profile``
+    counts replays there, and nothing of what runs inside them)."""
+
+    __slots__ = ("step", "name")
+
+    def __init__(self, step, name: str):
+        self.step, self.name = step, name
+
+    def __call__(self, *args):
+        watch = REPLAY_WATCH[0]
+        if watch is None:
+            return self.step(*args)
+        with watch(self.name):
+            return self.step(*args)
+
+
+# the watch of replays: None, or a context-manager factory called with each replay's graph name
+REPLAY_WATCH: list = [None]
+
+
 class FixedGraphs:
     """The compiled graphs of one fixed-shape step module, one per (width,
     capacity): at ``packaged_capacities`` AOTInductor packages kept on disk
@@ -90,6 +112,7 @@ class FixedGraphs:
         self.packed = ahead_of_time and packed
         self.weights = aot.shared_weights(module) if ahead_of_time and not self.packed else None
         self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
+        self.replayed: dict[tuple[int, int], Replayed] = {}  # the same, as ``get`` hands them out
         self.opening: dict[tuple[int, int], threading.Lock] = {}   # held while that graph is opened
         self.packaged_capacities = tuple(packaged_capacities)
         self.batch_dims = batch_dims if batched else None     # batched: packages only, their batch dimension free
@@ -122,7 +145,7 @@ class FixedGraphs:
         """The compiled step for (width, capacity); ``example()``: inputs of its
         shapes (for a package built here)."""
         key = (width, capacity)
-        graph = self.graphs.get(key)
+        graph = self.replayed.get(key)
         if graph is not None:
             return graph
         with self.opening.setdefault(key, threading.Lock()):     # opened once, by whichever thread comes first
@@ -142,4 +165,5 @@ class FixedGraphs:
                     graph = cuda_graphs.GraphedStep(graph, cuda_graphs.cache_argument(step), self.device,
                                                     f"{step.__name__} w{width} c{capacity}")
                 self.graphs[key] = graph
-            return self.graphs[key]
+                self.replayed[key] = Replayed(graph, f"{type(self.module).__name__} w{width} c{capacity}")
+            return self.replayed[key]

@@ -384,14 +384,21 @@ class CompiledForward:
         past = kv.seq_len(cache)
         fixed = cache.fixed_buffers
         capacity = fixed.stack.shape[4]
-        if mask is None:
-            k_pos = torch.cat([torch.arange(past), positions[0].cpu()])[None]
-            mask = self.lm.masks(causal_allowed(n, past)[None], positions.cpu(), k_pos)
+        if mask is None:                 # the causal mask, built on the host (where a tree's positions are)
+            q_pos = positions if positions.device.type == "cpu" else positions.cpu()
+            k_pos = torch.cat([torch.arange(past), q_pos[0]])[None]
+            mask = self.lm.masks(causal_allowed(n, past)[None], q_pos, k_pos)
         mask = padded(mask, width, capacity)
         dev = self.lm.device
         pad = width - n
-        tokens = torch.cat([tokens.to(dev), tokens.new_zeros(rows, pad, device=dev)], dim=1)
-        positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(rows, pad)], dim=1)
+        if tokens.device == positions.device and tokens.dtype == positions.dtype:
+            # padded where they are (the host, from a tree), then one copy to the device
+            tokens, positions = torch.stack([torch.cat([tokens, tokens.new_zeros(rows, pad)], dim=1),
+                                             torch.cat([positions, positions[:, -1:].expand(rows, pad)], dim=1)]
+                                            ).to(dev)
+        else:
+            tokens = torch.cat([tokens.to(dev), tokens.new_zeros(rows, pad, device=dev)], dim=1)
+            positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(rows, pad)], dim=1)
         slots = torch.arange(past, past + width, device=dev)
         args = (tokens, positions, mask, slots, fixed.stack)
         if layers:                       # the last index repeated up to CAPTURED, its copies dropped below

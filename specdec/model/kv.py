@@ -253,6 +253,14 @@ def keep_path(cache, prefix_len: int, path: list[int]) -> None:
         return
     device = cache.layers[0].keys.device
     slots = prefix_len + torch.tensor(path, dtype=torch.long, device=device)
+    stack = stacked_buffer(cache)                   # [layers, 2, 1, heads, C, d]
+    if stack is not None:
+        # a compiled path's stacked buffer: one gather and one copy for every layer's K and V
+        with torch.inference_mode():
+            stack[:, :, :, :, prefix_len:prefix_len + len(path)] = stack.index_select(4, slots)
+        for layer in cache.layers:
+            layer.set_length(prefix_len + len(path))
+        return
     idx = None
     for layer in cache.layers:
         if hasattr(layer, "keep_after"):
@@ -262,6 +270,19 @@ def keep_path(cache, prefix_len: int, path: list[int]) -> None:
                 idx = torch.cat([torch.arange(prefix_len, device=device), slots])
             layer.keys = layer.keys.index_select(2, idx)
             layer.values = layer.values.index_select(2, idx)
+
+
+def stacked_buffer(cache) -> torch.Tensor | None:
+    """A compiled path's stacked buffer of ``cache`` (``specdec.compile.fixed_kv``),
+    while every layer still holds its K and V as views of it; else None."""
+    fixed = getattr(cache, "fixed_buffers", None)
+    if fixed is None or len(fixed.views) != len(cache.layers):
+        return None
+    for layer, (k, v) in zip(cache.layers, fixed.views):
+        held = getattr(layer, "buffers", (None, None))
+        if held[0] is not k or held[1] is not v or not hasattr(layer, "set_length"):
+            return None
+    return fixed.stack
 
 
 def select_rows(cache, rows: torch.Tensor) -> None:

@@ -47,6 +47,8 @@ from specdec.tree.sampling import TokenCounts, greedy_tokens, sample, target_pro
 class TreeLike(Protocol):
     tokens: torch.Tensor  # [n] int64, tokens[0] is the root
     parents: torch.Tensor  # [n] int64, -1 at the root, parents[i] < i
+    token_list: list[int]  # the same, on the host
+    parent_list: list[int]
     proposals: dict | None  # node -> Proposal its children were drawn from (optional attribute)
 
 
@@ -62,7 +64,7 @@ class Acceptance:
 
     def tokens(self, tree: TreeLike) -> list[int]:
         """Tokens committed this cycle: accepted draft tokens, then the bonus."""
-        tree_tokens = tree.tokens.tolist()
+        tree_tokens = tree.token_list
         return [tree_tokens[i] for i in self.accepted] + [self.bonus]
 
 
@@ -92,9 +94,9 @@ def accept_greedy(tree: TreeLike, target_argmax: torch.Tensor) -> Acceptance:
     target_argmax: [n] int64, the target's argmax at every tree node.
     """
     _check_shapes(tree, target_argmax, "target_argmax")
-    tokens = tree.tokens.tolist()
-    children = _children(tree.parents.tolist())
-    best = target_argmax.tolist()
+    tokens = tree.token_list
+    children = _children(tree.parent_list)
+    best = target_argmax.tolist()           # the cycle's one read
 
     accepted: list[int] = []
     node = 0
@@ -123,8 +125,8 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
     randomness, so a seed reproduces the result.
     """
     n = _check_shapes(tree, probs, "probs")
-    tokens = tree.tokens.tolist()
-    parents = tree.parents.tolist()
+    tokens = tree.token_list
+    parents = tree.parent_list
     children = _children(parents)
 
     # p(token of node i | parent of i) for every non-root node in one gather,

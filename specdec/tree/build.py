@@ -80,13 +80,17 @@ def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     """
     k = min(k, logp.shape[-1])
     lp, tok = torch.topk(logp, k, dim=-1)  # [f, k]
-    # NaNs and positives rank first, so checking the top entries is enough (one test for both)
-    if not bool((lp[:, 0] <= LOGP_SLACK).all()):
+    kth = lp[:, -1:]  # [f, 1]
+    # the level's one read: are the rows log-probs (NaNs and positives rank first, so the top
+    # entries tell), is the k-th place untied, are the top k strictly decreasing
+    ordered = (lp[:, :-1] > lp[:, 1:]).all() if k > 1 else torch.ones((), dtype=torch.bool, device=lp.device)
+    logprobs, untied, strict = torch.stack([(lp[:, 0] <= LOGP_SLACK).all(), ((logp >= kth).sum(-1) == k).all(),
+                                            ordered]).tolist()
+    if not logprobs:
         if torch.isnan(lp).any():
             raise ValueError("expand() returned NaN log-probs")
         raise ValueError(f"expand() must return log-probabilities (<= 0), got {lp.max().item():.4g}")
-    kth = lp[:, -1:]  # [f, 1]
-    if not bool(((logp >= kth).sum(-1) == k).all()):
+    if not untied:
         # a tie straddles the k-th place and topk may keep any of the tied tokens:
         # keep everything above the k-th value, then the lowest ids among the ties
         above, tied = logp > kth, logp == kth  # [f, V]
@@ -94,7 +98,7 @@ def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         take = above | (tied & (tied.cumsum(-1) <= room))  # [f, V], k per row
         tok = take.nonzero()[:, 1].view(-1, k)  # [f, k]
         lp = logp.gather(-1, tok)
-    if k > 1 and not bool((lp[:, :-1] > lp[:, 1:]).all()):
+    if k > 1 and (not untied or not strict):     # (the tie fix above may reorder: check again)
         # best first, equal log-probs by token id: two stable sorts (without ties
         # topk's descending order is that order already)
         tok, order = tok.sort(dim=-1, stable=True)

@@ -8,7 +8,7 @@ Layout (also the wire format): tokens[n] and parents[n] with parents[0] == -1 an
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,35 +33,56 @@ class DraftTree:
     # node -> the distribution its children were drawn from (sampled proposals);
     # None / absent nodes: children are fixed tokens (one-hot proposals)
     proposals: dict[int, Proposal] | None = None
+    # the host's copy of the structure, (tokens, parents, depths) as lists: given by whoever
+    # holds them (the wire, a builder that chose the nodes on the host), else read once here.
+    # Checks, acceptance and the tree's masks read the structure from it, never from the tensors
+    # (a ``dataclasses.replace`` of tokens, parents or depths passes ``lists=None`` with them)
+    lists: tuple[list[int], list[int], list[int]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        validate_tree(self.tokens, self.parents)
-        if self.proposals is not None and any(not 0 <= k < len(self.tokens) for k in self.proposals):
-            raise TreeError("proposals name a node outside the tree")
-        n = self.size
+        n = self.tokens.shape[0] if isinstance(self.tokens, torch.Tensor) and self.tokens.dim() == 1 else -1
         for name, dtype in (("tokens", torch.int64), ("parents", torch.int64),
                             ("depths", torch.int64), ("values", torch.float32)):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != (n,):
                 raise TreeError(f"{name} must be a {dtype} tensor of shape [{n}]")
-        if self.depths.tolist() != _depths(self.parents.tolist()):
+        if self.lists is None:
+            object.__setattr__(self, "lists", (self.tokens.tolist(), self.parents.tolist(), self.depths.tolist()))
+        toks, pars, depths = self.lists
+        if not len(toks) == len(pars) == len(depths) == n:
+            raise TreeError(f"the host lists of a tree of {n} nodes have {len(toks)}, {len(pars)}, {len(depths)}")
+        _checked(toks, pars, None)
+        if depths != _depths(pars):
             raise TreeError("depths do not match parents")
+        if self.proposals is not None and any(not 0 <= k < n for k in self.proposals):
+            raise TreeError("proposals name a node outside the tree")
+
+    @property
+    def token_list(self) -> list[int]:
+        return self.lists[0]
+
+    @property
+    def parent_list(self) -> list[int]:
+        return self.lists[1]
+
+    @property
+    def depth_list(self) -> list[int]:
+        return self.lists[2]
 
     @property
     def size(self) -> int:
         return len(self.tokens)
 
     def ancestor_mask(self) -> torch.Tensor:
-        """bool [n, n]: row i is True at i and at each of its ancestors."""
-        n = self.size
-        mask = torch.eye(n, dtype=torch.bool)  # [n, n]
-        rows = torch.arange(n)
-        up = self.parents.clamp(min=0)  # [n], the root points at itself
-        node = rows
-        for _ in range(int(self.depths.max())):
-            node = up[node]
-            mask[rows, node] = True
-        return mask
+        """bool [n, n]: row i is True at i and at each of its ancestors (built on
+        the host from the parents, as the masks built from it are)."""
+        parents = self.parent_list
+        rows: list[list[bool]] = []
+        for i, parent in enumerate(parents):
+            row = rows[parent].copy() if parent >= 0 else [False] * len(parents)   # the parent's ancestors
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool)
 
     def position_ids(self, prefix_len: int) -> torch.Tensor:
         """[n] int64: each node sits after the prefix, at its own depth."""
@@ -69,13 +90,13 @@ class DraftTree:
 
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(self.size)]
-        for i, p in enumerate(self.parents.tolist()[1:], start=1):
+        for i, p in enumerate(self.parent_list[1:], start=1):
             kids[p].append(i)
         return kids
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node lists, one per leaf, leaves in index order."""
-        parents = self.parents.tolist()
+        parents = self.parent_list
         out = []
         for leaf, kids in enumerate(self.children()):
             if kids:
@@ -91,7 +112,7 @@ class DraftTree:
         return float(self.values[1:].exp().sum())
 
     def to_lists(self) -> tuple[list[int], list[int]]:
-        return self.tokens.tolist(), self.parents.tolist()
+        return list(self.token_list), list(self.parent_list)
 
 
 def subtree(tree: DraftTree, root: int, max_nodes: int) -> tuple[DraftTree, torch.Tensor]:
@@ -102,7 +123,7 @@ def subtree(tree: DraftTree, root: int, max_nodes: int) -> tuple[DraftTree, torc
     kept node indices ([m] int64, ``root`` first). Proposals are not carried:
     a cut may drop drawn children, and fixed-token acceptance of what is kept
     stays exact."""
-    parents = tree.parents.tolist()
+    parents = tree.parent_list
     inside = [False] * tree.size
     inside[root] = True
     for i in range(root + 1, tree.size):
@@ -178,9 +199,7 @@ def _depths(parents: list[int]) -> list[int]:
 def tree_from_lists(tokens, parents, vocab_size: int | None = None) -> DraftTree:
     """A validated DraftTree from the wire form; values are zeros (unknown)."""
     toks, pars = _checked(tokens, parents, vocab_size)
-    return DraftTree(
-        tokens=torch.tensor(toks, dtype=torch.int64),
-        parents=torch.tensor(pars, dtype=torch.int64),
-        depths=torch.tensor(_depths(pars), dtype=torch.int64),
-        values=torch.zeros(len(toks), dtype=torch.float32),
-    )
+    depths = _depths(pars)
+    tokens_, parents_, depths_ = torch.tensor([toks, pars, depths], dtype=torch.int64)   # one copy up
+    return DraftTree(tokens_, parents_, depths_, torch.zeros(len(toks), dtype=torch.float32),
+                     lists=(toks, pars, depths))
