@@ -117,7 +117,6 @@ class Tally:
     def __init__(self) -> None:
         self.phase = "loop"
         self.phases: dict[str, Counts] = {}
-        self.inside = 0                  # > 0 while a compiled step runs
 
     def add(self, kind: str, where: str | None = None) -> None:
         self.phases.setdefault(self.phase, Counts()).add(kind, where or site())
@@ -125,12 +124,8 @@ class Tally:
     @contextmanager
     def replay(self, name: str):
         self.add("replays", name)
-        self.inside += 1
-        try:
-            with _disable_current_modes(), torch._C.DisableTorchFunction():
-                yield
-        finally:
-            self.inside -= 1
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            yield
 
     @contextmanager
     def in_phase(self, phase: str):
