@@ -30,11 +30,10 @@ protos-check: setup
 run: setup
 	$(VENV)/bin/specdec up --demo-generation
 
-# TEST_WORKERS=2: two workers, a test file each at a time (module fixtures stay
-# with their file); most of a cold run is compiling packages, one g++ at a time
-# per worker. One process by default: the soak's fixed ports can be taken by
-# the other worker's services between picking and binding them.
-TEST_WORKERS ?= 0
+# Two workers, a test file each at a time (module fixtures stay with their
+# file); most of a cold run is compiling packages, one g++ at a time per
+# worker. TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, print_logprobs, read_prompts,
-                                 resolved_min_tau, result_record)
+from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, model_dir, print_logprobs,
+                                 read_prompts, resolved_min_tau, result_record)
 from specdec.cli.remote import run_remote
 from specdec.request import knobs
 from specdec.request.decoding import StopCriteria
@@ -74,10 +74,7 @@ def resolve_models(args):
     from specdec.model.loading import ModelSpec
 
     demo = default_paths()
-    target = args.target or str(demo["target"])
-    if not Path(target, "config.json").is_file():
-        hint = "" if args.target else " (the bundled demo model is missing: pass --target or run `specdec train`)"
-        raise UsageError(f"target model directory {target} has no config.json{hint}")
+    target = model_dir(args.target, "target", "target model", "--target")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
                      attn_implementation=getattr(args, "attn_implementation", "auto"),
                      compile=getattr(args, "compile", "off"))
@@ -86,7 +83,7 @@ def resolve_models(args):
     if args.ngram:
         return spec, DrafterChoice("ngram")
     if args.draft_lm:
-        return spec, DrafterChoice("draft-lm", args.draft_lm)
+        return spec, DrafterChoice("draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"))
     eagle = args.eagle or str(demo["eagle"])
     if not Path(eagle, "config.json").is_file():
         raise UsageError(f"EAGLE head directory {eagle} has no config.json")

@@ -64,6 +64,9 @@ def add_up_http_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=http_port, default=NOT_GIVEN, metavar="PORT",
                    help=f"the orchestrator's OpenAI-compatible HTTP port (0 = any free port, 'off' = none; "
                         f"default {UP_HTTP_PORT}, or any free port with --port 0)")
+    p.add_argument("--chat-template", metavar="FILE", default=env("SPECDEC_CHAT_TEMPLATE"),
+                   help="Jinja chat template for chats (HTTP and gRPC messages), instead of the tokenizer's own "
+                        "(env SPECDEC_CHAT_TEMPLATE)")
 
 
 def chat_template_from(args, tokenizer_dir) -> ChatTemplate | None:

@@ -40,9 +40,20 @@ def run_parsed(args) -> int:
 
 
 def model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
-    """``path``, or the bundled demo model ``demo``; a directory without a
-    config.json is a one-line error saying which flag to pass."""
+    """``path``, or the bundled demo model ``demo``, as a model directory: a GGUF
+    file is converted once into the model cache (``specdec.model.gguf_import``)
+    and its directory returned. A directory without a config.json, or a GGUF
+    file that cannot be served, is a one-line error saying which flag to pass."""
+    from specdec.model.gguf_import import GgufError, is_gguf, model_path
+
     chosen = path or str(demo_path(demo))
+    if path and is_gguf(path):
+        try:
+            return str(model_path(path))
+        except GgufError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+    if path and Path(path).is_file():
+        raise UsageError(f"{flag}: {path} is neither a model directory nor a GGUF file")
     if not Path(chosen, "config.json").is_file():
         hint = "" if path else f" (the bundled demo {what} is missing: pass {flag} or run `specdec train`)"
         raise UsageError(f"{what} directory {chosen} has no config.json{hint}")
@@ -51,10 +62,10 @@ def model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the bundled demo family)")
-    g.add_argument("--target", help="target model directory (HF causal LM)")
+    g.add_argument("--target", help="target model: a directory (HF causal LM) or a GGUF file")
     d = g.add_mutually_exclusive_group()
     d.add_argument("--eagle", help="EAGLE head directory: EAGLE-1/2, or EAGLE-3 in the reference or speculators layout")
-    d.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
+    d.add_argument("--draft-lm", help="small causal LM (directory or GGUF file) sharing the target's tokenizer")
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")

@@ -106,7 +106,7 @@ def add_parsers(sub) -> None:
     v = sub.add_parser("verifier", help="the verifier service (hosts the target model)")
     p = v.add_subparsers(dest="verifier_command", required=True).add_parser(
         "serve", help="serve VerifierService over gRPC")
-    p.add_argument("--target", help="target model directory (default: the bundled demo target)")
+    p.add_argument("--target", help="target model: a directory or a GGUF file (default: the bundled demo target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
@@ -144,7 +144,7 @@ def add_parsers(sub) -> None:
         "serve", help="serve DrafterService over gRPC (default: the bundled demo EAGLE head)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--eagle", help="EAGLE head directory, EAGLE-1/2 or EAGLE-3 (needs --target for embeddings / lm_head)")
-    kind.add_argument("--draft-lm", help="small causal LM directory sharing the target's tokenizer")
+    kind.add_argument("--draft-lm", help="small causal LM (directory or GGUF file) sharing the target's tokenizer")
     kind.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; n-gram: vocab size)")
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
@@ -193,6 +193,7 @@ def run_verifier(args) -> int:
     spec = ModelSpec(path=model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
                      device=args.device, attn_implementation=args.attn_implementation, compile=args.compile,
                      compile_layers=args.compile_feature_layers)
+    from specdec.model.gguf_import import source_of
     from verifier.service import VerifierService, VerifierServiceConfig
 
     if args.tp < 1:
@@ -213,7 +214,7 @@ def run_verifier(args) -> int:
     servicer = VerifierService(VerifierServiceConfig(feature_dtype=args.feature_dtype,
                                                      batch_window_ms=args.batch_window_ms,
                                                      max_batch=args.max_batch, solo_threads=args.solo_threads,
-                                                     lease_s=args.lease_s))
+                                                     lease_s=args.lease_s, model_name=source_of(spec.path) or ""))
 
     def build():
         from verifier.engine import TargetModel, VerifierEngine

@@ -30,6 +30,7 @@ from specdec.cli.http_flags import add_http_flags, chat_template_from, http_conf
 from specdec.cli.options import env, run_parsed
 from specdec.cli.serve import add_server_flags, server_config_from
 from specdec.model.loading import demo_path
+from specdec.model.gguf_import import converted_dir, is_gguf
 from specdec.request import knobs
 from specdec.request.errors import UsageError
 from specdec.request.params import METHODS, TreeParams
@@ -73,7 +74,8 @@ def add_orchestrator_parser(sub) -> None:
     d.add_argument("--probe-interval-s", type=float, metavar="S", default=env("SPECDEC_PROBE_INTERVAL_S", 2.0),
                    help="ask every backend for GetInfo (health, capacity) this often "
                         "(env SPECDEC_PROBE_INTERVAL_S; default 2)")
-    p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (default: the demo target)")
+    p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json, or a GGUF file the verifier "
+                   "has converted (default: the demo target)")
     t = p.add_argument_group("defaults of a request's 0 / unset knobs (clamped to the drafter's limits)")
     t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
@@ -141,10 +143,23 @@ def orchestrator_config(args):
                               lookahead_budget=not args.lookahead_unbudgeted)
 
 
+def tokenizer_location(path: str) -> Path:
+    """The tokenizer directory of ``--tokenizer``: the path itself, or for a GGUF file
+    the directory its conversion wrote (the orchestrator loads no weights, so it
+    does not convert; the verifier given the same file has)."""
+    if not is_gguf(path):
+        return Path(path)
+    converted = converted_dir(path)
+    if not (converted / "tokenizer_config.json").is_file():
+        raise UsageError(f"--tokenizer: GGUF file {path} is not converted yet: start a verifier with "
+                         f"--target {path} first (it converts it into {converted})")
+    return converted
+
+
 def run_orchestrator(args) -> int:
     config = orchestrator_config(args)
     cfg = server_config_from(args)
-    tokenizer_dir = args.tokenizer or demo_path("target")
+    tokenizer_dir = tokenizer_location(args.tokenizer) if args.tokenizer else demo_path("target")
     tokenizer = TextTokenizer.load(tokenizer_dir)
     template = chat_template_from(args, tokenizer_dir)
     http = http_config_from(args, cfg, template)

@@ -151,9 +151,9 @@ def run_lm(args) -> int:
 
 
 def run_eagle(args) -> int:
-    from specdec.model.loading import require_model_dir
+    from specdec.cli.options import model_dir
 
-    require_model_dir(args.target, "target")
+    args.target = model_dir(args.target, "target", "target model", "--target")
     other = ("w_reg", "w_cls", "noise") if args.version == 3 else ("draft_vocab", "ttt_steps", "feature_layers",
                                                                    "init")
     given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
@@ -212,11 +212,12 @@ def run_calibrate(args) -> int:
 
     from drafter.eagle.eagle3_layouts import is_eagle3_config
     from drafter.eagle.eagle2_head import load_head
+    from specdec.cli.options import model_dir
     from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer, require_model_dir
     from specdec.train.data import tokenize_stream
     from specdec.train.eagle import calibrate_head
 
-    require_model_dir(args.target, "target")
+    args.target = model_dir(args.target, "target", "target model", "--target")
     eagle = require_model_dir(args.eagle, "EAGLE head")
     _, heldout = _corpus(args)
     target = load_causal_lm(ModelSpec(args.target))

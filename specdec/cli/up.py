@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from specdec.cli.http_flags import add_up_http_flag, up_http_port
-from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env
+from specdec.cli.http_flags import add_up_http_flag, chat_template_from, up_http_port
+from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env, model_dir
 from specdec.cli.stack import ORCHESTRATOR_PORTS
-from specdec.model.loading import demo_path
 from specdec.procs import (Child, ChildDied, check_alive, feature_layer_flags, ignore_stop_signals, solo_env,
                            solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
 from specdec.request import knobs
@@ -112,7 +111,7 @@ def _watch(orchestrator: Child, backends: list[Child]) -> None:
 
 def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     """Flags for the verifier, for the drafter (None: no drafter) and the tokenizer directory."""
-    target = _model_dir(args.target or str(demo_path("target")), "target model")
+    target = model_dir(args.target, "target", "target model", "--target")
     verifier = ["--target", target, "--dtype", args.dtype, "--compile", args.compile]
     if getattr(args, "tree_sizing", None):       # `up`'s flag; `soak` leaves it to SPECDEC_TREE_SIZING
         verifier += ["--tree-sizing", args.tree_sizing]
@@ -121,19 +120,13 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     elif args.ngram:
         drafter = ["--ngram", "--target", target]
     elif args.draft_lm:
-        drafter = ["--draft-lm", _model_dir(args.draft_lm, "draft LM"), "--dtype", args.dtype,
+        drafter = ["--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
                    "--compile", args.compile]
     else:
-        eagle = _model_dir(args.eagle or str(demo_path("eagle")), "EAGLE head")
+        eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
         drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
         verifier += feature_layer_flags(eagle, args.compile)
     return verifier, drafter, target
-
-
-def _model_dir(path: str, what: str) -> str:
-    if not Path(path, "config.json").is_file():
-        raise UsageError(f"{what} directory {path} has no config.json")
-    return path
 
 
 def run_up(args) -> int:
@@ -144,6 +137,8 @@ def run_up(args) -> int:
     if args.drafters < 0:
         raise UsageError(f"--drafters must be >= 0, got {args.drafters}")
     verifier_argv, drafter_argv, tokenizer = _model_argv(args)
+    if args.chat_template:
+        chat_template_from(args, tokenizer)       # a template that does not load is one line, before any process
     if args.drafters == 0:
         drafter_argv = None
     internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-s", "2",
@@ -175,6 +170,8 @@ def run_up(args) -> int:
         orch_argv = ["orchestrator", "serve", "--verifier", ",".join(c.address for c in verifiers),
                      "--tokenizer", tokenizer, "--host", "127.0.0.1", "--port", str(args.port),
                      "--metrics-port", str(args.metrics_port), "--drain-s", "2", "--log-level", args.log_level]
+        if args.chat_template:
+            orch_argv += ["--chat-template", str(Path(args.chat_template).resolve())]
         http_port = up_http_port(args)
         if http_port is not None:
             orch_argv += ["--http-port", str(http_port)]

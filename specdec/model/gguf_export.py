@@ -41,6 +41,8 @@ except ImportError:                    # pragma: no cover - depends on the envir
 
 ARCH = "llama"
 FILE_TYPE_ALL_F32 = 0          # llama_ftype LLAMA_FTYPE_ALL_F32
+# llama_ftype of files whose matrices are one block quantization (LLAMA_FTYPE_MOSTLY_*)
+FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5   # gguf.TokenType values
 
 
@@ -160,9 +162,23 @@ def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 
+def _stored(name: str, array: np.ndarray, quant: str | None) -> tuple[np.ndarray, object]:
+    """``array`` as written: f32, or quantized to ``quant`` (a ``gguf.GGMLQuantizationType``
+    name) when it is a matrix whose rows fill whole blocks (norms and odd widths stay f32)."""
+    array = array.astype(np.float32, copy=False)
+    if quant is None or array.ndim != 2:
+        return array, None
+    qtype = gguf.GGMLQuantizationType[quant]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if array.shape[-1] % block:
+        return array, None
+    return gguf.quants.quantize(array, qtype), qtype
+
+
 def write_gguf(path: str | Path, shape: LlamaShape, tensors: dict[str, np.ndarray],
-               vocab: GgufVocab | None, name: str = "specdec") -> Path:
-    """Write one f32 GGUF file: ``llama.*`` metadata, the tokenizer, the tensors."""
+               vocab: GgufVocab | None, name: str = "specdec", quant: str | None = None) -> Path:
+    """Write one GGUF file: ``llama.*`` metadata, the tokenizer, the tensors (f32,
+    or the matrices quantized to ``quant``, e.g. ``"Q8_0"`` or ``"Q4_1"``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), ARCH)
@@ -179,7 +195,7 @@ def write_gguf(path: str | Path, shape: LlamaShape, tensors: dict[str, np.ndarra
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
-    w.add_file_type(FILE_TYPE_ALL_F32)
+    w.add_file_type(FILE_TYPE_ALL_F32 if quant is None else FILE_TYPES[quant])
     if vocab is not None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt-2")
@@ -192,7 +208,8 @@ def write_gguf(path: str | Path, shape: LlamaShape, tensors: dict[str, np.ndarra
             w.add_eos_token_id(vocab.eos)
         w.add_add_bos_token(False)       # the HF tokenizer adds no BOS (no template special tokens)
     for tensor_name, array in tensors.items():
-        w.add_tensor(tensor_name, array.astype(np.float32, copy=False))
+        data, qtype = _stored(tensor_name, array, quant)
+        w.add_tensor(tensor_name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -200,9 +217,10 @@ def write_gguf(path: str | Path, shape: LlamaShape, tensors: dict[str, np.ndarra
     return path
 
 
-def export_llama(model_dir: str | Path, out_path: str | Path, model=None) -> Path:
+def export_llama(model_dir: str | Path, out_path: str | Path, model=None, quant: str | None = None) -> Path:
     """Convert the HF Llama in ``model_dir`` (or the loaded ``model`` of it) to
-    ``out_path`` (GGUF, f32, with its tokenizer). Raises ``UnsupportedExport``."""
+    ``out_path`` (GGUF with its tokenizer; f32, or matrices in ``quant``, one of
+    ``FILE_TYPES``). Raises ``UnsupportedExport``."""
     if gguf is None:
         raise UnsupportedExport("the gguf package is not installed (pip install 'specdec[llamacpp]')")
     config = model.config if model is not None else AutoConfig.from_pretrained(model_dir)
@@ -210,4 +228,7 @@ def export_llama(model_dir: str | Path, out_path: str | Path, model=None) -> Pat
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tensors = llama_tensors(model.state_dict(), shape)
-    return write_gguf(out_path, shape, tensors, read_vocab(model_dir, shape.vocab), name=Path(model_dir).name)
+    if quant is not None and quant not in FILE_TYPES:
+        raise UnsupportedExport(f"quantization {quant!r} is not exported (one of {', '.join(FILE_TYPES)})")
+    return write_gguf(out_path, shape, tensors, read_vocab(model_dir, shape.vocab), name=Path(model_dir).name,
+                      quant=quant)

@@ -1,7 +1,8 @@
 """Loading local Hugging Face models, shared by the verifier and drafter engines.
 
-Models come only from local directories (``from_pretrained(path)``); nothing is
-fetched from a hub. The bundled demo family lives in ``specdec/demo/``.
+Models come only from local directories (``from_pretrained(path)``) or GGUF
+files (converted once into a directory, ``specdec.model.gguf_import``); nothing
+is fetched from a hub. The bundled demo family lives in ``specdec/demo/``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ def demo_path(name: str) -> Path:
 
 
 def require_model_dir(path: str | os.PathLike, what: str = "model") -> Path:
-    """A local model directory with a config.json, or ValueError saying which."""
+    """A local model directory with a config.json (a GGUF file: its converted
+    directory, ``specdec.model.gguf_import``), or ValueError saying which."""
+    from specdec.model.gguf_import import is_gguf, model_path
+
+    if is_gguf(path):
+        return model_path(path)
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"{what} directory not found: {p}")
@@ -123,7 +129,9 @@ def load_causal_lm(spec: ModelSpec, **kwargs):
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
+    from specdec.model.gguf_import import model_path
+
+    return AutoTokenizer.from_pretrained(model_path(path), local_files_only=True)
 
 
 def read_config(path: str | os.PathLike) -> dict:

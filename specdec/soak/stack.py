@@ -17,6 +17,7 @@ its own).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,11 +35,36 @@ class StackError(Exception):
     """A process did not come up (its log file says why)."""
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 (Linux's default if unreadable)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A port nothing listens on right now, on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on right now, on 127.0.0.1, outside the ephemeral range.
+
+    The soak keeps its ports for restarts, so it picks them itself. Every
+    other server (tests beside the soak included) binds port 0 and gets one
+    from the kernel's ephemeral range; choosing below or above that range
+    means none of them can take a soak port between picking and binding.
+    """
+    low, high = _ephemeral_range()
+    spans = [span for span in ((10000, low - 1), (high + 1, 65535)) if span[1] - span[0] > 100]
+    rng = random.Random()
+    for _ in range(200):
+        first, last = rng.choice(spans) if spans else (1024, 65535)
+        port = rng.randint(first, last)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise StackError("no free port outside the ephemeral range on 127.0.0.1")
 
 
 @dataclass(frozen=True)

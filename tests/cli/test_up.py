@@ -182,3 +182,43 @@ def test_a_lone_verifier_sharing_the_cores_gets_solo_threads(monkeypatch):
     assert not up.drafts_ahead()
     monkeypatch.setenv("SPECDEC_LOOKAHEAD", "1")      # the drafter then computes during verifies
     assert up.drafts_ahead()
+
+
+def test_up_serves_a_gguf_target_with_a_chat_template(tiny_family, tmp_path):
+    """A GGUF file as --target (converted once, every process given the directory) and
+    --chat-template passed to the orchestrator: chats render with it over HTTP."""
+    import httpx
+
+    from specdec.model.gguf_export import export_llama
+
+    target = export_llama(tiny_family["target"], tmp_path / "tiny.gguf", quant="Q8_0")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}# {{ m['content'] }}\n{% endfor %}")
+    cmd = [sys.executable, "-m", "specdec.cli.main", "up", "--port", "0", "--http-port", "0", "--target", str(target),
+           "--method", "vanilla", "--chat-template", str(template)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env(), "SPECDEC_MODEL_CACHE": str(tmp_path / "models")})
+    try:
+        assert UP_LINE.match(proc.stdout.readline().strip())
+        http = re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stdout.readline()).group(1)
+        models = httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == [str(target.resolve())]       # named by the file the user gave
+        body = {"model": str(target.resolve()), "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": "def add(a, b):"}]}
+        reply = httpx.post(f"http://127.0.0.1:{http}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(next((tmp_path / "models").iterdir()))
+        assert prompt_tokens == len(tok("# def add(a, b):\n")["input_ids"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_up_rejects_a_missing_chat_template_in_one_line(tiny_family, tmp_path, capsys):
+    assert main(["up", "--target", str(tiny_family["target"]), "--method", "vanilla",
+                 "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "chat template file not found" in err[0]

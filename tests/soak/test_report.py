@@ -91,3 +91,13 @@ def test_command_errors_are_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]            # after the progress lines, if any
     assert last.startswith("specdec: error: ") and message in last and "Traceback" not in err
+
+
+def test_soak_ports_are_outside_the_kernels_ephemeral_range():
+    """Servers beside the soak bind port 0: a soak port picked there could be taken before a restart binds it."""
+    from specdec.soak.stack import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = {free_port() for _ in range(50)}
+    assert all(not low <= port <= high and port >= 1024 for port in ports)
+    assert len(ports) > 1
