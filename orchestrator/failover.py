@@ -136,9 +136,10 @@ class RemoteVerifier(Backend):
     session_request = verifier_pb2.VerifierSessionRequest
 
     def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases,
-                 logprobs: int | None = None, streams: bool = True):
+                 logprobs: int | None = None, streams: bool = True, prompt_logprobs: int | None = None):
         super().__init__(pool, session_id, deadline, leases, streams)
         self.logprobs = logprobs                 # top alternatives per token's logprob; None: no logprobs
+        self.prompt_logprobs = prompt_logprobs   # the same for the prompt's tokens (the Prefill's)
         self.opened = False                      # the pinned verifier answered the session's Prefill
         self.refused_full = 0                    # verifiers that answered RESOURCE_EXHAUSTED on opening
         self.committed: list[int] = []           # prompt + every token committed
@@ -163,10 +164,12 @@ class RemoteVerifier(Backend):
         first = await self.on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling, max_new_tokens=max_new_tokens,
             return_features=features, owner=self.leases.owner, logprobs=self.logprobs,
-            feature_layers=self.feature_layers if features else []))
+            feature_layers=self.feature_layers if features else [], prompt_logprobs=self.prompt_logprobs))
         self.opened = True
         self.committed = [*prompt, first.token]
-        return Committed([first.token], [], first.features, self.read_logprobs(first.logprobs))
+        scored = wire.logprobs_from_proto(first.prompt_logprobs) if self.prompt_logprobs is not None else None
+        return Committed([first.token], [], first.features, self.read_logprobs(first.logprobs),
+                         prompt_logprobs=scored)
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])

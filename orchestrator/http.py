@@ -11,6 +11,10 @@ one ``GenerationRequest`` per prompt (``orchestrator.openai_schema``), its
 ``n`` choices run by the service, the prompts concurrently; the client's disconnect (noticed while waiting, streaming
 or not) cancels them all, which releases every session on both backends.
 
+With ``echo`` (completions) each choice's text starts with its prompt and,
+with ``logprobs``, its logprobs with the prompt's tokens' (the verifier's
+prefill scores them); ``max_tokens`` 0 then scores the prompt alone.
+
 Streaming (``stream: true``) answers with server-sent events, each
 ``data: <compact JSON>\\n\\n``: for chat, one chunk per choice with the role,
 then text deltas, then each choice's last chunk (``finish_reason``, the
@@ -264,20 +268,26 @@ class OpenAIApi:
                 return api_error(exc, req).response()
             raise
         await run.close()
+        echo = schema.echoes(req)
+        texts = [(prompts[i // req.n] if echo else "") + r.text for i, r in enumerate(results)]
         body = schema.envelope(kind, meta[1], meta[2], model, [
-            schema.choice_body(kind, i, r.text, r, req.return_token_ids, logprobs=self.logprobs(kind, req, r.logprobs))
-            for i, r in enumerate(results)], False)
+            schema.choice_body(kind, i, text, r, req.return_token_ids,
+                               logprobs=self.logprobs(kind, req, r.logprobs, prompt_of=r if echo else None))
+            for i, (text, r) in enumerate(zip(texts, results))], False)
         body["usage"] = self.usage(results, req.n)
         return JSONResponse(body, headers={"x-request-id": rid})
 
-    def logprobs(self, kind: str, req: schema.CommonRequest, entries: list, offset: int = 0) -> dict | None:
-        """A choice's (or chunk's) ``logprobs`` in the endpoint's shape; None when not asked for."""
+    def logprobs(self, kind: str, req: schema.CommonRequest, entries: list, offset: int = 0,
+                 prompt_of: GenerationResult | None = None) -> dict | None:
+        """A choice's (or chunk's) ``logprobs`` in the endpoint's shape; None when
+        not asked for. ``prompt_of`` (echo): the result whose prompt's logprobs come first."""
         if schema.logprobs_asked(req) is None:
             return None
         token_text = self.token_text
         if kind == "chat":
             return schema.chat_logprobs(entries, token_text)
-        return schema.completion_logprobs(entries, token_text, offset)
+        prompt = None if prompt_of is None else (prompt_of.prompt_ids, prompt_of.prompt_logprobs)
+        return schema.completion_logprobs(entries, token_text, offset, prompt)
 
     def token_text(self, token: int) -> str:
         return self.service.tokenizer.decode([token])

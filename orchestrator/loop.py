@@ -64,6 +64,7 @@ class Job:
     sampling: SamplingParams          # seed always set
     tree: TreeParams | None           # explicit knobs; None: root-only trees
     logprobs: int | None = None       # top alternatives per token's logprob; None: no logprobs
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens but the first
 
 
 class Generation:
@@ -79,7 +80,7 @@ class Generation:
         self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
         self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases,
-                                              job.logprobs, streams)
+                                              job.logprobs, streams, job.prompt_logprobs)
         self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams)
                                if job.tree is not None
                                else None)

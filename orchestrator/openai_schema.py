@@ -16,15 +16,25 @@ Parameter mapping:
 - ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty`` (vLLM's
   extra), ``min_p`` (vLLM's extra) -> SamplingParams (the verifier applies
   them per tree node: speculation stays lossless);
+- ``logit_bias`` ({"token id": bias}, at most
+  ``specdec.request.params.MAX_LOGIT_BIAS`` entries, each in [-100, 100]) ->
+  SamplingParams.logit_bias (added to the logits before the penalties, at
+  every tree node, greedy decoding included);
 - ``n``: n independent choices of one request; with a seed, choice i samples
   with ``specdec.request.params.choice_seed(seed, i)`` (choice 0 with the seed
   itself), as through gRPC, so every choice reproduces;
 - chat ``logprobs`` (+ ``top_logprobs`` alternatives), completions
   ``logprobs`` (that many alternatives) -> logprobs: each token's raw-model
   logprob, in OpenAI's shapes (``chat_logprobs``, ``completion_logprobs``);
-- ``logit_bias``, ``suffix``, ``echo``, ``best_of`` > 1, ``tools``, a
-  ``response_format`` other than text: refused (400) rather than ignored,
-  since ignoring them would change what the client gets.
+- completions ``echo``: the choice's text starts with the prompt; with
+  ``logprobs`` -> prompt_logprobs too (the verifier's prefill scores the
+  prompt), listed before the generated tokens' with null for the first prompt
+  token, as OpenAI does; ``max_tokens`` 0 (refused without echo) -> a
+  prompt-only request (``prompt_only``: nothing generated, n 1). Not with
+  ``stream`` (400);
+- ``suffix``, ``best_of`` > 1, ``tools``, a ``response_format`` other than
+  text: refused (400) rather than ignored, since ignoring them would change
+  what the client gets.
 
 Responses carry each choice's speculation statistics (tau, acceptance per
 position, the time split: ``GenerationStats``) in a ``specdec`` object of the
@@ -40,7 +50,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob
+from specdec.request.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob, shown
 from specdec.v1 import orchestrator_pb2
 
 MAX_CHOICES = 16             # n
@@ -121,14 +131,30 @@ def unsupported(req: CommonRequest) -> None:
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise InvalidArgument(f"response_format {req.response_format.get('type')!r} is not supported")
     else:
-        if req.echo:
-            raise InvalidArgument("echo is not supported")
+        if req.echo and req.stream:
+            raise InvalidArgument("echo is not supported with stream: true (ask without streaming)")
         if req.suffix:
             raise InvalidArgument("suffix is not supported")
         if req.best_of not in (None, 1, req.n):
             raise InvalidArgument(f"best_of must equal n (no best-of ranking), got {req.best_of}")
-    if req.logit_bias:
-        raise InvalidArgument("logit_bias is not supported")
+
+
+def logit_bias(req: CommonRequest) -> dict[int, float]:
+    """``logit_bias`` with its keys (JSON strings) as token ids; the bounds are
+    ``SamplingParams``' (and the verifier's vocabulary)."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not re.fullmatch(r"-?\d{1,12}", key.strip()):
+            raise InvalidArgument(f"logit_bias: the key {shown(key)} is not a token id (an integer)")
+        if int(key) in out:
+            raise InvalidArgument(f"logit_bias: token id {int(key)} is given twice")
+        out[int(key)] = bias
+    return out
+
+
+def echoes(req: CommonRequest) -> bool:
+    """A completions request whose choices start with their prompt."""
+    return isinstance(req, CompletionRequest) and req.echo
 
 
 def logprobs_asked(req: CommonRequest) -> int | None:
@@ -151,10 +177,14 @@ def generation_request(req: CommonRequest, prompt: str, request_id: str = "") ->
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidArgument("max_completion_tokens and max_tokens disagree: give one of them")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is not None and max_tokens < 1:
+    prompt_only = echoes(req) and max_tokens == 0       # score the prompt, generate nothing
+    if max_tokens is not None and max_tokens < 1 and not prompt_only:
         raise InvalidArgument(f"{max_tokens_param(req)} must be >= 1, got {max_tokens}")
     if not 1 <= req.n <= MAX_CHOICES:
         raise InvalidArgument(f"n must be in [1, {MAX_CHOICES}], got {req.n}")
+    if prompt_only and req.n != 1:
+        raise InvalidArgument(f"n must be 1 with echo and {max_tokens_param(req)} 0 (the prompt alone), "
+                              f"got {req.n}")
     top_k = 0 if req.top_k == -1 else req.top_k
     sampling = SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature, top_k=top_k or 0,
@@ -162,10 +192,13 @@ def generation_request(req: CommonRequest, prompt: str, request_id: str = "") ->
         min_p=0.0 if req.min_p is None else req.min_p,
         presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
         frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias(req))
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    logprobs = logprobs_asked(req)
     return GenerationRequest(prompt=prompt, max_new_tokens=max_tokens or 0, sampling=sampling, stop=stop,
-                             request_id=request_id, n=req.n, logprobs=logprobs_asked(req))
+                             request_id=request_id, n=req.n, logprobs=logprobs, prompt_only=prompt_only,
+                             prompt_logprobs=logprobs if echoes(req) else None)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str]:
@@ -201,7 +234,8 @@ def max_tokens_param(req: CommonRequest) -> str:
 FIELD_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
                 "sampling.seed": "seed", "sampling.min_p": "min_p", "sampling.presence_penalty": "presence_penalty",
                 "sampling.frequency_penalty": "frequency_penalty",
-                "sampling.repetition_penalty": "repetition_penalty", "stop": "stop", "request_id": "x-request-id"}
+                "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
+                "stop": "stop", "request_id": "x-request-id"}
 LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.]*)(\[\d+\])?")
 
 
@@ -257,17 +291,28 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str])
                         for e in entries], "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str], offset: int = 0) -> dict:
+def completion_logprobs(entries: list[TokenLogprob], token_text: Callable[[int], str], offset: int = 0,
+                        prompt: tuple[list[int], list[TokenLogprob]] | None = None) -> dict:
     """Completions' ``logprobs``: tokens, their logprobs, the top alternatives
-    ({text: logprob}) and each token's offset in the choice's text (the first at ``offset``)."""
-    tokens = [token_text(e.token) for e in entries]
+    ({text: logprob}) and each token's offset in the choice's text (the first at
+    ``offset``). ``prompt`` (echo): the prompt's token ids and the logprobs of
+    all but the first, listed first; the first prompt token has null for its
+    logprob and alternatives, as OpenAI answers."""
+    ids, logprobs, tops = [], [], []
+    if prompt is not None:
+        prompt_ids, scored = prompt
+        ids += prompt_ids
+        logprobs += [None] + [e.logprob for e in scored]
+        tops += [None] + [{token_text(t): lp for t, lp in zip(e.top_tokens, e.top_logprobs)} for e in scored]
+    ids += [e.token for e in entries]
+    logprobs += [e.logprob for e in entries]
+    tops += [{token_text(t): lp for t, lp in zip(e.top_tokens, e.top_logprobs)} for e in entries]
+    tokens = [token_text(t) for t in ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in zip(e.top_tokens, e.top_logprobs)} for e in entries],
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def choice_body(kind: str, index: int, text: str, result=None, token_ids: bool = False,

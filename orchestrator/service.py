@@ -120,12 +120,16 @@ class OrchestratorConfig:
 @dataclass(frozen=True)
 class GenerationResult:
     """A finished choice: the output (cut at a stop string), its statistics
-    and its tokens' logprobs (``specdec.request.params.TokenLogprob``; none unless asked for)."""
+    and its tokens' logprobs (``specdec.request.params.TokenLogprob``; none unless
+    asked for); the prompt's token ids and, when asked for, the logprobs of
+    each but the first (``prompt_logprobs``)."""
 
     text: str
     token_ids: list[int]
     stats: orchestrator_pb2.GenerationStats
     logprobs: list = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
 
 
 # What a generation hears as it runs: (choice index, a final chunk, its tokens' logprobs).
@@ -200,7 +204,11 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def Generate(self, request, context):
         """Chunks as tokens are committed (choices interleaved, each chunk naming
         its choice), then one final stats message per choice, in order. The
-        choices run concurrently and a stream takes one write at a time."""
+        choices run concurrently and a stream takes one write at a time.
+        Prompt logprobs are Complete's only (a stream carries generated tokens)."""
+        if request.HasField("prompt_logprobs"):
+            metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
+            raise InvalidArgument("prompt_logprobs: Generate streams generated tokens only; ask Complete for them")
         writing = asyncio.Lock()
 
         async def emit(index: int, delta: Delta, logprobs: list) -> None:
@@ -222,8 +230,12 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                                            logprobs=wire.logprobs_to_proto(r.logprobs), stats=r.stats)
                    for i, r in enumerate(results)]
         first = choices[0]
-        return orchestrator_pb2.CompleteResponse(text=first.text, token_ids=first.token_ids, stats=first.stats,
-                                                 logprobs=first.logprobs, choices=choices)
+        response = orchestrator_pb2.CompleteResponse(text=first.text, token_ids=first.token_ids, stats=first.stats,
+                                                     logprobs=first.logprobs, choices=choices)
+        if request.request.HasField("prompt_logprobs"):
+            response.prompt_ids.extend(results[0].prompt_ids)
+            response.prompt_logprobs.extend(wire.logprobs_to_proto(results[0].prompt_logprobs))
+        return response
 
     async def _serve(self, msg, context, emit: Emit) -> list[GenerationResult]:
         try:
@@ -259,7 +271,8 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             await run_all([gen.run(partial(choice_emit, emit, i, gen)) for i, gen in enumerate(gens)])
             for gen in gens:
                 gen.dec.finish()
-            return [GenerationResult(gen.text.text, list(gen.dec.tokens), self._stats(gen, i), list(gen.dec.logprobs))
+            return [GenerationResult(gen.text.text, list(gen.dec.tokens), self._stats(gen, i), list(gen.dec.logprobs),
+                                     gen.job.prompt_ids, list(gen.dec.prompt_logprobs))
                     for i, gen in enumerate(gens)]
         except asyncio.CancelledError:
             status = "DEADLINE_EXCEEDED" if _expired(deadline) else "CANCELLED"
@@ -279,13 +292,16 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def _prepare(self, request: GenerationRequest, deadline: Deadline) -> list[Generation]:
         """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT
         names the field. One generation per choice: choice i samples with
-        ``choice_seed(seed, i)``, so a seeded request reproduces every choice."""
-        max_new = self._max_new_tokens(request.max_new_tokens)
-        sampling = request.sampling
+        ``choice_seed(seed, i)``, so a seeded request reproduces every choice.
+        A prompt-only request generates nothing (max_new_tokens 0): a
+        prefill, no drafter."""
+        max_new = 0 if request.prompt_only else self._max_new_tokens(request.max_new_tokens)
+        sampling = request.sampling.check_vocabulary(self.verifier_info.vocab_size, "sampling")
         if sampling.seed is None:          # drawn here so that the verifier and the logs share it
             sampling = replace(sampling, seed=secrets.randbits(63))
         # explicit knobs for a drafter (the loop clamps them to the one it pins), or None for root-only trees
-        tree = request.tree.resolve(self.config.tree) if self.config.drafters.configured else None
+        drafting = self.config.drafters.configured and not request.prompt_only
+        tree = request.tree.resolve(self.config.tree) if drafting else None
         prompt_ids = self._prompt_ids(request)
         context = self.verifier_info.max_positions
         if len(prompt_ids) + max_new > context:
@@ -299,7 +315,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         text = TextStream(self.tokenizer, list(request.stop))
         stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
         job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
-                  tree=tree, logprobs=request.logprobs)
+                  tree=tree, logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": tree.method if tree else VANILLA})

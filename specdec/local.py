@@ -69,10 +69,12 @@ class LocalVerifier:
 
     network_s = 0.0
 
-    def __init__(self, engine, sid: str, logprobs: int | None = None, feature_layers: tuple[int, ...] = ()):
+    def __init__(self, engine, sid: str, logprobs: int | None = None, feature_layers: tuple[int, ...] = (),
+                 prompt_logprobs: int | None = None):
         self.engine = engine
         self.sid = sid
         self.logprobs = logprobs                   # top alternatives per token's logprob; None: no logprobs
+        self.prompt_logprobs = prompt_logprobs     # the same for the prompt's tokens (the prefill's)
         self.feature_layers = feature_layers       # the drafter's (``VerifierEngine.prefill``)
         self.root: int | None = None               # the last committed token
 
@@ -83,9 +85,10 @@ class LocalVerifier:
     async def prefill(self, prompt: list[int], sampling: SamplingParams, max_new_tokens: int,
                       features: bool) -> Committed:
         first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens, logprobs=self.logprobs,
-                                    feature_layers=self.feature_layers if features else ())
+                                    feature_layers=self.feature_layers if features else (),
+                                    prompt_logprobs=self.prompt_logprobs)
         self.root = first.token
-        return Committed([first.token], [], first.features, first.logprobs)
+        return Committed([first.token], [], first.features, first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
@@ -151,7 +154,7 @@ class LocalDrafter:
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
-             logprobs: int | None = None) -> Decoding:
+             logprobs: int | None = None, prompt_logprobs: int | None = None) -> Decoding:
     """Run one request to completion through the speculative loop
     (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
@@ -160,13 +163,14 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     sessions); in-process they are drafted before the verify, where the
     services draft them during it, so both use the same trees. ``logprobs``:
     each token's raw logprob with that many top alternatives, in
-    ``Decoding.logprobs`` (None: none)."""
+    ``Decoding.logprobs`` (None: none); ``prompt_logprobs``: the prompt's, in
+    ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only."""
     sid = uuid.uuid4().hex
     request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
 
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))
-        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers),
+        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs),
                                           LocalDrafter(drafter, sid) if drafter is not None else None,
                                           request, Decoding(stop, min_tau))
 

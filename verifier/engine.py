@@ -62,7 +62,8 @@ class VerifierEngine:
     # -- session lifecycle ---------------------------------------------------
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
                 max_new_tokens: int = 0, resume: bool = False, logprobs: int | None = None,
-                prompt_tokens: int = 0, feature_layers: tuple[int, ...] = ()) -> PrefillResult:
+                prompt_tokens: int = 0, feature_layers: tuple[int, ...] = (),
+                prompt_logprobs: int | None = None) -> PrefillResult:
         """Run the prompt, pick the first token, open the session.
 
         ``resume``: ``prompt`` is a session's whole committed sequence, moved
@@ -74,10 +75,14 @@ class VerifierEngine:
         tokens only (0: all; on resume, all but the pending root).
         ``feature_layers``: the session's features are the residual stream
         entering these target layers (HF hidden-state indices, concatenated: an
-        EAGLE-3 drafter's), or the final hidden state when empty (EAGLE-1/2's)."""
+        EAGLE-3 drafter's), or the final hidden state when empty (EAGLE-1/2's).
+        ``prompt_logprobs``: also return the raw logprob of every prompt token
+        after the first, given the tokens before it, with this many top
+        alternatives, from this forward's logits (None: none; not on resume)."""
         params.validate()
         feature_layers = self.target.check_feature_layers(feature_layers)
         check_tokens(self.target, prompt, "prompt")
+        params.check_vocabulary(self.target.vocab_size, "sampling")
         if not prompt:
             raise InvalidArgument("prompt must not be empty")
         if len(prompt) + max_new_tokens > self.target.max_positions:
@@ -97,7 +102,7 @@ class VerifierEngine:
                                  logprobs=logprobs, feature_layers=feature_layers)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
-        first_logprobs = None
+        first_logprobs = scored = None
         try:
             if resume:
                 if len(prompt) < 2:
@@ -118,6 +123,8 @@ class VerifierEngine:
                 first = int(probs.argmax()) if params.greedy else sample(probs, generator)
                 if logprobs is not None:
                     first_logprobs = token_logprobs(logits[-1:], [first], logprobs)
+                if prompt_logprobs is not None:     # position i predicts prompt token i + 1
+                    scored = token_logprobs(logits[:-1], prompt[1:], prompt_logprobs)
         except BaseException:
             self.sessions.pop(sid)
             raise
@@ -125,7 +132,7 @@ class VerifierEngine:
             sess.commit([first])
         finally:
             sess.lock.release()
-        return PrefillResult(first, hidden, first_logprobs)
+        return PrefillResult(first, hidden, first_logprobs, scored)
 
     def release(self, sid: str) -> bool:
         if self.sizer is not None:

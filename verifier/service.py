@@ -24,7 +24,7 @@ from typing import Callable
 
 from specdec.request import wire
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import (MAX_LOGPROBS, SamplingParams, check_count, check_owner, check_session_id,
+from specdec.request.params import (SamplingParams, check_count, check_logprobs, check_owner, check_session_id,
                                     check_token_ids)
 from specdec.serving import metrics, tensor_wire
 from specdec.serving.engine_servicer import EngineServicer
@@ -122,23 +122,25 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     async def Prefill(self, request, context):
         self.check(opens_session=True)
         sid = check_session_id(request.session_id)
-        params = wire.sampling_from_proto(request.sampling)
+        vocab = self.engine.target.vocab_size
+        params = wire.sampling_from_proto(request.sampling).check_vocabulary(vocab, "sampling")
         max_new = check_count(request.max_new_tokens, "max_new_tokens", note="0 = no reservation")
         owner = check_owner(request.owner)
-        prompt = check_token_ids(request.prompt_ids, self.engine.target.vocab_size, "prompt_ids", min_count=1)
+        prompt = check_token_ids(request.prompt_ids, vocab, "prompt_ids", min_count=1)
         if request.resume and len(prompt) < 2:    # the last token is the pending root: a prompt comes before it
             raise InvalidArgument(f"prompt_ids: resuming a session needs at least two committed tokens, "
                                   f"got {len(prompt)}")
-        logprobs = request.logprobs if request.HasField("logprobs") else None
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}] or unset, got {logprobs}")
+        logprobs = check_logprobs(request.logprobs if request.HasField("logprobs") else None)
+        prompt_logprobs = check_logprobs(request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+                                         "prompt_logprobs")
         prompt_tokens = check_count(request.prompt_tokens, "prompt_tokens", note="0 = all")
         result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
                                                   max_new, request.resume, logprobs, prompt_tokens,
-                                                  tuple(request.feature_layers))
+                                                  tuple(request.feature_layers), prompt_logprobs)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
-        response = verifier_pb2.VerifierPrefillResponse(token=result.token, compute_s=seconds,
-                                                        logprobs=wire.logprobs_to_proto(result.logprobs or ()))
+        response = verifier_pb2.VerifierPrefillResponse(
+            token=result.token, compute_s=seconds, logprobs=wire.logprobs_to_proto(result.logprobs or ()),
+            prompt_logprobs=wire.logprobs_to_proto(result.prompt_logprobs or ()))
         if request.return_features:
             response.features.CopyFrom(self._features(result.features))
         return response

@@ -75,6 +75,7 @@ class PrefillResult:
     token: int                    # first generated token (the first root)
     features: torch.Tensor        # [P, F] the session's features at each prompt position (``TargetModel.run``)
     logprobs: list[TokenLogprob] | None = None   # the first token's, when asked for (not on resume)
+    prompt_logprobs: list[TokenLogprob] | None = None   # prompt[1:]'s, when asked for (not on resume)
 
 
 @dataclass(frozen=True)

@@ -77,11 +77,11 @@ class ReplicatedVerifier:
 
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int = 0,
                 resume: bool = False, logprobs: int | None = None, prompt_tokens: int = 0,
-                feature_layers: tuple[int, ...] = ()):
+                feature_layers: tuple[int, ...] = (), prompt_logprobs: int | None = None):
         if params.seed is None:               # every rank must draw the same random numbers
             params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         return self._call("prefill", sid, prompt, params, max_new_tokens, resume, logprobs, prompt_tokens,
-                          tuple(feature_layers))
+                          tuple(feature_layers), prompt_logprobs)
 
     def verify(self, sid, tree):
         return self._call("verify", sid, tree)

@@ -200,7 +200,8 @@ def startup_seconds(args, mode: str, cache_dir: str) -> float:
         return json.loads(Path(out.name).read_text())["startup_s"]
 
 
-def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
+def run_profile(args, target_dir: str, eagle_dir: str | None) -> dict:
+    """The profile record; ``eagle_dir`` None: the target's steps only (a target with no head yet)."""
     args.target_dir, args.eagle_dir = target_dir, eagle_dir
     spec = ModelSpec(path=target_dir, dtype=args.dtype, device=args.device)
     if args.startup_only:
@@ -216,12 +217,13 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
         return {"startup_s": round(total, 3), "target_s": round(target_s, 3), "drafter_s": round(total - target_s, 3),
                 "feature_layers": layers}
     eager = TargetModel(spec)
-    drafter = EagleDrafter(eagle_dir, target_dir, device=args.device)
+    drafter = None if eagle_dir is None else EagleDrafter(eagle_dir, target_dir, device=args.device)
     bench = StepBench(eager, drafter, args.prefix)
     result = {"device": device_name(args.device), "target": target_dir, "prefix": args.prefix,
               "steps": {}, "compile": args.compile}
     eager_steps = bench.target_steps(eager.forward_batch, eager.lm.new_cache, args.steps, profile=True)
-    eager_steps["eagle_level8"] = bench.eagle_level(args.steps, profile=True)
+    if drafter is not None:
+        eager_steps["eagle_level8"] = bench.eagle_level(args.steps, profile=True)
     result["steps"]["eager"] = {k: v.record() for k, v in eager_steps.items()}
     fast, fast_drafter = None, None
     if args.compile != "off":
@@ -236,9 +238,10 @@ def run_profile(args, target_dir: str, eagle_dir: str) -> dict:
             result["compile_widths_s"] = round(time.perf_counter() - t, 3)
             steps = bench.target_steps(fast.forward_batch, fast.new_cache, args.steps, profile=False)
             t = time.perf_counter()
-            fast_drafter = EagleDrafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
-            result["drafter_compile_and_check_s"] = round(time.perf_counter() - t, 3)
-            if fast_drafter.compiled is not None:
+            if eagle_dir is not None:
+                fast_drafter = EagleDrafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
+                result["drafter_compile_and_check_s"] = round(time.perf_counter() - t, 3)
+            if fast_drafter is not None and fast_drafter.compiled is not None:
                 steps["eagle_level8"] = StepBench(fast, fast_drafter, args.prefix).eagle_level(args.steps, False)
             result["steps"]["compiled"] = {k: v.record() for k, v in steps.items()}
             traced = CompiledForward(fast.lm, ahead_of_time=False)      # torch.compile graphs, no packages

@@ -46,8 +46,8 @@ class GrpcMethod:
         tree = self.cfg.tree
         t = time.perf_counter()
         try:
-            done = self.client.complete(
-                prompt.text, timeout=REQUEST_TIMEOUT_S, max_new_tokens=self.cfg.max_new_tokens,
+            done = self.client.complete(      # the token ids every in-process method runs
+                prompt.ids, timeout=REQUEST_TIMEOUT_S, max_new_tokens=self.cfg.max_new_tokens,
                 temperature=self.cfg.temperature, seed=None if self.cfg.temperature == 0 else seed,
                 method=self.method, total_tokens=tree.total_tokens, depth=tree.depth, expand_k=tree.expand_k,
                 proposals=self.proposals)

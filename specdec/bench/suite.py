@@ -23,6 +23,7 @@ from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, P
                                   other_sizing, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
+from specdec.model.prompts import chat_text, prompt_ids
 from specdec.procs import pinned_cores
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import TreeParams
@@ -46,11 +47,14 @@ class Models:
         self._drafters: dict[str, object] = {}
         self._assistant = None
 
-    def encode(self, texts: Sequence[str]) -> list[Prompt]:
+    def encode(self, texts: Sequence[str | list[dict]]) -> list[Prompt]:
+        """Prompt texts, or chats rendered with the target's chat template, as token ids."""
         prompts = []
         limit = self.target.max_positions
         for i, text in enumerate(texts):
-            ids = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            ids = prompt_ids(self.tokenizer, text) if text else []
+            if not isinstance(text, str):
+                text = chat_text(self.tokenizer, text)
             if not ids:
                 raise ValueError(f"prompt {i + 1} is empty")
             # + depth: a draft tree reaches that far past the last committed token

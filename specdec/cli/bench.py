@@ -55,7 +55,8 @@ def add_parser(sub) -> None:
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
     add_compile_flag(g)
     p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
-                   help="JSONL file, one {\"prompt\": ...} per line (default: the bundled code prompts), or "
+                   help="JSONL file, one {\"prompt\": ...} or {\"messages\": [...]} (a chat, rendered with the "
+                        "target's template) per line (default: the bundled code prompts), or "
                         "'heldout': the model card's held-out prompts (the first 96 tokens of 12 standard-library "
                         "files the demo models never trained on)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -216,7 +217,8 @@ def concurrency_plan(args):
 HELDOUT = "heldout"      # --prompts heldout: the model card's held-out corpus prompts
 
 
-def load_prompts(path: str, limit: int | None, target: str | None = None) -> list[str]:
+def load_prompts(path: str, limit: int | None, target: str | None = None) -> list:
+    """Prompt texts, or chats (``{"messages": [...]}`` lines) the bench renders with the target's template."""
     if path == HELDOUT:
         from specdec.model.loading import load_tokenizer
         from specdec.train.card import heldout_prompt_texts
@@ -294,8 +296,11 @@ def run_profile_command(args) -> int:
         raise UsageError("--batches and --prefill take positive integers")
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run_profile(args, model_dir(args.target, "target", "target model", "--target"),
-                         model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"))
+    # a target of your own with no head yet: its steps only
+    eagle = None if args.target and not args.eagle else model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
+    if eagle is None and (args.e2e_prompts or args.startup or args.startup_only):
+        raise UsageError("--e2e-prompts and --startup decode with an EAGLE head: add --eagle")
+    result = run_profile(args, model_dir(args.target, "target", "target model", "--target"), eagle)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(profile_markdown(result))
     return 0

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, model_dir, print_logprobs,
-                                 read_prompts, resolved_min_tau, result_record)
+                                 prompt_text, read_prompts, resolved_min_tau, result_record)
 from specdec.cli.remote import run_remote
 from specdec.request import knobs
 from specdec.request.decoding import StopCriteria
@@ -34,6 +34,9 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
                    help="[-2, 2]: subtracted per occurrence among the generated tokens (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 0: divides positive (multiplies negative) logits of tokens in prompt or output (1 = off)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                   help="add BIAS in [-100, 100] to token id TOKEN's logit before sampling (repeatable; "
+                        "-100 bans a token, 100 all but forces it)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each token's logprob (raw model) with N top alternatives (0..20), in --json output "
                         "or on stderr")
@@ -49,8 +52,11 @@ def add_parser(sub) -> None:
     add_decoding_flags(p)
     add_tree_sizing_flag(p)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    p.add_argument("--prompt-file", help="JSONL file, one {\"prompt\": ...} per line")
+    p.add_argument("--prompt-file", help="JSONL file, one {\"prompt\": ...} or {\"messages\": [...]} per line")
     p.add_argument("prompt", nargs="?", help="the prompt text")
+    p.add_argument("--chat", action="store_true",
+                   help="send PROMPT as one user message, rendered with the target's chat template "
+                        "(prompt files take {\"messages\": [...]} lines)")
     p.set_defaults(run=run)
 
 
@@ -58,7 +64,20 @@ def sampling_from(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           min_p=args.min_p, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty).validate()
+                          repetition_penalty=args.repetition_penalty,
+                          logit_bias=logit_bias_from(args.logit_bias)).validate()
+
+
+def logit_bias_from(flags: list[str]) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias TOKEN=BIAS`` flags as (token id, bias) pairs (bounds: ``SamplingParams``)."""
+    pairs = []
+    for flag in flags:
+        token, _, bias = flag.partition("=")
+        try:
+            pairs.append((int(token), float(bias)))
+        except ValueError:
+            raise UsageError(f"--logit-bias takes TOKEN=BIAS (an integer and a number), got {flag!r}") from None
+    return tuple(pairs)
 
 
 def tree_from(args) -> TreeParams | None:
@@ -112,12 +131,12 @@ def run(args) -> int:
         from drafter.compiled.whole_draft import use_budget
 
         use_budget(stack.drafter, tree_cfg)                             # the run's budget drafted whole
+    from specdec.model.prompts import prompt_ids
+
     tok = stack.tokenizer
     eos = {i for i in [tok.eos_token_id] if i is not None}
     for prompt in prompts:
-        if not prompt:
-            raise UsageError("prompt must not be empty")
-        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        ids = prompt_ids(tok, prompt)
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
         dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau, logprobs=logprobs)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
@@ -125,7 +144,7 @@ def run(args) -> int:
             print(json.dumps(result_record(dec.tokens, text, dec.stats, None if logprobs is None else dec.logprobs)),
                   flush=True)
         else:
-            print(prompt + text, flush=True)
+            print(prompt_text(prompt) + text, flush=True)
             if logprobs is not None:
                 print_logprobs(dec.logprobs, tok.decode)
             s = dec.stats

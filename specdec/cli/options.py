@@ -141,15 +141,20 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
                         "never changes the output distribution")
 
 
-def read_prompts(args) -> list[str]:
+Messages = list[dict]      # a chat: [{"role": ..., "content": ...}, ...], rendered with the target's template
+
+
+def read_prompts(args) -> list[str | Messages]:
+    """The prompts of PROMPT (with ``--chat``: one user message) or ``--prompt-file``:
+    JSONL lines of ``{"prompt": text}`` or ``{"messages": [{"role", "content"}, ...]}``."""
     if (args.prompt is None) == (args.prompt_file is None):
         raise UsageError("give exactly one of PROMPT or --prompt-file")
     if args.prompt is not None:
-        return [args.prompt]
+        return [[{"role": "user", "content": args.prompt}]] if getattr(args, "chat", False) else [args.prompt]
     path = Path(args.prompt_file)
     if not path.is_file():
         raise UsageError(f"prompt file not found: {path}")
-    prompts = []
+    prompts: list[str | Messages] = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -157,12 +162,28 @@ def read_prompts(args) -> list[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise UsageError(f"{path}:{lineno}: expected an object with a string \"prompt\"")
-        prompts.append(obj["prompt"])
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif isinstance(obj, dict) and "messages" in obj:
+            prompts.append(_messages(obj["messages"], f"{path}:{lineno}"))
+        else:
+            raise UsageError(f"{path}:{lineno}: expected an object with a string \"prompt\" or a \"messages\" list")
     if not prompts:
         raise UsageError(f"prompt file {path} has no prompts")
     return prompts
+
+
+def _messages(value, where: str) -> Messages:
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        raise UsageError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": str, \"content\": str}}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def prompt_text(prompt: str | Messages) -> str:
+    """What a terminal shows before the generated text: the text, or the last message."""
+    return prompt if isinstance(prompt, str) else f"{prompt[-1]['role']}: {prompt[-1]['content']}\n"
 
 
 def result_record(tokens: list[int], text: str, stats, logprobs=None) -> dict:

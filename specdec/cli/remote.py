@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from specdec.cli.options import print_logprobs, result_record
+from specdec.cli.options import print_logprobs, prompt_text, result_record
 from specdec.request.errors import UsageError
 from specdec.request.params import VANILLA
 
@@ -32,7 +32,7 @@ def _request_params(args, params, tree_cfg) -> dict:
     out = dict(max_new_tokens=args.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                top_k=params.top_k, seed=params.seed, min_p=params.min_p, presence_penalty=params.presence_penalty,
                frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-               logprobs=args.logprobs)
+               logit_bias=dict(params.logit_bias), logprobs=args.logprobs)
     if tree_cfg is None:
         out["method"] = VANILLA
     else:
@@ -42,7 +42,9 @@ def _request_params(args, params, tree_cfg) -> dict:
     return out
 
 
-def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
+def run_remote(args, prompts: list, params, tree_cfg) -> int:
+    """Each prompt through the orchestrator: text as the prompt, a chat as ``messages``
+    (rendered there with the server's chat template)."""
     from specdec.client import SpecdecClient, SpecdecClientError     # grpc: only when calling a server
 
     request = _request_params(args, params, tree_cfg)
@@ -52,15 +54,17 @@ def run_remote(args, prompts: list[str], params, tree_cfg) -> int:
         for prompt in prompts:
             if not prompt:
                 raise UsageError("prompt must not be empty")
+            text, messages = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            asked = dict(request, messages=messages) if messages else request
             try:
                 if args.json:
-                    result = client.complete(prompt, **request)
+                    result = client.complete(text, **asked)
                     logprobs = None if args.logprobs is None else result.logprobs
                     print(json.dumps(result_record(result.token_ids, result.text, result.stats, logprobs)),
                           flush=True)
                     continue
-                stream = client.generate(prompt, **request)
-                sys.stdout.write(prompt)
+                stream = client.generate(text, **asked)
+                sys.stdout.write(prompt_text(prompt))
                 for chunk in stream:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()

@@ -75,15 +75,20 @@ class Choice:
 
 @dataclass(frozen=True)
 class Completion:
-    """Choice 0's text, tokens, stats and logprobs; ``choices``: all of them."""
+    """Choice 0's text, tokens, stats and logprobs; ``choices``: all of them;
+    with ``prompt_logprobs`` asked for, the prompt's token ids and the
+    logprobs of all of them but the first."""
 
     text: str
     token_ids: list[int]
     stats: GenerationStats
     logprobs: list[TokenLogprob] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, resp: orchestrator_pb2.CompleteResponse) -> Completion:
         return cls(resp.text, list(resp.token_ids), GenerationStats.from_proto(resp.stats),
-                   logprobs_from_proto(resp.logprobs), [Choice.from_proto(c) for c in resp.choices])
+                   logprobs_from_proto(resp.logprobs), [Choice.from_proto(c) for c in resp.choices],
+                   list(resp.prompt_ids), logprobs_from_proto(resp.prompt_logprobs))

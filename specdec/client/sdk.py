@@ -11,8 +11,13 @@ layer (``specdec.request.params``, ``specdec.request.wire``)::
 
         result = client.complete("def fib(n):", max_new_tokens=64, timeout=10)
 
-        # token ids or chat messages as the prompt; penalties, min_p, logprobs, n choices
-        result = client.complete([1, 2, 3], max_new_tokens=16, logprobs=5, repetition_penalty=1.2)
+        # token ids or chat messages as the prompt; penalties, min_p, logit_bias, logprobs, n choices
+        result = client.complete([1, 2, 3], max_new_tokens=16, logprobs=5, repetition_penalty=1.2,
+                                 logit_bias={42: -100.0})
+
+        # the prompt's log-likelihood alone (what an eval harness asks)
+        scored = client.complete("The sky is blue", prompt_only=True, prompt_logprobs=0)
+        print(sum(lp.logprob for lp in scored.prompt_logprobs))
         result = client.complete(messages=[{"role": "user", "content": "Hi"}], n=2, temperature=1.0, seed=7)
         for choice in result.choices:
             print(choice.text, [lp.logprob for lp in choice.logprobs])
@@ -32,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -107,13 +112,18 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
                   total_tokens: int = 0, depth: int = 0, expand_k: int = 0, value_temperature: float = 0.0,
                   proposals: str = "auto", request_id: str = "", min_p: float = 0.0, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logprobs: int | None = None,
-                  n: int = 1) -> orchestrator_pb2.GenerateRequest:
+                  n: int = 1, logit_bias: Mapping[int, float] | None = None, prompt_logprobs: int | None = None,
+                  prompt_only: bool = False) -> orchestrator_pb2.GenerateRequest:
     """The request message; 0 / None leave a knob to the server's default.
     ``prompt``: text, or token ids (a sequence of ints); or ``messages``
     instead (a chat, rendered with the model's chat template by the server).
     ``logprobs``: each token's raw-model logprob with that many top
     alternatives (0..20; None: none). ``n``: independent choices, seeded from
-    ``seed``. Penalties and min_p follow ``specdec.request.params.SamplingParams``.
+    ``seed``. Penalties, min_p and ``logit_bias`` ({token id: bias in [-100,
+    100]}) follow ``specdec.request.params.SamplingParams``. ``prompt_logprobs``:
+    the prompt's tokens' logprobs (all but the first) with that many
+    alternatives, in ``Completion.prompt_logprobs`` (``complete`` only);
+    ``prompt_only``: generate nothing (``max_new_tokens`` 0), the prompt alone.
     ``method``: one of ``METHODS`` ("vanilla": no drafting); ``proposals``: how
     draft tokens are proposed when sampling ("auto": the drafter's choice;
     "top" / "sampled"). Names are checked here (ValueError); values are checked
@@ -121,7 +131,7 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     the offending field."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              repetition_penalty=repetition_penalty)
+                              repetition_penalty=repetition_penalty, logit_bias=logit_bias or ())
     tree = common_pb2.TreeParams(
         method=common_pb2.TREE_METHOD_UNSPECIFIED if method is None else enum_to_proto(method, METHOD_TO_PROTO, "method"),
         total_tokens=total_tokens, depth=depth, expand_k=expand_k, value_temperature=value_temperature,
@@ -131,9 +141,12 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     text, ids = (prompt, []) if prompt is None or isinstance(prompt, str) else ("", list(prompt))
     msg = orchestrator_pb2.GenerateRequest(prompt=text or "", prompt_ids=ids, max_new_tokens=max_new_tokens,
                                            sampling=sampling_to_proto(sampling), stop=list(stop), tree=tree,
-                                           request_id=request_id, messages=chat_messages(messages or ()), n=n)
+                                           request_id=request_id, messages=chat_messages(messages or ()), n=n,
+                                           prompt_only=prompt_only)
     if logprobs is not None:
         msg.logprobs = logprobs
+    if prompt_logprobs is not None:
+        msg.prompt_logprobs = prompt_logprobs
     return msg
 
 

@@ -147,7 +147,6 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     float32 safetensors, tokenizer). Written beside ``out`` and renamed into place,
     so an interrupted conversion leaves nothing that looks finished."""
     import torch
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
@@ -163,16 +162,13 @@ def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:
             model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
         except (ValueError, NotImplementedError, KeyError) as e:
             raise GgufError(f"GGUF file {p.name} cannot be loaded: {str(e).splitlines()[0]}") from None
-        # the weights are dequantized floats now: the directory is an ordinary checkpoint
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.dtype = torch.float32
-        tmp.mkdir(parents=True)
-        config.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": p.name})
+        # the weights are dequantized floats now: saved as an ordinary checkpoint (tied
+        # embeddings written once under their usual name, as save_pretrained does)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.dtype = torch.float32
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"file": str(p.resolve()), "size": p.stat().st_size}) + "\n")
         if out.exists():                # converted meanwhile by another process: keep theirs

@@ -18,15 +18,15 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class StopCriteria:
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128          # 0: the prompt only (a prefill scores it, nothing is generated)
     eos_ids: frozenset[int] = frozenset()
     # Called with all generated tokens; returns how many to keep when a stop
     # string completed (the orchestrator's detokenizer implements it), else None.
     stop_check: Callable[[list[int]], int | None] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
 
 
 @dataclass
@@ -126,8 +126,10 @@ class Decoding:
         self.gate = SpeculationGate(min_tau)
         self.tokens: list[int] = []
         self.logprobs: list = []       # one ``specdec.tree.sampling.TokenLogprob`` per token, when asked for
+        self.prompt_logprobs: list = []   # one per prompt token but the first, when asked for
         self.stats = DecodeStats()
-        self.finish_reason: str | None = None
+        # nothing to generate: done before the prefill's first token, which is never added
+        self.finish_reason: str | None = None if stop.max_new_tokens else "length"
         self._t0 = time.perf_counter()
 
     @property

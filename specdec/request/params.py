@@ -18,6 +18,9 @@ sampling.presence_penalty   finite, in [-2, 2] (0 = off; OpenAI semantics: gener
 sampling.frequency_penalty  finite, in [-2, 2] (0 = off; OpenAI semantics: generated tokens only)
 sampling.repetition_penalty finite, > 0 (1 = off; on the wire 0 = unset = 1; prompt and
                             generated tokens, as transformers and vLLM apply it)
+sampling.logit_bias         at most ``MAX_LOGIT_BIAS`` (token id, bias) pairs: ids integers
+                            >= 0, each once (the vocabulary bounds them, checked by the
+                            verifier and the orchestrator), biases finite, in [-100, 100]
 tree.method                 one of ``METHODS``; a request may also say "vanilla"
 tree.total_tokens, depth,   integer >= 1 (a request: >= 0, 0 = server default;
 tree.expand_k               larger values are clamped to the drafter's limits)
@@ -35,6 +38,10 @@ messages                    1 to ``MAX_MESSAGES`` chat messages: role one of
                             characters (rendered with the model's chat template)
 logprobs                    unset (off) or an integer in [0, ``MAX_LOGPROBS``]: the
                             chosen token's logprob plus that many top alternatives
+prompt_logprobs             unset (off) or an integer in [0, ``MAX_LOGPROBS``]: every
+                            prompt token's logprob after the first (the verifier's prefill)
+prompt_only                 no token generated (max_new_tokens must be 0, n 1): the
+                            prompt alone, scored with prompt_logprobs
 n                           integer in [1, ``MAX_CHOICES``] (on the wire 0 = 1)
 max_new_tokens              integer >= 0 (0 = server default; the server's limit)
 stop                        at most ``MAX_STOP_STRINGS`` strings of 1 to
@@ -57,8 +64,15 @@ value (``shown``): status details travel in size-limited metadata.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
+# the field checks, re-exported: the services and the wire check their own fields with them
+from specdec.request.checks import (MAX_ID_CHARS, MAX_SHOWN_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS,  # noqa: F401
+                                    check_choice, check_count, check_max_new_tokens, check_owner, check_real,
+                                    check_request_id, check_session_id, check_stop_strings, check_text,
+                                    check_token_ids, is_int, is_request_id, prefixed, shown)
 from specdec.request.errors import InvalidArgument
 from specdec.request.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_PROPOSALS,
                                    DEFAULT_TOTAL_TOKENS)
@@ -77,18 +91,19 @@ PROPOSALS = ("auto", "top", "sampled")
 TREE_KNOBS = ("total_tokens", "depth", "expand_k")
 
 MAX_PROMPT_CHARS = 1 << 20     # 1 Mi characters: far past any context, short of the 64 MiB message cap
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_ID_CHARS = 128             # request and session ids (they travel in metadata and logs)
 MAX_SEED = 2**64 - 1           # the wire's uint64; torch generators take the whole range
 # Below this a temperature is refused rather than sampled: logits divided by a
 # subnormal temperature overflow to inf and the probabilities become NaN. At
 # 1e-6 logits would need a magnitude of 1e32 to overflow; sampling that cold
 # is argmax in all but name (use 0).
 MIN_TEMPERATURE = 1e-6
-MAX_SHOWN_CHARS = 64           # of a client's value echoed in an error message
 MAX_LEASED_SESSIONS = 4096     # session ids one Renew may list (past any backend's session cap)
 MAX_PENALTY = 2.0              # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_BIAS = 100.0               # |a logit_bias value| (OpenAI's range)
+# logit_bias entries per request. OpenAI documents no limit; this one bounds the
+# per-request validation and the bias vector's cost and still lets a client ban
+# or favour a thousand tokens.
+MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20              # top alternatives per token (OpenAI's top_logprobs limit)
 MAX_CHOICES = 16               # n: independent choices per request
 MAX_PROMPT_IDS = 1 << 20
@@ -96,111 +111,44 @@ MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-# -- field checks ------------------------------------------------------------------------------
-def shown(value) -> str:
-    """``repr(value)``, cut to ``MAX_SHOWN_CHARS`` characters for an error message."""
-    text = repr(value)
-    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text)} characters)"
+# A tuple of (token id, bias) pairs is checked once per value: the verifier validates a
+# session's params on every verify step. (Equal tuples are equal numbers: 1 and 1.0
+# and True share a cache entry, and mean the same id or bias.)
+@lru_cache(maxsize=64)
+def check_logit_bias(bias, field: str = "logit_bias") -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs: at most ``MAX_LOGIT_BIAS``, ids integers >= 0, each once,
+    biases finite in [-``MAX_BIAS``, ``MAX_BIAS``]. The vocabulary bounds the ids
+    (``check_token_ids``, where it is known)."""
+    if not isinstance(bias, tuple):
+        raise InvalidArgument(f"{field} must map token ids to biases, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"{field}: at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    seen = set()
+    for entry in bias:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise InvalidArgument(f"{field} must map token ids to biases, got the entry {shown(entry)}")
+        token, value = entry
+        if not is_int(token) or token < 0:
+            raise InvalidArgument(f"{field}: token id {shown(token)} must be an integer >= 0")
+        if token in seen:
+            raise InvalidArgument(f"{field}: token id {token} is given twice")
+        seen.add(token)
+        check_real(value, f"{field}[{token}]", -MAX_BIAS, MAX_BIAS)
+    return bias
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_count(value, field: str, low: int = 0, note: str = "") -> int:
-    """An integer >= ``low``; ``note`` says what a special value means (e.g. "0 = server default")."""
-    if not is_int(value) or value < low:
-        bound = f">= {low} ({note})" if note and is_int(value) else f"an integer >= {low}"
-        raise InvalidArgument(f"{field} must be {bound}, got {shown(value)}")
-    return value
-
-
-def check_max_new_tokens(value: int, limit: int) -> int:
-    """A request's max_new_tokens (already >= 0) within a server's limit."""
-    if value > limit:
-        raise InvalidArgument(f"max_new_tokens must be <= {limit}, got {value}")
-    return value
-
-
-def check_text(value, field: str, max_chars: int, *, empty_ok: bool = False, ascii_only: bool = False) -> str:
-    """A string of at most ``max_chars`` characters (non-empty unless ``empty_ok``)."""
-    if not isinstance(value, str):
-        raise InvalidArgument(f"{field} must be a string, got {type(value).__name__}")
-    if not value and not empty_ok:
-        raise InvalidArgument(f"{field} must not be empty")
-    if len(value) > max_chars:
-        raise InvalidArgument(f"{field} must be at most {max_chars} characters, got {len(value)}")
-    if ascii_only and not all(" " <= c <= "~" for c in value):
-        raise InvalidArgument(f"{field} must be printable ASCII")
-    return value
-
-
-def check_session_id(value, field: str = "session_id") -> str:
-    return check_text(value, field, MAX_ID_CHARS)
-
-
-def check_owner(value, field: str = "owner") -> str:
-    return check_text(value, field, MAX_ID_CHARS, empty_ok=True)
-
-
-def check_request_id(value, field: str = "request_id") -> str:
-    return check_text(value, field, MAX_ID_CHARS, empty_ok=True, ascii_only=True)
-
-
-def is_request_id(value) -> bool:
-    """Whether ``value`` would pass ``check_request_id`` and is not empty (metadata checks)."""
-    try:
-        return bool(check_request_id(value))
-    except InvalidArgument:
-        return False
-
-
-def check_token_ids(tokens, vocab_size: int, field: str, min_count: int = 0,
-                    vocabulary: str = "vocabulary") -> list[int]:
-    """Token ids in [0, ``vocab_size``), at least ``min_count`` of them;
-    ``vocabulary`` names the vocabulary in the message."""
-    tokens = list(tokens)
-    if not tokens and min_count:
-        raise InvalidArgument(f"{field} must not be empty")
-    if len(tokens) < min_count:
-        raise InvalidArgument(f"{field} must hold at least {min_count} token ids, got {len(tokens)}")
-    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"{field}: token id {bad} is outside the {vocabulary} [0, {vocab_size})")
-    return tokens
-
-
-def check_stop_strings(stop, field: str = "stop") -> tuple[str, ...]:
-    stop = tuple(stop)
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"{field}: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    for i, s in enumerate(stop):
-        check_text(s, f"{field}[{i}]", MAX_STOP_CHARS)
-    return stop
-
-
-def check_real(value, field: str, low: float, high: float = math.inf, *, low_open: bool = False) -> float:
-    """A finite number in [low, high] ((low, ...] when ``low_open``); NaN and infinities fail."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok:
-        ok = (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        if math.isinf(high):
-            bound = f"{'>' if low_open else '>='} {low:g} and finite"
-        else:
-            bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        raise InvalidArgument(f"{field} must be {bound}, got {value!r}")
-    return value
-
-
-def check_choice(value, choices: tuple[str, ...], field: str) -> str:
-    if value not in choices:
-        raise InvalidArgument(f"{field} must be one of {', '.join(choices)}, got {shown(value)}")
-    return value
-
-
-def prefixed(field: str, name: str) -> str:
-    return f"{field}.{name}" if field else name
+def logit_bias_pairs(bias) -> tuple:
+    """A logit bias as a client may write it (a mapping or pairs) as a tuple of
+    pairs, sorted by token id when the ids are integers (one form per bias)."""
+    if isinstance(bias, Mapping):
+        bias = tuple(bias.items())
+    elif isinstance(bias, (list, tuple)):
+        bias = tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in bias)
+    else:
+        return bias
+    if all(isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) for e in bias):
+        bias = tuple(sorted(bias, key=lambda e: e[0]))
+    return bias
 
 
 # -- sampling ----------------------------------------------------------------------------------
@@ -211,12 +159,19 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 => off
     seed: int | None = None  # None => a random seed per request
     # Processors, applied in this order by ``specdec.tree.sampling.target_probs``:
-    # repetition penalty, frequency and presence penalties, temperature, top-k,
-    # top-p, min-p. Greedy decoding takes the argmax of the penalised logits.
+    # logit bias, repetition penalty, frequency and presence penalties,
+    # temperature, top-k, top-p, min-p. Greedy decoding takes the argmax of the
+    # biased, penalised logits.
     min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 => off
     presence_penalty: float = 0.0  # minus this once per token generated at least once
     frequency_penalty: float = 0.0  # minus this times the token's count among generated tokens
     repetition_penalty: float = 1.0  # logits of tokens in prompt or output: /p if > 0 else *p; 1 => off
+    # (token id, bias) pairs added to the logits (OpenAI's logit_bias); a mapping
+    # is taken too and kept as pairs sorted by token id. () => off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     def validate(self, field: str = "") -> SamplingParams:
         """Raise InvalidArgument naming ``field``.<name> unless every value is in bounds."""
@@ -234,6 +189,16 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             check_real(getattr(self, name), prefixed(field, name), -MAX_PENALTY, MAX_PENALTY)
         check_real(self.repetition_penalty, prefixed(field, "repetition_penalty"), 0.0, low_open=True)
+        try:
+            check_logit_bias(self.logit_bias, prefixed(field, "logit_bias"))
+        except TypeError:               # unhashable entries: not pairs of numbers
+            raise InvalidArgument(f"{prefixed(field, 'logit_bias')} must map token ids to biases") from None
+        return self
+
+    def check_vocabulary(self, vocab_size: int, field: str = "") -> SamplingParams:
+        """Raise InvalidArgument naming ``field``.logit_bias unless every biased
+        token id is inside a vocabulary of ``vocab_size`` (the verifier's check)."""
+        check_token_ids((t for t, _ in self.logit_bias), vocab_size, prefixed(field, "logit_bias"))
         return self
 
     @property
@@ -242,7 +207,8 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def without_penalties(self) -> SamplingParams:
-        """These params with every penalty off (the history-free processors only)."""
+        """These params with every penalty off (the history-free processors
+        only: the logit bias stays)."""
         return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
 
     @property
@@ -360,6 +326,13 @@ def check_prompt_ids(ids, field: str = "prompt_ids") -> tuple[int, ...]:
     return ids
 
 
+def check_logprobs(value, field: str = "logprobs") -> int | None:
+    """Unset (None) or the top alternatives per token, an integer in [0, ``MAX_LOGPROBS``]."""
+    if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise InvalidArgument(f"{field} must be an integer in [0, {MAX_LOGPROBS}] or unset, got {shown(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated public request (``GenerateRequest`` / ``CompleteRequest``):
@@ -371,7 +344,10 @@ class GenerationRequest:
     used as they are) or ``messages`` (a chat, rendered with the model's chat
     template by the server). ``logprobs`` come from the raw model: the
     log-softmax of the target's logits, before penalties, temperature and
-    filtering (as vLLM returns by default), for every generated token."""
+    filtering (as vLLM returns by default), for every generated token;
+    ``prompt_logprobs`` likewise for every prompt token but the first (each
+    given the tokens before it), from the verifier's prefill forward.
+    ``prompt_only``: nothing is generated (the prompt alone, scored)."""
 
     prompt: str = ""
     max_new_tokens: int = 0                    # 0 = server default
@@ -383,6 +359,8 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] = ()
     logprobs: int | None = None                # None = off; else top alternatives per token
     n: int = 1                                 # independent choices; choice i > 0 reseeded (``choice_seed``)
+    prompt_logprobs: int | None = None         # None = off; else top alternatives per prompt token
+    prompt_only: bool = False                  # generate nothing: max_new_tokens 0, n 1
 
     def __post_init__(self):
         given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(self, name)]
@@ -393,11 +371,17 @@ class GenerationRequest:
         check_text(self.prompt, "prompt", MAX_PROMPT_CHARS, empty_ok=True)
         object.__setattr__(self, "prompt_ids", check_prompt_ids(self.prompt_ids))
         object.__setattr__(self, "messages", check_messages(self.messages))
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or unset, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            check_logprobs(getattr(self, name), name)
         if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
             raise InvalidArgument(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         check_count(self.max_new_tokens, "max_new_tokens", note="0 = server default")
+        if not isinstance(self.prompt_only, bool):
+            raise InvalidArgument(f"prompt_only must be a boolean, got {shown(self.prompt_only)}")
+        if self.prompt_only and self.max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens must be 0 with prompt_only, got {self.max_new_tokens}")
+        if self.prompt_only and self.n != 1:
+            raise InvalidArgument(f"n must be 1 with prompt_only (nothing is generated), got {self.n}")
         self.sampling.validate("sampling")
         object.__setattr__(self, "stop", check_stop_strings(self.stop))
         check_request_id(self.request_id)

@@ -68,6 +68,7 @@ class Committed:
     logprobs: list | None = None        # one ``specdec.request.params.TokenLogprob`` per token, when the session asked
     nodes: int = 0                      # nodes the verifier checked (fewer than drafted when it cut the tree
                                         # to its cost, ``specdec.tree.sizing``); 0: the draft's size
+    prompt_logprobs: list | None = None  # prefill: one per prompt token but the first, when the session asked
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,8 @@ class SpeculativeLoop:
         req = self.request
         first = await self.timed("prefill", self.verifier, self.verifier.prefill(
             req.prompt, req.sampling, self.dec.stop.max_new_tokens, self.wants_features))
-        await self.add(first.tokens, first.logprobs)
+        self.dec.prompt_logprobs = first.prompt_logprobs or []
+        await self.add(first.tokens, first.logprobs)     # (none taken with max_new_tokens 0)
         if self.drafter is not None and not self.dec.done:
             await self.timed("commit", self.drafter, self.drafter.prefill(
                 req.prompt + first.tokens, first.features, req.sampling))

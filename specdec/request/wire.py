@@ -51,7 +51,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                     min_p=params.min_p, presence_penalty=params.presence_penalty,
                                     frequency_penalty=params.frequency_penalty,
-                                    repetition_penalty=params.repetition_penalty)
+                                    repetition_penalty=params.repetition_penalty,
+                                    logit_bias=dict(params.logit_bias))
     if params.seed is not None:
         msg.seed = params.seed
     return msg
@@ -59,7 +60,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     """Validated SamplingParams; top_p and repetition_penalty 0 (unset) read as
-    1, an unset seed as None."""
+    1, an unset seed as None, an empty logit_bias as none."""
     return unchecked_sampling(msg).validate(field)
 
 
@@ -68,7 +69,7 @@ def unchecked_sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
                           seed=msg.seed if msg.HasField("seed") else None, min_p=msg.min_p,
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                          repetition_penalty=msg.repetition_penalty or 1.0)
+                          repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=dict(msg.logit_bias))
 
 
 def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:
@@ -121,23 +122,28 @@ def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.Gene
     msg = orchestrator_pb2.GenerateRequest(
         prompt=req.prompt, max_new_tokens=req.max_new_tokens, sampling=sampling_to_proto(req.sampling),
         stop=list(req.stop), tree=tree_request_to_proto(req.tree), request_id=req.request_id,
-        prompt_ids=list(req.prompt_ids), n=req.n,
+        prompt_ids=list(req.prompt_ids), n=req.n, prompt_only=req.prompt_only,
         messages=[orchestrator_pb2.ChatMessage(role=m.role, content=m.content) for m in req.messages])
     if req.logprobs is not None:
         msg.logprobs = req.logprobs
+    if req.prompt_logprobs is not None:
+        msg.prompt_logprobs = req.prompt_logprobs
     return msg
 
 
 def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest,
                                   max_new_tokens_limit: int | None = None) -> GenerationRequest:
     """The validated public request: InvalidArgument names the first bad field in
-    the order of ``specdec.request.params``' table (the prompt fields, logprobs, n,
-    max_new_tokens, within the server's ``max_new_tokens_limit`` when given,
-    sampling, stop, request_id, then the tree knobs)."""
+    the order of ``specdec.request.params``' table (the prompt fields, logprobs,
+    prompt_logprobs, n, max_new_tokens, prompt_only, max_new_tokens within the
+    server's ``max_new_tokens_limit`` when given, sampling, stop, request_id,
+    then the tree knobs)."""
     request = GenerationRequest(prompt=msg.prompt, max_new_tokens=msg.max_new_tokens,
                                 prompt_ids=tuple(msg.prompt_ids),
                                 messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages),
-                                logprobs=msg.logprobs if msg.HasField("logprobs") else None, n=msg.n or 1)
+                                logprobs=msg.logprobs if msg.HasField("logprobs") else None, n=msg.n or 1,
+                                prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+                                prompt_only=msg.prompt_only)
     if max_new_tokens_limit is not None:
         check_max_new_tokens(request.max_new_tokens, max_new_tokens_limit)
     request = replace(request, sampling=unchecked_sampling(msg.sampling), stop=tuple(msg.stop),

@@ -232,7 +232,7 @@ def accept(
 
     ``counts`` [n, V]: each node's own penalty counts (committed tokens plus
     its path, ``specdec.tree.sampling.History.node_counts``), needed when a penalty
-    is on. Greedy params use the argmaxes of the penalised logits and need no
+    is on. Greedy params use the argmaxes of the biased, penalised logits and need no
     generator; otherwise the logits are processed by `target_probs` and
     accepted by rejection sampling, in fp32 (fp64 for sampled proposals).
     """

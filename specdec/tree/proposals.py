@@ -83,9 +83,10 @@ class ProposalSampler:
             raise ValueError("sampled proposals need temperature > 0")
         if support < 1:
             raise ValueError(f"support must be >= 1, got {support}")
-        # The draft distribution is filtered like the target's (temperature,
-        # top-k, top-p, min-p) but not penalised: penalties need each node's
-        # path history, and acceptance is lossless whatever q is.
+        # The draft distribution is biased and filtered like the target's
+        # (logit bias, temperature, top-k, top-p, min-p) but not penalised:
+        # penalties need each node's path history, and acceptance is lossless
+        # whatever q is. The bias keeps q near a target it bans or forces tokens of.
         self.params, self.support = params.without_penalties(), support
         self.generator = torch.Generator().manual_seed(_mix(seed, salt))
 

@@ -6,15 +6,20 @@ respect to *this* distribution, so plain decoding (a root-only tree) and tree
 verification call the same function. The processors, in order
 (`target_probs`):
 
-1. repetition penalty (transformers / vLLM): a token that occurs in the prompt
+1. logit bias (OpenAI): ``logit_bias``'s value added to each listed token's
+   logit (before the penalties, as vLLM orders them);
+2. repetition penalty (transformers / vLLM): a token that occurs in the prompt
    or the generated tokens has its logit divided by the penalty when positive,
    multiplied by it otherwise;
-2. frequency and presence penalties (OpenAI): minus ``frequency_penalty`` times
+3. frequency and presence penalties (OpenAI): minus ``frequency_penalty`` times
    the token's count among the *generated* tokens, minus ``presence_penalty``
    once if that count is > 0;
-3. temperature (greedy decoding stops here and takes the argmax);
-4. top-k, then top-p (nucleus), then min-p (drop tokens below ``min_p`` times
+4. temperature (greedy decoding stops here and takes the argmax);
+5. top-k, then top-p (nucleus), then min-p (drop tokens below ``min_p`` times
    the most likely token's probability), renormalised.
+
+The logit bias reads no history: it is the same at every tree node, and a
+drafter's sampled proposals (``specdec.tree.proposals``) apply it too.
 
 Penalties read the tokens before the position being sampled. In a draft tree
 those differ per node: node u's history is the committed sequence (root
@@ -24,7 +29,8 @@ committed counts plus each node's path tokens, so the distribution at every
 node is exactly the one plain decoding would use after that path.
 
 Logprobs (`token_logprobs`) come from the raw model: the log-softmax of the
-target's fp32 logits, before any processor, as vLLM returns them by default.
+target's fp32 logits, before any processor (logit bias included), as vLLM
+returns them by default.
 
 All randomness flows through an explicit `torch.Generator` so that a seed
 reproduces a whole generation; see `make_generator`.
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -89,8 +96,31 @@ class History:
         return TokenCounts(generated, self.seen | (generated > 0))
 
 
+# Dense bias vectors kept per (bias, vocabulary, device): a session's vector is built
+# (and copied to its device) once, not at every step.
+@lru_cache(maxsize=16)
+def logit_bias_vector(bias: tuple[tuple[int, float], ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """The (token id, bias) pairs as a dense fp32 vector [vocab] on ``device``.
+    Ids past ``vocab`` are left out: a drafter's narrower vocabulary (the
+    verifier refuses them before a session opens)."""
+    kept = [(t, b) for t, b in bias if t < vocab]
+    dense = torch.zeros(vocab)
+    if kept:
+        ids, values = zip(*kept)
+        dense[torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+    return dense.to(device)
+
+
+def bias_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Step 1 of the processors on fp32 logits [..., V]: ``params.logit_bias``
+    added (a new tensor when there is one)."""
+    if not params.logit_bias:
+        return logits
+    return logits + logit_bias_vector(params.logit_bias, logits.shape[-1], logits.device)
+
+
 def penalize(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None) -> torch.Tensor:
-    """Steps 1-2 of the processors on fp32 logits [..., V] (a new tensor when
+    """Steps 2-3 of the processors on fp32 logits [..., V] (a new tensor when
     any penalty is on). ``counts`` broadcasts against ``logits``; it may be None
     only when no penalty is on."""
     if not params.penalized:
@@ -108,15 +138,21 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts |
     return logits
 
 
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None) -> torch.Tensor:
+    """Steps 1-3 on logits [..., V], in fp32: biased, then penalised (what greedy
+    decoding takes the argmax of and temperature divides)."""
+    return penalize(bias_logits(logits.float(), params), params, counts)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> torch.Tensor:
     """Processed target distribution, fp32, same shape as `logits` [..., V].
 
-    Greedy params give the one-hot of the argmax of the penalised logits
-    (first index on ties), so that sampling-based code paths reduce exactly
-    to greedy decoding.
+    Greedy params give the one-hot of the argmax of the biased, penalised
+    logits (first index on ties), so that sampling-based code paths reduce
+    exactly to greedy decoding.
     """
     params.validate()
-    logits = penalize(logits.float(), params, counts)
+    logits = adjusted_logits(logits, params, counts)
     vocab = logits.shape[-1]
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
@@ -144,8 +180,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, counts: TokenCoun
 
 
 def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> torch.Tensor:
-    """Greedy decoding's choice per row: the argmax of the penalised logits ([..., V] -> [...])."""
-    return penalize(logits.float(), params, counts).argmax(-1)
+    """Greedy decoding's choice per row: the argmax of the biased, penalised logits ([..., V] -> [...])."""
+    return adjusted_logits(logits, params, counts).argmax(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:

@@ -24,27 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x42\x07\n\x05_seed\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb0\x01\n\nTreeParams\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.TreeMethod\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\x10\n\x08\x65xpand_k\x18\x04 \x01(\x05\x12\x19\n\x11value_temperature\x18\x05 \x01(\x02\x12(\n\tproposals\x18\x06 \x01(\x0e\x32\x15.specdec.v1.Proposals\"e\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06values\x18\x03 \x03(\x02\x12\'\n\tproposals\x18\x04 \x03(\x0b\x32\x14.specdec.v1.Proposal\"7\n\x08Proposal\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02*\xbe\x01\n\nTreeMethod\x12\x1b\n\x17TREE_METHOD_UNSPECIFIED\x10\x00\x12\x16\n\x12TREE_METHOD_EAGLE2\x10\x01\x12\x16\n\x12TREE_METHOD_STATIC\x10\x02\x12\x15\n\x11TREE_METHOD_CHAIN\x10\x03\x12\x18\n\x14TREE_METHOD_NO_VALUE\x10\x04\x12\x19\n\x15TREE_METHOD_NO_RERANK\x10\x05\x12\x17\n\x13TREE_METHOD_VANILLA\x10\x06*I\n\tProposals\x12\x12\n\x0ePROPOSALS_AUTO\x10\x00\x12\x11\n\rPROPOSALS_TOP\x10\x01\x12\x15\n\x11PROPOSALS_SAMPLED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb0\x01\n\nTreeParams\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.TreeMethod\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\x10\n\x08\x65xpand_k\x18\x04 \x01(\x05\x12\x19\n\x11value_temperature\x18\x05 \x01(\x02\x12(\n\tproposals\x18\x06 \x01(\x0e\x32\x15.specdec.v1.Proposals\"e\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06values\x18\x03 \x03(\x02\x12\'\n\tproposals\x18\x04 \x03(\x0b\x32\x14.specdec.v1.Proposal\"7\n\x08Proposal\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02*\xbe\x01\n\nTreeMethod\x12\x1b\n\x17TREE_METHOD_UNSPECIFIED\x10\x00\x12\x16\n\x12TREE_METHOD_EAGLE2\x10\x01\x12\x16\n\x12TREE_METHOD_STATIC\x10\x02\x12\x15\n\x11TREE_METHOD_CHAIN\x10\x03\x12\x18\n\x14TREE_METHOD_NO_VALUE\x10\x04\x12\x19\n\x15TREE_METHOD_NO_RERANK\x10\x05\x12\x17\n\x13TREE_METHOD_VANILLA\x10\x06*I\n\tProposals\x12\x12\n\x0ePROPOSALS_AUTO\x10\x00\x12\x11\n\rPROPOSALS_TOP\x10\x01\x12\x15\n\x11PROPOSALS_SAMPLED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TREEMETHOD']._serialized_start=717
-  _globals['_TREEMETHOD']._serialized_end=907
-  _globals['_PROPOSALS']._serialized_start=909
-  _globals['_PROPOSALS']._serialized_end=982
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_TREEMETHOD']._serialized_start=830
+  _globals['_TREEMETHOD']._serialized_end=1020
+  _globals['_PROPOSALS']._serialized_start=1022
+  _globals['_PROPOSALS']._serialized_end=1095
   _globals['_TENSOR']._serialized_start=39
   _globals['_TENSOR']._serialized_end=91
   _globals['_SAMPLINGPARAMS']._serialized_start=94
-  _globals['_SAMPLINGPARAMS']._serialized_end=285
-  _globals['_TOKENLOGPROB']._serialized_start=287
-  _globals['_TOKENLOGPROB']._serialized_end=375
-  _globals['_TREEPARAMS']._serialized_start=378
-  _globals['_TREEPARAMS']._serialized_end=554
-  _globals['_DRAFTTREE']._serialized_start=556
-  _globals['_DRAFTTREE']._serialized_end=657
-  _globals['_PROPOSAL']._serialized_start=659
-  _globals['_PROPOSAL']._serialized_end=714
+  _globals['_SAMPLINGPARAMS']._serialized_end=398
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=341
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=389
+  _globals['_TOKENLOGPROB']._serialized_start=400
+  _globals['_TOKENLOGPROB']._serialized_end=488
+  _globals['_TREEPARAMS']._serialized_start=491
+  _globals['_TREEPARAMS']._serialized_end=667
+  _globals['_DRAFTTREE']._serialized_start=669
+  _globals['_DRAFTTREE']._serialized_end=770
+  _globals['_PROPOSAL']._serialized_start=772
+  _globals['_PROPOSAL']._serialized_end=827
 # @@protoc_insertion_point(module_scope)

@@ -282,3 +282,29 @@ def test_tree_sizing_compared_side_by_side(tiny_family, prompt_file, tmp_path):
     assert {"1", "2", "4", "8"} <= set(sizing["verify_ms"])       # every width the 8-node trees may take, timed
     assert all(ms > 0 for ms in sizing["verify_ms"].values())
     assert "tree sizing: cost" in (tmp_path / "report" / "results.md").read_text()
+
+
+def test_chat_prompts_run_rendered_with_the_targets_template(tiny_family, tmp_path):
+    """{"messages": ...} lines: every method decodes the chat as the target's template renders it."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from specdec.model.prompts import prompt_ids
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_family["target"], target)
+    (target / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n"
+                                                "{% endfor %}<assistant> ")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": c}]})
+                               for c in ["def add(a, b):", "import os"]))
+    out = tmp_path / "c.json"
+    assert main(["bench", "--target", str(target), "--prompts", str(chats), "--max-new-tokens", "8",
+                 "--methods", "vanilla,ngram", "--quiet", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 2 and result["methods"]["ngram"]["matches_vanilla"] is True
+    tok = AutoTokenizer.from_pretrained(target)
+    rendered = "<user> import os\n<assistant> "
+    assert prompt_ids(tok, [{"role": "user", "content": "import os"}]) == tok(rendered, add_special_tokens=False)[
+        "input_ids"]

@@ -61,6 +61,10 @@ def test_json_lines_match_vanilla(tiny_family, tmp_path, capsys, drafter, method
     (["--frequency-penalty", "-3", "hi"], "frequency_penalty must be in [-2, 2]"),
     (["--repetition-penalty", "0", "hi"], "repetition_penalty must be > 0 and finite"),
     (["--logprobs", "21", "hi"], "--logprobs must be in [0, 20]"),
+    (["--logit-bias", "5", "hi"], "--logit-bias takes TOKEN=BIAS"),
+    (["--logit-bias", "x=1", "hi"], "--logit-bias takes TOKEN=BIAS"),
+    (["--logit-bias", "5=101", "hi"], "logit_bias[5] must be in [-100, 100]"),
+    (["--logit-bias", "100000=1", "hi"], "logit_bias: token id 100000 is outside the vocabulary"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_family, capsys, args, needle):
     code, out, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family), *args])
@@ -100,3 +104,61 @@ def test_penalties_and_logprobs_match_vanilla(tiny_family, capsys, drafter, meth
     assert [e["token"] for e in row["logprobs"]] == row["token_ids"]
     for got, ref in zip(row["logprobs"], want["logprobs"]):
         assert got["logprob"] == pytest.approx(ref["logprob"], abs=1e-5) and len(got["top"]) == 2
+
+
+def test_logit_bias_matches_vanilla_and_bans_a_token(tiny_family, capsys):
+    common = ["generate", "--local", "--json", "--max-new-tokens", "16", "def add(a, b):"]
+    _, plain_out, _ = run_cli(capsys, common + model_flags(tiny_family, "none") + ["--method", "vanilla"])
+    banned = json.loads(plain_out)["token_ids"][0]
+    flags = common + ["--logit-bias", f"{banned}=-100", "--logit-bias", "7=1.5"]
+    code, out, _ = run_cli(capsys, flags + model_flags(tiny_family, "eagle") + ["--method", "eagle2"])
+    assert code == 0
+    _, ref_out, _ = run_cli(capsys, flags + model_flags(tiny_family, "none") + ["--method", "vanilla"])
+    assert json.loads(out)["token_ids"] == json.loads(ref_out)["token_ids"]
+    assert banned not in json.loads(out)["token_ids"]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def test_chat_prompts_render_with_the_targets_template(tiny_family, tmp_path, capsys):
+    """--chat and {"messages": ...} lines are the chat rendered with the target's template:
+    the same tokens as the rendered text given as a plain prompt."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_family["target"], target)
+    (target / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    common = ["generate", "--local", "--json", "--max-new-tokens", "12", "--target", str(target), "--ngram",
+              "--method", "eagle2"]
+    code, out, err = run_cli(capsys, common + ["--chat", "def add(a, b):"])
+    assert code == 0, err
+    chat = json.loads(out)["token_ids"]
+    lines = tmp_path / "chats.jsonl"
+    lines.write_text(json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "def add(a, b):"}]}) + "\n")
+    code, out, _ = run_cli(capsys, common + ["--prompt-file", str(lines)])
+    with_system = json.loads(out)["token_ids"]
+    for text, want in (("<user> def add(a, b):\n<assistant> ", chat),
+                       ("<system> be brief\n<user> def add(a, b):\n<assistant> ", with_system)):
+        code, out, _ = run_cli(capsys, common[:-2] + ["--method", "vanilla", text])
+        assert code == 0 and json.loads(out)["token_ids"] == want
+
+
+@pytest.mark.parametrize("line,needle", [
+    ({"messages": []}, "\"messages\" must be a non-empty list"),
+    ({"messages": [{"role": "user"}]}, "\"messages\" must be a non-empty list"),
+    ({"text": "hi"}, "expected an object with a string \"prompt\" or a \"messages\" list"),
+])
+def test_bad_chat_lines_are_one_line(tiny_family, tmp_path, capsys, line, needle):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(line) + "\n")
+    code, _, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family), "--prompt-file", str(bad)])
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_chat_without_a_template_is_one_line(tiny_family, capsys):
+    code, _, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family, "none"), "--method", "vanilla",
+                                    "--chat", "hi"])
+    assert code == 2 and "need a chat template" in err and len(err.strip().splitlines()) == 1

@@ -276,6 +276,11 @@ def test_build_request_carries_the_new_parameters():
     assert [(m.role, m.content) for m in chat.messages] == [("user", "hi"), ("assistant", "")]
     plain = generation_request_from_proto(build_request("x"))
     assert plain.logprobs is None and plain.n == 1 and not plain.sampling.penalized
+    assert plain.sampling.logit_bias == () and plain.prompt_logprobs is None and not plain.prompt_only
+    scored = generation_request_from_proto(build_request("x", logit_bias={9: -100.0, 2: 2.5}, prompt_logprobs=4,
+                                                         prompt_only=True))
+    assert scored.sampling.logit_bias == ((2, 2.5), (9, -100.0))
+    assert scored.prompt_logprobs == 4 and scored.prompt_only and scored.max_new_tokens == 0
 
 
 def test_sync_and_async_carry_logprobs_and_choices(stack):

@@ -1,10 +1,13 @@
-"""Penalties and logprobs stay lossless under speculation: greedy output with
-each penalty is token-identical to plain decoding with it (every drafter,
-every tree method) and to transformers' ``generate`` where it has the same
-processor; sampled output follows the exact penalised target joint; logprobs
-equal the raw model's for the same tokens. A verifier that penalises every
-tree node with the committed prefix only (not the node's own path) is caught."""
+"""Penalties, the logit bias and logprobs stay lossless under speculation:
+greedy output with each penalty or a bias is token-identical to plain
+decoding with it (every drafter, every tree method) and to transformers'
+``generate`` where it has the same processor; sampled output follows the
+exact penalised (biased) target joint; logprobs equal the raw model's for the
+same tokens. A verifier that penalises every tree node with the committed
+prefix only (not the node's own path), or that forgets the bias when it
+verifies a tree, is caught."""
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -14,6 +17,7 @@ from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import METHODS, SamplingParams, TreeParams
+from specdec.tree import acceptance
 from specdec.tree.build import tree_from_lists
 from specdec.tree.sampling import History, TokenCounts, target_probs
 from drafter.draft_lm import DraftLmDrafter
@@ -143,6 +147,53 @@ def test_penalising_with_the_committed_prefix_only_is_caught(stacks, vanilla, pe
     assert wrong != vanilla[penalty]
 
 
+# -- logit bias -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def biased(stacks):
+    """(params, plain greedy outputs with them): -100 on the token plain greedy
+    decoding picks most, +2 on a token it never picks."""
+    stack = stacks["eagle"]
+    seen = Counter(t for d in run(stack, SamplingParams(), drafter=False) for t in d.tokens)
+    favoured = next(t for t in range(stack.verifier.target.vocab_size) if t not in seen)
+    params = SamplingParams(logit_bias={seen.most_common(1)[0][0]: -100.0, favoured: 2.0})
+    return params, [d.tokens for d in run(stack, params, drafter=False)]
+
+
+def test_the_logit_bias_changes_the_output(stacks, biased):
+    params, outputs = biased
+    (banned, _), (favoured, _) = sorted(params.logit_bias, key=lambda e: e[1])
+    plain = [d.tokens for d in run(stacks["eagle"], SamplingParams(), drafter=False)]
+    assert outputs != plain
+    assert not any(banned in out for out in outputs) and any(banned in out for out in plain)
+    assert any(favoured in out for out in outputs) and not any(favoured in out for out in plain)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("drafter", ["eagle", "draft-lm", "ngram"])
+def test_greedy_with_logit_bias_identical_to_vanilla(stacks, biased, drafter, method):
+    params, outputs = biased
+    assert [d.tokens for d in run(stacks[drafter], params, replace(CFG, method=method))] == outputs
+
+
+def test_greedy_with_logit_bias_and_penalties_identical_to_vanilla(stacks, biased):
+    params = replace(PENALTIES["all"], logit_bias=biased[0].logit_bias)
+    assert [d.tokens for d in run(stacks["eagle"], params)] == [d.tokens for d in run(stacks["eagle"], params,
+                                                                                      drafter=False)]
+
+
+def test_logit_bias_matches_transformers_generate(tiny_family, biased):
+    from transformers import AutoModelForCausalLM
+
+    params, outputs = biased
+    model = AutoModelForCausalLM.from_pretrained(tiny_family["target"], dtype=torch.float32).eval()
+    for prompt, want in zip(prompts(model.config.vocab_size), outputs):
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             sequence_bias={(t,): b for t, b in params.logit_bias}, eos_token_id=None,
+                             pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == want
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """log-softmax of one full-sequence forward at the positions that produced ``tokens`` [m, V]."""
@@ -253,6 +304,26 @@ def test_committed_prefix_penalties_are_caught_by_the_same_check(engines, monkey
     monkeypatch.setattr(History, "node_counts", committed_prefix_only)
     counts = sampled_joint(verifier, drafter, PENALISED, "eagle2", "top")
     assert chi2_pvalue(counts, exact_joint(target, PENALISED)) < 1e-4
+
+
+# -1e2 bans token 3 outright: a single draw of it fails the check
+BIASED = SamplingParams(temperature=1.0, logit_bias={1: 1.5, 3: -100.0}, frequency_penalty=0.5, min_p=0.02)
+
+
+@pytest.mark.parametrize("method,proposals", [("eagle2", "sampled"), ("eagle2", "top")])
+def test_speculative_sampling_with_logit_bias_matches_the_target(engines, method, proposals):
+    target, verifier, drafter = engines
+    counts = sampled_joint(verifier, drafter, BIASED, method, proposals)
+    assert chi2_pvalue(counts, exact_joint(target, BIASED)) > 1e-4
+
+
+def test_a_verifier_that_forgets_the_bias_in_trees_is_caught(engines, monkeypatch):
+    target, verifier, drafter = engines
+    unbiased = acceptance.target_probs
+    monkeypatch.setattr(acceptance, "target_probs",
+                        lambda logits, params, counts=None: unbiased(logits, replace(params, logit_bias=()), counts))
+    counts = sampled_joint(verifier, drafter, BIASED, "eagle2", "top")
+    assert chi2_pvalue(counts, exact_joint(target, BIASED)) < 1e-4
 
 
 def test_seeded_penalised_sampling_reproduces(stacks):

@@ -52,7 +52,12 @@ BAD_COMPLETIONS = [
     ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"logit_bias": {"x": 10}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "much"}}, "logit_bias"), ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"echo": True, "stream": True}, "echo"), ({"echo": True, "max_tokens": 0, "n": 2}, "n"),
+    ({"max_tokens": 0, "logprobs": 2}, "max_tokens"), ({"suffix": "x"}, "suffix"),
     ({"best_of": 3}, "best_of"), ({"stream": "maybe"}, "stream"),
 ]
 
@@ -72,6 +77,7 @@ BAD_CHATS = [
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"), ({"temperature": -0.5}, "temperature"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"7": -100.5}}, "logit_bias"),
 ]
 
 

@@ -1,11 +1,12 @@
-"""Penalties, min_p, logprobs and n through the official ``openai`` client: the
-same tokens and logprobs as the SDK over gRPC, in OpenAI's shapes; chat
-``messages`` sent over gRPC render with the HTTP API's chat template."""
+"""Penalties, logit_bias, min_p, logprobs and n through the official ``openai``
+client: the same tokens and logprobs as the SDK over gRPC, in OpenAI's shapes;
+chat ``messages`` sent over gRPC render with the HTTP API's chat template."""
 
 from __future__ import annotations
 
 import math
 
+import httpx
 import openai
 import pytest
 
@@ -44,6 +45,51 @@ def test_greedy_with_a_penalty_equals_vanilla_decoding_with_it(api, penalty):
     assert got.choices[0].token_ids == vanilla.token_ids
     assert vanilla.token_ids != plain.token_ids          # the penalty changed the output
     assert got.choices[0].specdec["cycles"] < N          # and speculation was on
+
+
+@pytest.fixture(scope="module")
+def logit_bias(api) -> dict[int, float]:
+    """-100 on the first token plain greedy decoding picks, +3 on one it never picks."""
+    plain = grpc_complete(api, method="vanilla").token_ids
+    favoured = next(t for t in range(50, 300) if t not in plain)
+    return {plain[0]: -100.0, favoured: 3.0}
+
+
+def test_greedy_with_a_logit_bias_equals_vanilla_decoding_with_it(api, logit_bias):
+    vanilla = grpc_complete(api, method="vanilla", logit_bias=logit_bias)
+    assert vanilla.token_ids != grpc_complete(api, method="vanilla").token_ids      # the bias changed the output
+    assert grpc_complete(api, logit_bias=logit_bias).token_ids == vanilla.token_ids
+    json_bias = {str(t): b for t, b in logit_bias.items()}
+    got = client(api).completions.create(model=api.model, prompt=PROMPT, max_tokens=N, temperature=0,
+                                         logit_bias=json_bias, extra_body={"return_token_ids": True})
+    assert got.choices[0].token_ids == vanilla.token_ids
+    assert got.choices[0].specdec["cycles"] < N          # speculation was on
+    chat_want = grpc_complete(api, prompt=None, messages=CHAT, method="vanilla", logit_bias=logit_bias)
+    chat = client(api).chat.completions.create(model=api.model, messages=CHAT, max_tokens=N, temperature=0,
+                                               logit_bias=json_bias)
+    assert chat.choices[0].message.content == chat_want.text
+
+
+def test_sampled_with_a_logit_bias_reproduces_the_sdk(api, logit_bias):
+    want = grpc_complete(api, temperature=0.9, seed=11, logit_bias=logit_bias)
+    got = client(api).completions.create(model=api.model, prompt=PROMPT, max_tokens=N, temperature=0.9, seed=11,
+                                         logit_bias={str(t): b for t, b in logit_bias.items()},
+                                         extra_body={"return_token_ids": True})
+    assert got.choices[0].token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+])
+def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_it(api, path, body):
+    resp = httpx.post(api.root("eagle") + path, json={**body, "max_tokens": 4, "logit_bias": {"3": 1, "300": -5}},
+                      timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "logit_bias"
+    assert error["message"] == "logit_bias: token id 300 is outside the vocabulary [0, 300)"
+    assert api.wait_closed() == {"verifier": 0, "drafter-eagle": 0}
 
 
 def test_sampled_min_p_and_penalties_reproduce_the_sdk(api):

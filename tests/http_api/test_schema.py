@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.request.errors import InvalidArgument
+from specdec.request.params import TokenLogprob
 from orchestrator import openai_schema as schema
 
 
@@ -41,6 +42,36 @@ def test_penalties_logprobs_and_n_map_to_the_request():
     assert schema.generation_request(chat.model_copy(update={"top_logprobs": 5}), "p").logprobs == 5
     unasked = schema.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
     assert schema.generation_request(unasked, "p").logprobs is None
+
+
+def test_logit_bias_keys_become_token_ids():
+    req = schema.generation_request(completion(logit_bias={"50": 2, " 7": -100, "0": 0.5}), "p")
+    assert req.sampling.logit_bias == ((0, 0.5), (7, -100), (50, 2))
+    chat = schema.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logit_bias={"3": 1.0})
+    assert schema.generation_request(chat, "p").sampling.logit_bias == ((3, 1.0),)
+    for bad in ({"a": 1.0}, {"1.5": 1.0}, {"": 1.0}, {"3": 1.0, "003": 2.0}):
+        with pytest.raises(InvalidArgument, match="^logit_bias: "):
+            schema.generation_request(completion(logit_bias=bad), "p")
+    assert schema.openai_param("sampling.logit_bias[3] must be in [-100, 100], got 101", None) == (
+        "logit_bias", "logit_bias[3] must be in [-100, 100], got 101")
+
+
+def test_echo_maps_to_prompt_logprobs_and_max_tokens_0_to_prompt_only():
+    scored = schema.generation_request(completion(echo=True, logprobs=2, max_tokens=0), "p")
+    assert (scored.prompt_only, scored.prompt_logprobs, scored.logprobs, scored.max_new_tokens) == (True, 2, 2, 0)
+    echoed = schema.generation_request(completion(echo=True, max_tokens=5), "p")
+    assert (echoed.prompt_only, echoed.prompt_logprobs, echoed.max_new_tokens) == (False, None, 5)
+    assert schema.generation_request(completion(logprobs=2), "p").prompt_logprobs is None
+    with pytest.raises(InvalidArgument, match="^max_tokens must be >= 1, got 0"):
+        schema.generation_request(completion(max_tokens=0), "p")
+
+
+def test_echoed_completion_logprobs_start_with_the_prompt():
+    text = {1: "a", 2: "bc", 3: "d", 4: "e"}.__getitem__
+    prompt = ([1, 2], [TokenLogprob(2, -0.5, (3,), (-0.25,))])
+    body = schema.completion_logprobs([TokenLogprob(4, -1.0, (4,), (-1.0,))], text, prompt=prompt)
+    assert body == {"tokens": ["a", "bc", "e"], "token_logprobs": [None, -0.5, -1.0],
+                    "top_logprobs": [None, {"d": -0.25}, {"e": -1.0}], "text_offset": [0, 1, 3]}
 
 
 @pytest.mark.parametrize("message,param,rewritten", [

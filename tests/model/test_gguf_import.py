@@ -75,13 +75,14 @@ def test_quantized_weights_are_the_gguf_packages_dequantization(gguf_files, quan
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q4_1"])
-def test_speculation_on_a_gguf_target_is_greedy_identical(gguf_files, capsys, quant):
-    """Lossless on the file's weights: n-gram speculation equals plain decoding, and both
-    equal transformers' greedy ``generate`` of the converted directory."""
+def test_speculation_on_a_gguf_target_is_greedy_identical(gguf_files, tiny_family, capsys, quant):
+    """Lossless on the file's weights: n-gram and EAGLE speculation (the head reads the
+    converted directory's embeddings) equal plain decoding, and that equals
+    transformers' greedy ``generate`` of the converted directory."""
     path = gguf_files[quant]
     plain = _greedy_cli(capsys, path, "--method", "vanilla")
-    drafted = _greedy_cli(capsys, path, "--ngram", "--method", "eagle2")
-    assert drafted == plain
+    assert _greedy_cli(capsys, path, "--ngram", "--method", "eagle2") == plain
+    assert _greedy_cli(capsys, path, "--eagle", str(tiny_family["eagle"]), "--method", "eagle2") == plain
     from transformers import AutoTokenizer
 
     directory = converted_dir(path)

@@ -12,9 +12,10 @@ import pytest
 
 from specdec.request import knobs
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import (MAX_ID_CHARS, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, METHODS,
-                                    PROPOSALS, REQUEST_METHODS, VANILLA, GenerationRequest, SamplingParams, TreeParams,
-                                    TreeRequest, check_count, check_session_id, is_request_id)
+from specdec.request.params import (MAX_ID_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPT_CHARS, MAX_STOP_CHARS,
+                                    MAX_STOP_STRINGS, METHODS, PROPOSALS, REQUEST_METHODS, VANILLA, GenerationRequest,
+                                    SamplingParams, TreeParams, TreeRequest, check_count, check_session_id,
+                                    is_request_id)
 
 NAN, INF = math.nan, math.inf
 
@@ -44,6 +45,47 @@ def test_sampling_accepts_its_whole_range():
     for params in (SamplingParams(), SamplingParams(temperature=1e-6, top_k=1, top_p=1e-9, seed=0),
                    SamplingParams(temperature=100.0, top_k=10**6, top_p=1.0, seed=2**64 - 1)):
         assert params.validate() is params
+
+
+@pytest.mark.parametrize("bias, words", [
+    ({"5": 1.0}, "token id '5' must be an integer >= 0"), ({1.5: 1.0}, "token id 1.5"),
+    ({-1: 1.0}, "token id -1 must be an integer >= 0"), ({True: 1.0}, "token id True"),
+    ({3: 100.5}, "[3] must be in [-100, 100], got 100.5"), ({3: -101}, "[3] must be in [-100, 100]"),
+    ({3: NAN}, "[3] must be in [-100, 100], got nan"), ({3: INF}, "[3]"), ({3: "1"}, "[3]"),
+    (((3, 1.0), (3, 2.0)), "token id 3 is given twice"), (((3, 1.0, 2.0),), "must map token ids to biases"),
+    ({i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}, f"at most {MAX_LOGIT_BIAS} token ids, got {MAX_LOGIT_BIAS + 1}"),
+    (7, "must map token ids to biases"), (((3, [1.0]),), "must map token ids to biases"),
+])
+def test_logit_bias_bounds(bias, words):
+    params = SamplingParams(logit_bias=bias)
+    assert words in rejects(lambda: params.validate("sampling"), "sampling.logit_bias")
+    rejects(lambda: GenerationRequest("x", sampling=params), "sampling.logit_bias")
+
+
+def test_logit_bias_accepts_its_range_as_sorted_pairs():
+    params = SamplingParams(logit_bias={9: 100, 2: -100.0, 0: 0.5}).validate()
+    assert params.logit_bias == ((0, 0.5), (2, -100.0), (9, 100))
+    assert params == SamplingParams(logit_bias=[(2, -100.0), (9, 100), [0, 0.5]])
+    assert SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}).validate()
+    assert params.without_penalties().logit_bias == params.logit_bias      # it reads no history
+    assert not params.penalized
+
+
+def test_logit_bias_ids_are_bounded_by_the_vocabulary():
+    params = SamplingParams(logit_bias={3: 1.0, 10: 1.0})
+    assert params.check_vocabulary(11, "sampling") is params
+    message = rejects(lambda: params.check_vocabulary(10, "sampling"), "sampling.logit_bias")
+    assert "token id 10 is outside the vocabulary [0, 10)" in message
+
+
+def test_prompt_only_and_prompt_logprobs_bounds():
+    rejects(lambda: GenerationRequest("x", prompt_logprobs=MAX_LOGPROBS + 1), "prompt_logprobs")
+    rejects(lambda: GenerationRequest("x", prompt_logprobs=-1), "prompt_logprobs")
+    rejects(lambda: GenerationRequest("x", prompt_only=True, max_new_tokens=3), "max_new_tokens")
+    rejects(lambda: GenerationRequest("x", prompt_only=True, n=2), "n")
+    rejects(lambda: GenerationRequest("x", prompt_only=1), "prompt_only")
+    req = GenerationRequest("x", prompt_only=True, prompt_logprobs=MAX_LOGPROBS)
+    assert (req.max_new_tokens, req.n, req.prompt_logprobs) == (0, 1, MAX_LOGPROBS)
 
 
 # -- tree knobs ----------------------------------------------------------------------------------

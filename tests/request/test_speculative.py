@@ -58,7 +58,9 @@ class FakeVerifier:
 
     async def prefill(self, prompt, sampling, max_new_tokens, features):
         self.committed = [*prompt, target(prompt)]
-        return Committed([self.committed[-1]], [], [("f", t) for t in prompt] if features else None)
+        scored = [("scored", t) for t in prompt[1:]]        # the prompt's logprobs, as a verifier asked for them
+        return Committed([self.committed[-1]], [], [("f", t) for t in prompt] if features else None,
+                         prompt_logprobs=scored)
 
     async def verify(self, draft, features):
         self.calls.append((draft.tree if draft is not None else None, features))
@@ -205,6 +207,15 @@ def test_prefill_alone_can_finish():
     dec = run(verifier, drafter, 1)
     assert dec.tokens == plain(PROMPT, 1) and dec.stats.cycles == 0
     assert drafter.tokens == [] and not verifier.calls                  # the drafter was never prefilled
+    assert verifier.released == drafter.released == 1
+
+
+def test_no_new_tokens_is_the_prefill_scoring_the_prompt_alone():
+    verifier, drafter, heard = FakeVerifier(), FakeDrafter(), Heard()
+    dec = run(verifier, drafter, 0, listener=heard)
+    assert dec.tokens == heard.tokens == [] and dec.finish_reason == "length" and dec.stats.cycles == 0
+    assert dec.prompt_logprobs == [("scored", t) for t in PROMPT[1:]]
+    assert drafter.tokens == [] and not verifier.calls                  # no drafter prefill, no verify
     assert verifier.released == drafter.released == 1
 
 

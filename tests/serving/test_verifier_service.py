@@ -159,6 +159,11 @@ async def test_malformed_requests_are_invalid_argument_naming_the_field(verifier
         "session_id must not be empty": prefill_request(""),
         "already exists": prefill_request("ok"),
         "outside the vocabulary": prefill_request("p6", prompt=[1, -4]),
+        "sampling.logit_bias: token id 100000 is outside the vocabulary": prefill_request(
+            "p7", params=SamplingParams(logit_bias={3: 1.0, 100000: -5.0})),
+        "sampling.logit_bias[3] must be in [-100, 100]": prefill_request(
+            "p8", params=SamplingParams(logit_bias={3: 150.0})),
+        "prompt_logprobs must be an integer in [0, 20]": prefill_request("p9", prompt_logprobs=21),
     }
     for words, request in bad_prefills.items():
         err = await rpc_error(stub.Prefill(request))
@@ -171,6 +176,41 @@ async def test_malformed_requests_are_invalid_argument_naming_the_field(verifier
     assert list((await stub.Verify(verify_request("ok", tree))).tokens) == local_verifier.verify("ok", tree).tokens
     info = await stub.GetInfo(VerifierGetInfoRequest())
     assert info.active_sessions == 1
+
+
+async def test_prefill_scores_the_prompt_with_its_own_forward(tiny_family, verifier_channel, local_verifier):
+    """prompt_logprobs: log-softmax of one plain forward of the target over the
+    prompt, at each position for the next prompt token, with the top-k."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_family["target"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([PROMPT])).logits[0, :-1].float(), dim=-1)   # [P - 1, V]
+    stub = VerifierServiceStub(verifier_channel)
+    got = await stub.Prefill(prefill_request("scored", prompt_logprobs=4, logprobs=1))
+    assert [e.token for e in got.prompt_logprobs] == PROMPT[1:] and len(got.logprobs) == 1
+    chosen = want.gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([e.logprob for e in got.prompt_logprobs]), chosen, atol=1e-5)
+    top_vals, top_idx = want.topk(4, dim=-1)
+    assert [list(e.top_tokens) for e in got.prompt_logprobs] == top_idx.tolist()
+    assert torch.allclose(torch.tensor([list(e.top_logprobs) for e in got.prompt_logprobs]), top_vals, atol=1e-5)
+    plain = await stub.Prefill(prefill_request("unscored"))
+    assert plain.token == got.token and not plain.prompt_logprobs
+    one = await stub.Prefill(prefill_request("one", prompt=[7], prompt_logprobs=2))
+    assert not one.prompt_logprobs                        # the first token has no logprob
+    for sid in ("scored", "unscored", "one"):
+        assert (await stub.Release(VerifierReleaseRequest(session_id=sid))).released
+
+
+async def test_logit_bias_steers_greedy_verify_as_the_engine(verifier_channel, local_verifier):
+    stub = VerifierServiceStub(verifier_channel)
+    plain = greedy_continuation(local_verifier, PROMPT, 1)[0]
+    params = SamplingParams(logit_bias={plain: -100.0})
+    got = await stub.Prefill(prefill_request("biased", params=params))
+    assert got.token == local_verifier.prefill("biased", PROMPT, params).token != plain
+    tree = tree_from_lists([got.token], [-1])
+    assert list((await stub.Verify(verify_request("biased", tree))).tokens) == \
+        local_verifier.verify("biased", tree).tokens
 
 
 async def test_unknown_session_is_not_found(verifier_channel):

@@ -7,8 +7,7 @@ import torch
 
 from specdec.request import wire
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import SamplingParams
-from specdec.request.params import METHODS, TreeParams
+from specdec.request.params import METHODS, GenerationRequest, SamplingParams, TreeParams
 from specdec.serving import tensor_wire
 from specdec.tree.build import DraftTree, tree_from_lists
 from specdec.v1 import common_pb2
@@ -113,12 +112,30 @@ def test_sampling_defaults_and_round_trip():
     assert wire.sampling_from_proto(common_pb2.SamplingParams(seed=0)).seed == 0   # 0 is a seed, not "unset"
 
 
+def test_logit_bias_round_trips_as_sorted_pairs():
+    src = SamplingParams(temperature=0.5, logit_bias={900: -100.0, 3: 2.5, 17: 0.25})
+    msg = common_pb2.SamplingParams.FromString(wire.sampling_to_proto(src).SerializeToString())
+    assert dict(msg.logit_bias) == {900: -100.0, 3: 2.5, 17: 0.25}
+    assert wire.sampling_from_proto(msg) == src and wire.sampling_from_proto(msg).logit_bias[0] == (3, 2.5)
+    assert wire.sampling_from_proto(common_pb2.SamplingParams()).logit_bias == ()
+
+
+def test_prompt_logprobs_and_prompt_only_round_trip():
+    for req in (GenerationRequest("x", prompt_only=True, prompt_logprobs=0), GenerationRequest("x", max_new_tokens=4),
+                GenerationRequest("x", prompt_logprobs=20, sampling=SamplingParams(logit_bias={1: 1.0}))):
+        msg = wire.generation_request_to_proto(req)
+        assert msg.HasField("prompt_logprobs") == (req.prompt_logprobs is not None)
+        assert wire.generation_request_from_proto(msg) == req
+
+
 @pytest.mark.parametrize("msg, field", [
     (common_pb2.SamplingParams(temperature=-1.0), "sampling.temperature"),
     (common_pb2.SamplingParams(temperature=math.inf), "sampling.temperature"),
     (common_pb2.SamplingParams(top_p=1.5), "sampling.top_p"),
     (common_pb2.SamplingParams(top_p=-0.1), "sampling.top_p"),
     (common_pb2.SamplingParams(top_k=-2), "sampling.top_k"),
+    (common_pb2.SamplingParams(logit_bias={-4: 1.0}), "sampling.logit_bias"),
+    (common_pb2.SamplingParams(logit_bias={4: 101.0}), r"sampling.logit_bias\[4\]"),
 ])
 def test_bad_sampling_names_the_field(msg, field):
     with pytest.raises(InvalidArgument, match=f"^{field}"):

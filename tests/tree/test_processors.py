@@ -1,6 +1,6 @@
-"""The sampling processors against plain-Python references: penalties, their
-order with temperature / top-k / top-p / min-p, per-node tree counts,
-logprobs, the new parameters' bounds and choice seeds."""
+"""The sampling processors against plain-Python references: logit bias and
+penalties, their order with temperature / top-k / top-p / min-p, per-node
+tree counts, logprobs, the new parameters' bounds and choice seeds."""
 
 import math
 from dataclasses import replace
@@ -11,7 +11,9 @@ import torch
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import MAX_LOGPROBS, ChatMessage, GenerationRequest, SamplingParams, choice_seed
 from specdec.tree.build import tree_from_lists
-from specdec.tree.sampling import History, greedy_tokens, penalize, target_probs, token_logprobs
+from specdec.tree.proposals import ProposalSampler
+from specdec.tree.sampling import (History, bias_logits, greedy_tokens, logit_bias_vector, penalize, target_probs,
+                                   token_logprobs)
 
 V = 12
 
@@ -19,8 +21,10 @@ V = 12
 def reference_probs(logits: list[float], history: list[int], prompt_len: int, p: SamplingParams) -> list[float]:
     """One row in plain Python: the documented order, token by token."""
     generated = history[prompt_len:]
+    bias = dict(p.logit_bias)
     out = []
     for tok, x in enumerate(logits):
+        x += bias.get(tok, 0.0)
         if tok in history:
             x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
         count = generated.count(tok)
@@ -53,6 +57,9 @@ CASES = [
     SamplingParams(temperature=1.3, repetition_penalty=0.8, frequency_penalty=-1.0, presence_penalty=2.0),
     SamplingParams(temperature=1.0, top_k=6, top_p=0.8, min_p=0.1, repetition_penalty=1.2, frequency_penalty=0.5),
     SamplingParams(temperature=0.5, min_p=0.3, presence_penalty=1.0),
+    SamplingParams(temperature=0.9, logit_bias={0: 3.0, 5: -2.5, 11: 100.0}),
+    SamplingParams(temperature=1.1, top_k=5, top_p=0.9, logit_bias={2: 4.0, 7: -100.0}, repetition_penalty=1.4,
+                   frequency_penalty=0.6),
 ]
 
 
@@ -84,6 +91,31 @@ def test_greedy_takes_the_argmax_of_the_penalised_logits():
     assert int(greedy_tokens(logits, SamplingParams(presence_penalty=1.0), counts)) == 2
     one_hot = target_probs(logits, SamplingParams(presence_penalty=1.0), counts)
     assert one_hot.tolist() == [0.0, 0.0, 1.0] + [0.0] * (V - 3)
+
+
+def test_greedy_takes_the_argmax_of_the_biased_logits():
+    logits = torch.tensor([0.0, 3.0, 2.5] + [0.0] * (V - 3))
+    assert int(greedy_tokens(logits, SamplingParams(logit_bias={1: -100}))) == 2
+    assert int(greedy_tokens(logits, SamplingParams(logit_bias={9: 3.5}))) == 9
+    rows = torch.stack([logits, logits.flip(0)])                       # [2, V]: the same bias on every row
+    assert greedy_tokens(rows, SamplingParams(logit_bias={1: -100, 10: -100})).tolist() == [2, 9]
+    # bias, then penalty: token 4 (in the prompt) gets (3 + 2) / 2 = 2.5 < 3, not 3 / 2 + 2 = 3.5
+    tied = torch.tensor([0.0, 3.0, 0.0, 0.0, 3.0] + [0.0] * (V - 5))
+    counts = History(V, [4], prompt_len=1).counts()
+    assert int(greedy_tokens(tied, SamplingParams(logit_bias={4: 2.0}, repetition_penalty=2.0), counts)) == 1
+
+
+def test_logit_bias_vector_drops_ids_past_the_width():
+    bias = ((1, 2.0), (V + 3, 5.0))       # a drafter narrower than the target's vocabulary
+    assert logit_bias_vector(bias, V, torch.device("cpu")).tolist() == [0.0, 2.0] + [0.0] * (V - 2)
+    assert bias_logits(torch.zeros(V), SamplingParams()).tolist() == [0.0] * V
+
+
+def test_sampled_proposals_are_biased_too():
+    logp = torch.log_softmax(torch.zeros(2, V), -1)
+    params = SamplingParams(temperature=1.0, logit_bias={3: -100.0, 4: 100.0}, presence_penalty=1.0, seed=1)
+    tokens, probs = ProposalSampler(params, seed=1, support=V).proposals(logp)
+    assert tokens[:, 0].tolist() == [4, 4] and bool((probs[:, 0] > 0.99).all())
 
 
 def test_penalties_without_counts_are_refused():
