@@ -93,6 +93,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 def _fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
+    for name, param in model.named_parameters():      # the weights' layout (specdec.model.loading.input_major_linears)
+        digest.update(f"{name}:{tuple(param.stride())};".encode())
     source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
     files = sorted({f for pattern in MODEL_FILES for f in source.glob(pattern)}) if source.is_dir() else []
     if files and sum(f.stat().st_size for f in files) <= HASHED_BYTES:
