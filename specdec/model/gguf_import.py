@@ -101,9 +101,9 @@ def _architectures() -> set[str]:
     return set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
 
 
-def check(path: str | os.PathLike) -> str:
-    """The file's architecture, after checking that it is whole and every tensor
-    type in it can be dequantized; ``GgufError`` (one line) otherwise."""
+def check(path: str | os.PathLike) -> None:
+    """``GgufError`` (one line) unless the file is whole, of an architecture
+    transformers' GGUF loader maps, and every tensor type in it can be dequantized."""
     import gguf
     import numpy as np
 
@@ -139,7 +139,6 @@ def check(path: str | os.PathLike) -> str:
         except (NotImplementedError, ValueError, TypeError, KeyError):
             raise GgufError(f"GGUF file {name}: tensor type {qtype.name} (in {tensor.name}) cannot be "
                             f"dequantized by the gguf package") from None
-    return arch
 
 
 def convert(path: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -292,11 +292,21 @@ PENALISED = SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_pena
                            min_p=0.02)
 
 
-@pytest.mark.parametrize("method,proposals", [("eagle2", "sampled"), ("eagle2", "top"), ("chain", "sampled")])
-def test_speculative_sampling_with_penalties_matches_the_target(engines, method, proposals):
+# -1e2 bans token 3 outright: a single draw of it fails the check
+BIASED = SamplingParams(temperature=1.0, logit_bias={1: 1.5, 3: -100.0}, frequency_penalty=0.5, min_p=0.02)
+
+
+@pytest.mark.parametrize("params,method,proposals", [
+    pytest.param(PENALISED, "eagle2", "sampled", id="penalised-eagle2-sampled"),
+    pytest.param(PENALISED, "eagle2", "top", id="penalised-eagle2-top"),
+    pytest.param(PENALISED, "chain", "sampled", id="penalised-chain-sampled"),
+    pytest.param(BIASED, "eagle2", "sampled", id="biased-eagle2-sampled"),
+    pytest.param(BIASED, "eagle2", "top", id="biased-eagle2-top"),
+])
+def test_speculative_sampling_matches_the_processed_target(engines, params, method, proposals):
     target, verifier, drafter = engines
-    counts = sampled_joint(verifier, drafter, PENALISED, method, proposals)
-    assert chi2_pvalue(counts, exact_joint(target, PENALISED)) > 1e-4
+    counts = sampled_joint(verifier, drafter, params, method, proposals)
+    assert chi2_pvalue(counts, exact_joint(target, params)) > 1e-4
 
 
 def test_committed_prefix_penalties_are_caught_by_the_same_check(engines, monkeypatch):
@@ -304,17 +314,6 @@ def test_committed_prefix_penalties_are_caught_by_the_same_check(engines, monkey
     monkeypatch.setattr(History, "node_counts", committed_prefix_only)
     counts = sampled_joint(verifier, drafter, PENALISED, "eagle2", "top")
     assert chi2_pvalue(counts, exact_joint(target, PENALISED)) < 1e-4
-
-
-# -1e2 bans token 3 outright: a single draw of it fails the check
-BIASED = SamplingParams(temperature=1.0, logit_bias={1: 1.5, 3: -100.0}, frequency_penalty=0.5, min_p=0.02)
-
-
-@pytest.mark.parametrize("method,proposals", [("eagle2", "sampled"), ("eagle2", "top")])
-def test_speculative_sampling_with_logit_bias_matches_the_target(engines, method, proposals):
-    target, verifier, drafter = engines
-    counts = sampled_joint(verifier, drafter, BIASED, method, proposals)
-    assert chi2_pvalue(counts, exact_joint(target, BIASED)) > 1e-4
 
 
 def test_a_verifier_that_forgets_the_bias_in_trees_is_caught(engines, monkeypatch):
