@@ -129,12 +129,24 @@ async def test_a_prefill_whose_rpc_ended_is_released_when_it_lands(tiny_family, 
         return result
 
     monkeypatch.setattr(servicer.engine, "prefill", held)
+    opening = servicer.open_session
+    handler_cancelled = asyncio.Event()             # the server saw the RPC end while the engine call ran
+
+    async def watched(*args, **kwargs):
+        try:
+            return await opening(*args, **kwargs)
+        except asyncio.CancelledError:
+            handler_cancelled.set()
+            raise
+
+    monkeypatch.setattr(servicer, "open_session", watched)
     try:
         async with channel_to(server) as ch:
             stub = VerifierServiceStub(ch)
             for sid, timeout in (("deadline", 2.0), ("cancelled", None)):
                 started.clear()
                 go.clear()
+                handler_cancelled.clear()
                 call = stub.Prefill(VerifierPrefillRequest(session_id=sid, prompt_ids=PROMPT, owner=owner),
                                     timeout=timeout)
                 assert await asyncio.to_thread(started.wait, 30)    # the engine call is running
@@ -142,6 +154,11 @@ async def test_a_prefill_whose_rpc_ended_is_released_when_it_lands(tiny_family, 
                     call.cancel()
                 with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
                     await call
+                if timeout is None:
+                    # the client's cancel is local at once; the server learns of it a moment later. One
+                    # that reaches it only after the answer went out cannot be told from a success (an
+                    # owned session then lapses with its lease): hold the engine call until it arrives.
+                    await asyncio.wait_for(handler_cancelled.wait(), 30)
                 go.set()
                 assert await eventually(lambda: sid in dict(landed))
                 assert dict(landed)[sid], f"the engine call did not open session {sid}"
