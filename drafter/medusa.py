@@ -28,8 +28,9 @@ shipped with the tree as the q each node's children were drawn from) and the
 verifier runs recursive rejection sampling on them, or, with top proposals,
 treats the drafts as one-hot proposals with residual resampling.
 
-Sessions draft one at a time (``drafter.batch`` drafts drafters it has no
-model step for one by one): a draft is one [num_heads x H x V] product.
+Concurrent sessions batched by ``drafter.batch`` share one heads forward
+(``prepare``); their trees are then built one after another (a tree needs no
+further model call).
 """
 
 from __future__ import annotations
@@ -99,9 +100,32 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def head_logprobs(self, feature: torch.Tensor) -> torch.Tensor:
-        """feature: [H] the target's hidden state that produced the root ->
-        log-probs [num_heads, V] of the tokens 1..num_heads after the root."""
+        """feature: [..., H] the target's hidden state that produced the root ->
+        log-probs [..., num_heads, V] of the tokens 1..num_heads after the root."""
         return self.heads.logprobs(feature.to(self.device), self.vocab_size).cpu()
+
+    def prepare(self, sids: list[str]) -> None:
+        """The heads' outputs of every listed session that lacks them, in one
+        forward (sessions that are gone are left to fail when drafted)."""
+        sessions = {}
+        for sid in sids:
+            try:
+                sess = self.sessions.get(sid)
+            except KeyError:
+                continue
+            sessions[id(sess)] = sess
+        locked = [sessions[k] for k in sorted(sessions)]
+        for sess in locked:
+            sess.lock.acquire()
+        try:
+            stale = [s for s in locked if s.state is None and s.features]
+            if stale:
+                logp = self.head_logprobs(torch.stack([s.features[-1] for s in stale]))   # [n, num_heads, V]
+                for sess, rows in zip(stale, logp):
+                    sess.state = rows
+        finally:
+            for sess in locked:
+                sess.lock.release()
 
     def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         if sess.state is None:           # (a second draft with nothing committed since reuses it)

@@ -182,3 +182,18 @@ def test_greedy_identical_to_vanilla(stack, cfg):
         assert got.tokens == want and len(want) == NEW_TOKENS
         assert got.stats.drafted > 0
     assert len(stack.drafter.sessions) == 0
+
+
+def test_the_drafter_reads_the_final_norm_hidden_state_the_verifier_ships(stack, target):
+    """Medusa heads read the target's last hidden state after its final norm:
+    the features a verifier returns for drafters without feature layers."""
+    prompt = [5, 6, 7, 8, 9]
+    first = stack.verifier.prefill("f", prompt, SamplingParams())
+    stack.verifier.release("f")
+    with torch.no_grad():
+        normed = target.model(torch.tensor([prompt])).last_hidden_state[0]
+    assert torch.allclose(first.features, normed, atol=1e-5)
+    stack.drafter.prefill("f", prompt + [first.token], first.features)
+    tree = stack.drafter.draft("f", TreeParams(method="chain", total_tokens=8, depth=8))
+    stack.drafter.release("f")
+    assert tree.tokens[1:].tolist() == stack.drafter.heads(normed[-1]).argmax(-1).tolist()
