@@ -133,7 +133,7 @@ def train_medusa(target_dir: Path, train_texts: list[str], heldout_texts: list[s
     if not log["finished"]:
         return log          # interrupted: the checkpoint resumes it; export only finished heads
     heads.eval()
-    save_heads(heads, out_dir, opts.layout)
+    save_heads(heads, out_dir, opts.layout, dtype=torch.float16)     # as the EAGLE trainer ships heads
     calibrate_heads(heads, *heldout, Path(out_dir))
     (Path(out_dir) / "training_log.json").write_text(json.dumps(
         {k: v for k, v in log.items() if k != "history"} | {"history_tail": log["history"][-20:],
