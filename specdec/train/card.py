@@ -5,8 +5,9 @@ unigram baseline), sizes, and measures on this machine the cost of one target
 forward of one token against one EAGLE-head draft step (one node, and a
 frontier of expand_k nodes), both over a 200-token prefix. Each bundled head
 (EAGLE-2 ``eagle/``, EAGLE-3 ``eagle3/``, the Medusa heads ``medusa/``) gets
-its held-out tau at the same trees (EAGLE-2 dynamic trees) and its calibration table and plot (EAGLE-2 §3.2, Figure 6), which come
-from ``specdec.bench``.
+its held-out tau at the same trees (EAGLE-2 dynamic trees) and its
+calibration table and plot (EAGLE-2 §3.2, Figure 6), which come from
+``specdec.bench``.
 """
 
 from __future__ import annotations

@@ -52,3 +52,34 @@ def test_greedy_matches_vanilla_through_the_services(stack):
         drafter.prepare = prepare
     assert calls and max(calls) > 1          # concurrent sessions shared a heads forward
     assert stack.wait_sessions_closed("drafter-medusa") == {"drafter-medusa": 0}
+
+
+def test_the_openai_api_takes_the_method_per_request(stack):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from orchestrator.http import HttpConfig
+    from orchestrator.http_server import start_http
+
+    http = stack.loop.run(start_http(stack.servicer("medusa"), HttpConfig()))
+
+    def post(**body):
+        req = urllib.request.Request(f"{http.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())["choices"][0]
+
+    try:
+        common = dict(prompt=PROMPTS[0], max_tokens=N, temperature=0, return_token_ids=True)
+        plain = post(**common, method="vanilla")
+        for method in ("eagle2", "static"):
+            got = post(**common, method=method)
+            assert got["token_ids"] == plain["token_ids"] and got["specdec"]["draft_tokens"] > 0
+        assert plain["specdec"]["draft_tokens"] == 0
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(**common, method="typical")
+        body = json.loads(err.value.read())["error"]
+        assert err.value.code == 400 and body["param"] == "method" and "must be one of" in body["message"]
+    finally:
+        stack.loop.run(http.stop())
