@@ -61,3 +61,18 @@ def test_a_bad_choices_file_is_one_line(tiny_family, heads, tmp_path, capsys):
     bad.write_text("[[0], [2, 1]]")
     code, _, err = generate(capsys, tiny_family, "--medusa", str(heads / "good"), "--medusa-choices", str(bad))
     assert code == 2 and "parent path (2,) must come earlier" in err
+
+
+def test_up_hands_the_heads_to_its_drafter_service(tiny_family, heads):
+    from specdec.cli.main import build_parser
+    from specdec.cli.up import _model_argv
+
+    choices = str(heads / "choices.json")
+    args = build_parser().parse_args(["up", "--target", str(tiny_family["target"]), "--medusa", str(heads / "good"),
+                                      "--medusa-choices", choices])
+    verifier, drafter, _ = _model_argv(args)
+    assert drafter == ["--medusa", str(heads / "good"), "--target", str(tiny_family["target"]), "--dtype", "float32",
+                       "--medusa-choices", choices]
+    assert "--compile-feature-layers" not in verifier        # the final hidden state, as for EAGLE-1/2
+    served = build_parser().parse_args(["drafter", "serve", *drafter])
+    assert served.medusa == str(heads / "good") and served.medusa_choices == choices
