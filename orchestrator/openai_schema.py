@@ -20,6 +20,9 @@ Parameter mapping:
   ``specdec.request.params.MAX_LOGIT_BIAS`` entries, each in [-100, 100]) ->
   SamplingParams.logit_bias (added to the logits before the penalties, at
   every tree node, greedy decoding included);
+- ``method`` (specdec's extra): the request's tree method, as through gRPC
+  (``specdec.request.params.REQUEST_METHODS``, e.g. "static" for a Medusa
+  drafter's mc_sim_7b_63 tree, "vanilla"; unset: the orchestrator's default);
 - ``n``: n independent choices of one request; with a seed, choice i samples
   with ``specdec.request.params.choice_seed(seed, i)`` (choice 0 with the seed
   itself), as through gRPC, so every choice reproduces;
@@ -50,7 +53,8 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob, shown
+from specdec.request.params import (MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob, TreeRequest,
+                                    shown)
 from specdec.v1 import orchestrator_pb2
 
 MAX_CHOICES = 16             # n
@@ -89,6 +93,7 @@ class CommonRequest(BaseModel):
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    method: str | None = None         # specdec's extra: the tree method (TreeRequest.method)
 
 
 class CompletionRequest(CommonRequest):
@@ -197,6 +202,7 @@ def generation_request(req: CommonRequest, prompt: str, request_id: str = "") ->
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     logprobs = logprobs_asked(req)
     return GenerationRequest(prompt=prompt, max_new_tokens=max_tokens or 0, sampling=sampling, stop=stop,
+                             tree=TreeRequest(method=req.method or ""),
                              request_id=request_id, n=req.n, logprobs=logprobs, prompt_only=prompt_only,
                              prompt_logprobs=logprobs if echoes(req) else None)
 
@@ -235,7 +241,7 @@ FIELD_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p"
                 "sampling.seed": "seed", "sampling.min_p": "min_p", "sampling.presence_penalty": "presence_penalty",
                 "sampling.frequency_penalty": "frequency_penalty",
                 "sampling.repetition_penalty": "repetition_penalty", "sampling.logit_bias": "logit_bias",
-                "stop": "stop", "request_id": "x-request-id"}
+                "stop": "stop", "request_id": "x-request-id", "tree.method": "method"}
 LEADING_FIELD = re.compile(r"^([A-Za-z_][\w.]*)(\[\d+\])?")
 
 

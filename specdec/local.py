@@ -27,8 +27,9 @@ from specdec.tree.sizing import restore
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    kind: str                     # "none" | "eagle" | "draft-lm" | "ngram"
+    kind: str                     # "none" | "eagle" | "medusa" | "draft-lm" | "ngram"
     path: str | None = None
+    static_shape: tuple | None = None   # medusa: the static tree's rank paths (None: mc_sim_7b_63)
 
 
 @dataclass
@@ -51,6 +52,11 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
         drafter = load_eagle_drafter(choice.path, target.path, device=target.device, compile=target.compile)
         if getattr(drafter, "feature_layers", ()):      # EAGLE-3: its verifies return feature layers
             verifier.target.compile_feature_layers()
+    elif choice.kind == "medusa":
+        from drafter.medusa import load_medusa_drafter
+
+        drafter = load_medusa_drafter(choice.path, target.path, device=target.device,
+                                      static_shape=choice.static_shape)
     elif choice.kind == "draft-lm":
         from drafter.draft_lm import DraftLmDrafter
 
@@ -179,4 +185,4 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
 
 
 def default_paths() -> dict[str, Path]:
-    return {name: demo_path(name) for name in ("target", "eagle", "draft-lm", "tokenizer")}
+    return {name: demo_path(name) for name in ("target", "eagle", "medusa", "draft-lm", "tokenizer")}

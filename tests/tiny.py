@@ -54,3 +54,18 @@ def build_family(root: Path, seed: int = 0, vocab_size: int = 300) -> dict[str, 
     save_head(head, paths["eagle"], dtype=torch.float32)
     tiny_llama(v, seed + 2, hidden=32, layers=1).save_pretrained(paths["draft-lm"])
     return paths
+
+
+def tiny_medusa(target, seed: int, num_heads: int = 3, num_layers: int = 1, scale: float = 3.0):
+    """Random Medusa heads for ``target`` (a loaded tiny Llama): blocks random,
+    vocabulary projections the target's lm_head plus noise, so the heads'
+    guesses are sharp and sometimes right."""
+    from drafter.medusa_heads import MedusaHeads
+
+    torch.manual_seed(seed)
+    cfg = target.config
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, num_heads, num_layers)
+    with torch.no_grad():
+        for lm in heads.lm_heads:
+            lm.weight.copy_(target.lm_head.weight + 0.1 * scale * torch.randn_like(lm.weight))
+    return heads.eval()

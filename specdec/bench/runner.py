@@ -45,13 +45,15 @@ SPECULATIVE = {
     "sps": ("draft-lm", "chain"),          # classic speculative sampling with the draft LM (opt-in)
     "eagle2-top": ("eagle", "eagle2"),     # eagle2 with top-k proposals also when sampling (opt-in)
     "eagle3": ("eagle3", "eagle2"),        # EAGLE-2 dynamic trees drafted by an EAGLE-3 head (opt-in: --eagle3)
+    "medusa": ("medusa", "eagle2"),        # EAGLE-2 dynamic trees over Medusa heads' log-probs (opt-in: --medusa)
+    "medusa-static": ("medusa", "static"),  # Medusa's static tree, mc_sim_7b_63 cut to the budget (opt-in)
 }
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")   # opt-in: the llama.cpp peer (bench.llamacpp_peer)
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
-ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3") + LLAMACPP_METHODS
+ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3", "medusa", "medusa-static") + LLAMACPP_METHODS
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
@@ -316,6 +318,7 @@ class BenchConfig:
     eagle: str | None = None
     draft_lm: str | None = None
     eagle3: str | None = None       # EAGLE-3 head directory (method eagle3)
+    medusa: str | None = None       # Medusa heads directory (methods medusa, medusa-static)
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_new_tokens: int = 128
     temperature: float = 0.0

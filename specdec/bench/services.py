@@ -75,6 +75,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
                   "--expand-k", str(tree.expand_k)]
         return ["--eagle", eagle_head(cfg, kind), "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device,
                 "--compile", cfg.compile, *limits, *budget]     # (its default tree: the one drafted whole)
+    if kind == "medusa":
+        return ["--medusa", cfg.medusa, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":

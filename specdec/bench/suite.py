@@ -84,6 +84,11 @@ class Models:
                 self._drafters[kind] = Eagle3Drafter(self._need(self.cfg.eagle3, "EAGLE-3 head"), self.cfg.target,
                                                      device=self.cfg.device, compile=self.cfg.compile)
                 self.target.compile_feature_layers()       # its verifies return feature layers
+            elif kind == "medusa":
+                from drafter.medusa import load_medusa_drafter
+
+                self._drafters[kind] = load_medusa_drafter(self._need(self.cfg.medusa, "Medusa heads"),
+                                                           self.cfg.target, device=self.cfg.device)
             elif kind == "ngram":
                 from drafter.ngram import NgramDrafter
 
@@ -181,7 +186,8 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "compile": cfg.compile,
         "tree_sizing": {"mode": cfg.tree_sizing, "compared": cfg.compare_tree_sizing,
                         **({} if sizer is None else sizer.snapshot())},
-        "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3},
+        "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3,
+                   "medusa": cfg.medusa},
         "repeats": cfg.repeats,
         "openai_url": cfg.openai_url,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},

@@ -7,8 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, model_dir, print_logprobs,
-                                 prompt_text, read_prompts, resolved_min_tau, result_record)
+from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, medusa_choices, medusa_dir,
+                                 model_dir, print_logprobs, prompt_text, read_prompts, resolved_min_tau,
+                                 result_record)
 from specdec.cli.remote import run_remote
 from specdec.request import knobs
 from specdec.request.decoding import StopCriteria
@@ -93,6 +94,8 @@ def resolve_models(args):
     from specdec.model.loading import ModelSpec
 
     demo = default_paths()
+    if args.medusa_choices and args.medusa is None:
+        raise UsageError("--medusa-choices needs --medusa")
     target = model_dir(args.target, "target", "target model", "--target")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
                      attn_implementation=getattr(args, "attn_implementation", "auto"),
@@ -101,6 +104,8 @@ def resolve_models(args):
         return spec, DrafterChoice("none")
     if args.ngram:
         return spec, DrafterChoice("ngram")
+    if args.medusa is not None:
+        return spec, DrafterChoice("medusa", medusa_dir(args.medusa), medusa_choices(args.medusa_choices))
     if args.draft_lm:
         return spec, DrafterChoice("draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"))
     eagle = args.eagle or str(demo["eagle"])

@@ -67,11 +67,53 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--eagle", help="EAGLE head directory: EAGLE-1/2, or EAGLE-3 in the reference or speculators layout")
     d.add_argument("--draft-lm", help="small causal LM (directory or GGUF file) sharing the target's tokenizer")
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
+    add_medusa_flags(d, g)
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
     g.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="attention of the target with --local: auto (default), sdpa or eager")
     add_compile_flag(g)
+
+
+def add_medusa_flags(kind, group) -> None:
+    """``--medusa [DIR]`` in the drafter kinds ``kind`` and ``--medusa-choices`` in ``group``."""
+    kind.add_argument("--medusa", nargs="?", const="", metavar="DIR",
+                      help="Medusa heads directory, original (medusa_lm_head.*) or vLLM layout; "
+                           "no DIR: the bundled demo heads")
+    group.add_argument("--medusa-choices", metavar="FILE",
+                       help="with --medusa: the static tree (--method static) as a JSON list of rank paths "
+                            "(default: Medusa's mc_sim_7b_63)")
+
+
+def medusa_dir(path: str | None) -> str:
+    """``--medusa``'s directory (empty or None: the bundled demo heads); a one-line
+    error when it is not a directory."""
+    chosen = path or str(demo_path("medusa"))
+    if not Path(chosen).is_dir():
+        hint = "" if path else " (the bundled demo Medusa heads are missing: pass --medusa DIR or run " \
+                               "`specdec train medusa`)"
+        raise UsageError(f"Medusa heads directory {chosen} does not exist{hint}")
+    return chosen
+
+
+def medusa_drafter_argv(args, target: str) -> list[str]:
+    """`serve drafter` flags for ``--medusa`` (and ``--medusa-choices``) as parsed in ``args``."""
+    argv = ["--medusa", medusa_dir(args.medusa), "--target", target, "--dtype", args.dtype]
+    return argv + (["--medusa-choices", args.medusa_choices] if args.medusa_choices else [])
+
+
+def medusa_choices(path: str | None):
+    """``--medusa-choices FILE`` as a static shape (None: the drafter's default)."""
+    if path is None:
+        return None
+    from specdec.request.tree_shapes import shape_from_choices
+
+    if not Path(path).is_file():
+        raise UsageError(f"--medusa-choices: file not found: {path}")
+    try:
+        return shape_from_choices(json.loads(Path(path).read_text()), f"--medusa-choices {path}")
+    except ValueError as exc:
+        raise UsageError(str(exc).splitlines()[0]) from None
 
 
 def compile_mode(text: str) -> str:

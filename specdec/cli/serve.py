@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec.cli.options import add_compile_flag, add_tree_sizing_flag, env, model_dir
+from specdec.cli.options import (add_compile_flag, add_medusa_flags, add_tree_sizing_flag, env, medusa_choices,
+                                 medusa_dir, model_dir)
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
@@ -146,7 +147,9 @@ def add_parsers(sub) -> None:
     kind.add_argument("--eagle", help="EAGLE head directory, EAGLE-1/2 or EAGLE-3 (needs --target for embeddings / lm_head)")
     kind.add_argument("--draft-lm", help="small causal LM (directory or GGUF file) sharing the target's tokenizer")
     kind.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
-    p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; n-gram: vocab size)")
+    add_medusa_flags(kind, p)
+    p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; Medusa: its hidden size "
+                                    "and vocabulary; n-gram: vocab size)")
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
@@ -256,6 +259,17 @@ def _drafter_builder(args, default: TreeParams):
 
             return NgramDrafter(vocab, **sessions)
         return build
+    if args.medusa is not None:
+        from drafter.medusa import load_medusa_drafter
+
+        # loaded now: heads that do not fit the target stop the service before it starts
+        drafter = load_medusa_drafter(medusa_dir(args.medusa), model_dir(args.target, "target", "target model",
+                                                                         "--target"),
+                                      dtype=torch_dtype(args.dtype), device=args.device,
+                                      static_shape=medusa_choices(args.medusa_choices), **sessions)
+        return lambda: drafter
+    if args.medusa_choices:
+        raise UsageError("--medusa-choices needs --medusa")
     if args.draft_lm:
         spec = ModelSpec(path=model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
                          device=args.device, compile=args.compile)

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from specdec.cli.generate import add_model_flags
-from specdec.cli.options import model_dir
+from specdec.cli.options import medusa_drafter_argv, model_dir
 from specdec.procs import feature_layer_flags
 from specdec.request.errors import UsageError
 from specdec.soak.run import DEFAULT_KILLS, Backend, Soak, SoakConfig, SoakError
@@ -70,6 +70,8 @@ def _models(args) -> Models:
     verifier = ("--target", target, "--dtype", args.dtype, "--compile", args.compile)
     if args.ngram:
         drafter = ("--ngram", "--target", target)
+    elif args.medusa is not None:
+        drafter = tuple(medusa_drafter_argv(args, target))
     elif args.draft_lm:
         drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
                    "--compile", args.compile)

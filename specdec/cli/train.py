@@ -1,4 +1,4 @@
-"""``specdec train tokenizer|target|draft-lm|eagle [--version 3]|calibrate|card``.
+"""``specdec train tokenizer|target|draft-lm|eagle [--version 3]|medusa|calibrate|card``.
 
 Each command is resumable: it checkpoints into ``--workdir`` every
 ``--ckpt-every`` steps and on SIGTERM/Ctrl-C, and a rerun with the same flags
@@ -112,6 +112,16 @@ def add_parser(sub) -> None:
     _common(t, steps=800, batch=16, lr=1e-3)
     t.set_defaults(run=run_eagle, name="eagle")
 
+    t = tsub.add_parser("medusa", help="Medusa-1 heads on a frozen local causal-LM target")
+    t.add_argument("--target", default=str(demo_path("target")))
+    t.add_argument("--out", help="heads directory (default: the bundled medusa/)")
+    t.add_argument("--heads", type=int, default=4, help="Medusa heads (head k predicts the token k + 2 ahead)")
+    t.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    t.add_argument("--layout", choices=("original", "vllm"), default="original",
+                   help="original: medusa_lm_head.safetensors (default); vllm: model.safetensors, model_type medusa")
+    _common(t, steps=300, batch=8, lr=1e-3)
+    t.set_defaults(run=run_medusa, name="medusa")
+
 
 def _config(args):
     from specdec.train.loop import TrainConfig
@@ -171,6 +181,21 @@ def run_eagle(args) -> int:
     train_texts, heldout = _corpus(args)
     log = train_eagle(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
                       loss, progress=not args.no_progress)
+    _report(log, out)
+    return 0
+
+
+def run_medusa(args) -> int:
+    from specdec.cli.options import model_dir
+    from specdec.train.medusa import MedusaOptions, train_medusa
+
+    args.target = model_dir(args.target, "target", "target model", "--target")
+    if args.heads < 1 or args.layers < 0:
+        raise UsageError(f"--heads must be >= 1 and --layers >= 0, got {args.heads} and {args.layers}")
+    out = args.out or str(demo_path("medusa"))
+    train_texts, heldout = _corpus(args)
+    log = train_medusa(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
+                       MedusaOptions(args.heads, args.layers, args.layout), progress=not args.no_progress)
     _report(log, out)
     return 0
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from specdec.cli.http_flags import add_up_http_flag, chat_template_from, up_http_port
-from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env, model_dir
+from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env, medusa_drafter_argv, model_dir
 from specdec.cli.stack import ORCHESTRATOR_PORTS
 from specdec.procs import (Child, ChildDied, check_alive, feature_layer_flags, ignore_stop_signals, solo_env,
                            solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
@@ -119,6 +119,8 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         drafter = None
     elif args.ngram:
         drafter = ["--ngram", "--target", target]
+    elif args.medusa is not None:
+        drafter = medusa_drafter_argv(args, target)
     elif args.draft_lm:
         drafter = ["--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
                    "--compile", args.compile]

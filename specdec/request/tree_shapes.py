@@ -55,3 +55,31 @@ def check_shape(shape: Shape) -> None:
         if len(path) > 1 and path[:-1] not in seen:
             raise ValueError(f"static_shape[{i}] = {path!r}: parent path {path[:-1]!r} must come earlier")
         seen.add(path)
+
+
+# Medusa's default static tree, ``mc_sim_7b_63`` (Cai et al., Medusa,
+# arXiv:2401.10774; FasterDecoding/Medusa ``medusa_choices.py``): 63 rank paths
+# over four heads, 10 / 28 / 23 / 2 nodes at depths 1-4, listed in the order the
+# reference lists them (by simulated acceptance on Vicuna-7B), every path after
+# its parent, so a prefix of it is a connected tree.
+MEDUSA_MC_SIM_7B_63: Shape = tuple(tuple(p) for p in (
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
+    [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9],
+    [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1],
+    [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0],
+    [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0],
+    [0, 0, 0, 1], [1, 6], [0, 7, 0]))
+
+
+def shape_from_choices(choices, where: str = "choices") -> Shape:
+    """A Medusa choices list (JSON: a list of rank paths such as [[0], [0, 0], [1]])
+    as a shape; paths are reordered by depth (stably) so each follows its parent.
+    ValueError naming ``where`` unless it is a valid shape."""
+    if not isinstance(choices, list) or not all(isinstance(p, list) for p in choices):
+        raise ValueError(f"{where}: expected a JSON list of rank paths such as [[0], [0, 0], [1]]")
+    shape = tuple(sorted((tuple(p) for p in choices), key=len))
+    try:
+        check_shape(shape)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return shape

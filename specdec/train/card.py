@@ -4,9 +4,10 @@ Collects each model's training log (steps, tokens, time, held-out loss vs the
 unigram baseline), sizes, and measures on this machine the cost of one target
 forward of one token against one EAGLE-head draft step (one node, and a
 frontier of expand_k nodes), both over a 200-token prefix. Each bundled head
-(EAGLE-2 ``eagle/``, EAGLE-3 ``eagle3/``) gets its held-out tau at the same
-trees and its calibration table and plot (EAGLE-2 §3.2, Figure 6), which come
-from ``specdec.bench``.
+(EAGLE-2 ``eagle/``, EAGLE-3 ``eagle3/``, the Medusa heads ``medusa/``) gets
+its held-out tau at the same trees (EAGLE-2 dynamic trees) and its
+calibration table and plot (EAGLE-2 §3.2, Figure 6), which come from
+``specdec.bench``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from specdec.model import kv
 from specdec.request.params import TreeParams
 
 # the bundled heads: directory -> (bench method name, calibration plot)
-HEADS = {"eagle": ("eagle2", "calibration.png"), "eagle3": ("eagle3", "calibration-eagle3.png")}
+HEADS = {"eagle": ("eagle2", "calibration.png"), "eagle3": ("eagle3", "calibration-eagle3.png"),
+         "medusa": ("medusa", "calibration-medusa.png")}
 TREES = (TreeParams(), TreeParams(total_tokens=32, depth=6, expand_k=6), TreeParams(total_tokens=16, depth=10))
 
 
@@ -153,7 +155,8 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     from specdec.model.loading import ModelSpec
     from specdec.request.params import SamplingParams, TreeParams
 
-    stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice("eagle", str(demo / head)))
+    kind = "medusa" if head == "medusa" else "eagle"
+    stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice(kind, str(demo / head)))
     recorder = TreeRecorder(stack.verifier)
     stop = StopCriteria(max_new_tokens=max_new_tokens)
     runs = {}
@@ -197,6 +200,7 @@ def render(card: dict) -> str:
              _command("draft-lm", m, "the draft LM"),
              _command("eagle", m, "head on the target's features"),
              *([_command("eagle", m, "the EAGLE-3 head", "eagle3", " --version 3")] if "eagle3" in m else []),
+             *([_command("medusa", m, "the Medusa heads")] if "medusa" in m else []),
              "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
@@ -228,6 +232,12 @@ def render(card: dict) -> str:
                       + ", ".join(f"{k}: {_num(eagle3[f'heldout_top1_{k}'])}" for k in steps)
                       + f"; the target's argmax lies in its draft vocabulary at "
                         f"{_num(eagle3.get('heldout_in_draft'))} of held-out positions."]
+    medusa = (m.get("medusa") or {}).get("last_eval") or {}
+    if medusa:
+        heads = sorted(int(k.rsplit("_", 1)[1]) for k in medusa if k.startswith("heldout_top1_"))
+        lines += ["", "Medusa heads on held-out text, top-1 agreement with the target's next tokens (head k "
+                      "predicts the token k + 2 ahead of the feature it reads): "
+                      + ", ".join(f"{k}: {_num(medusa[f'heldout_top1_{k}'])}" for k in heads) + "."]
     runs = {head: card[heldout_key(head)] for head in HEADS if heldout_key(head) in card}
     if runs:
         first = next(iter(runs.values()))

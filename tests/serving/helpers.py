@@ -86,6 +86,10 @@ def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float 
             from specdec.model.loading import ModelSpec
 
             return DraftLmDrafter(ModelSpec(str(oracle_dir(paths))), **sessions)
+        if kind == "medusa":      # the family's paths must hold "medusa" (tests/drafter/test_medusa.py writes one)
+            from drafter.medusa import load_medusa_drafter
+
+            return load_medusa_drafter(paths["medusa"], paths["target"], **sessions)
         if kind == "ngram":
             from drafter.ngram import NgramDrafter
             from specdec.model.loading import read_config
