@@ -1,0 +1,183 @@
+"""Grammar masks along a draft tree: a constraint as part of the processed distribution.
+
+A constrained session (``specdec.request.constraints``) may generate only the
+tokens its grammar allows. Exactness under speculation asks that the
+distribution at every tree node be the one constrained decoding would use
+after that node's path, so each node gets the mask of **its own path**:
+
+- the session's ``GrammarState`` holds an llguidance matcher at the committed
+  state: it has consumed the generated tokens, root included (the prompt is
+  not part of the grammar's sentence), and moves by committed tokens only;
+- ``node_masks`` walks the tree depth first from the root: at node u it
+  computes the mask of allowed next tokens, and for each child whose token the
+  mask allows it consumes that token, recurses, and rolls the matcher back by
+  one; the matcher ends where it started;
+- a child whose token the grammar refuses has probability zero at its parent
+  under the target, so it is never accepted; its own row (and its subtree's)
+  is left unmasked (any row would do; an all-refused one would make NaNs). So
+  are the rows below an end-of-sequence token or a complete grammar (where
+  generation stops) and a row where the grammar allows nothing at all.
+
+``mask_logits`` sets refused tokens' logits to -inf: the first of the target's
+processors (``specdec.tree.sampling``), before the logit bias, the penalties,
+temperature and the filters, as vLLM applies the grammar bitmask. Greedy
+decoding takes the argmax of the masked logits; the end-of-sequence token is
+allowed only where the grammar accepts, and where the grammar is complete it
+is the only token allowed, so generation stops there.
+
+Drafters mask their proposals the same way (``masked_expand``): a drafted
+token the grammar refuses could never be accepted, so the draft keeps its
+budget for tokens that can; sampled proposals are drawn from the draft
+distribution renormalised over the allowed tokens, which stays exact since
+acceptance uses the distribution the children were drawn from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import llguidance
+import llguidance.hf
+import torch
+
+from specdec.request.constraints import Constraint, parser_limits
+from specdec.request.errors import FailedPrecondition, InvalidArgument
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a directory holding a Hugging Face tokenizer."""
+    return path is not None and Path(path).is_dir() and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def grammar_tokenizer(path: str | os.PathLike) -> llguidance.LLTokenizer:
+    """llguidance's view of the Hugging Face tokenizer in ``path`` (what matchers
+    map bytes to token ids with)."""
+    from specdec.model.loading import load_tokenizer
+
+    return llguidance.hf.from_tokenizer(load_tokenizer(path))
+
+
+def default_grammar_tokenizer(tokenizer: str | None, *model_dirs) -> llguidance.LLTokenizer | None:
+    """A server's grammar tokenizer: ``tokenizer`` when given, else the first of
+    ``model_dirs`` that holds one, else None (constrained requests refused)."""
+    path = tokenizer or next((d for d in model_dirs if has_tokenizer(d)), None)
+    return None if path is None else grammar_tokenizer(path)
+
+
+class GrammarState:
+    """A session's matcher at its committed state, and the masks of a tree's nodes.
+
+    ``vocab_size``: the model's vocabulary (masks are [.., vocab_size]; ids past
+    the tokenizer's are refused). ``tokens``: the committed sequence so far,
+    whose first ``prompt_len`` are the prompt."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, constraint: Constraint, vocab_size: int,
+                 tokens: list[int] = (), prompt_len: int = 0):
+        self.tokenizer, self.constraint, self.vocab_size = tokenizer, constraint, vocab_size
+        self.matcher = llguidance.LLMatcher(tokenizer, constraint.grammar(), log_level=0, limits=parser_limits())
+        if self.matcher.is_error():
+            raise InvalidArgument(f"sampling.constraint.value does not compile: {self.matcher.get_error()[:300]}")
+        self.prompt_len = prompt_len
+        self.consumed = 0
+        # end-of-sequence ids: never consumed while walking a tree (generation ends there,
+        # and a matcher does not roll one back reliably)
+        self.eos = frozenset(getattr(tokenizer, "eos_tokens", None) or [tokenizer.eos_token])
+        self.commit(list(tokens)[prompt_len:])
+
+    def commit(self, tokens: list[int]) -> None:
+        """Generated tokens, committed (each one the grammar allowed). Tokens past
+        the grammar's end (after its end-of-sequence token, where generation
+        stops anyway) are not consumed."""
+        tokens = [int(t) for t in tokens]
+        taken = self.matcher.try_consume_tokens(tokens) if tokens else 0
+        self.consumed += taken
+        if taken < len(tokens) and not self.matcher.is_stopped():
+            raise FailedPrecondition(f"the committed token {tokens[taken]} breaks the session's grammar")
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` committed tokens (prompt included)."""
+        drop = self.consumed - max(0, length - self.prompt_len)
+        if drop > 0:
+            self.matcher.rollback(drop)
+            self.consumed -= drop
+
+    def mask(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens allowed next at the matcher's state."""
+        return token_mask(self.matcher, self.vocab_size)
+
+    def node_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """[n, vocab_size] bool: row u allows the tokens the grammar allows after
+        the root-to-u path (see the module docstring)."""
+        n = len(tokens)
+        masks = torch.ones(n, self.vocab_size, dtype=torch.bool)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for node in range(1, n):
+            children[parents[node]].append(node)
+
+        def visit(node: int) -> None:      # depth first: consume a child's token, recurse, roll back
+            row = self.mask()
+            if not bool(row.any()):
+                return
+            masks[node] = row
+            if self.matcher.is_stopped():      # only the end-of-sequence token is left
+                return
+            for child in children[node]:
+                if tokens[child] not in self.eos and bool(row[tokens[child]]) and \
+                        self.matcher.consume_token(int(tokens[child])):
+                    visit(child)
+                    self.matcher.rollback(1)
+
+        visit(0)
+        return masks
+
+
+def token_mask(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bool of ``matcher``'s allowed next tokens (False past the tokenizer's ids)."""
+    allowed = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0
+    if allowed.numel() >= vocab_size:
+        return allowed[:vocab_size]
+    return torch.cat([allowed, torch.zeros(vocab_size - allowed.numel(), dtype=torch.bool)])
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits [..., V] with the refused tokens at -inf (``allowed`` [..., V] bool,
+    None: no constraint)."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+# -> log-probs [f, V] over the next token of each frontier node (``specdec.tree.build.ExpandFn``)
+ExpandLike = Callable[[object], torch.Tensor]
+
+
+def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
+    """``expand`` with each frontier node's log-probs masked by the grammar along
+    its own path and renormalised over the allowed tokens (a row the grammar
+    allows nothing in is left as it is). Frontier nodes are named by pool id;
+    a node's parent is always an earlier frontier's node (or the root)."""
+    paths: dict[int, list[int]] = {0: []}      # pool id -> its path's tokens below the root
+
+    def expand_masked(frontier) -> torch.Tensor:
+        logp = expand(frontier)
+        if logp.shape[-1] != state.vocab_size:       # a drafter's own vocabulary: left unmasked
+            return logp
+        nodes, tokens, parents = frontier.nodes.tolist(), frontier.tokens.tolist(), frontier.parents.tolist()
+        rows = []
+        for node, token, parent in zip(nodes, tokens, parents):
+            path = [] if parent < 0 else paths.get(parent, []) + [token]
+            paths[node] = path
+            ended = state.matcher.is_stopped() or any(t in state.eos for t in path)
+            consumed = state.matcher.try_consume_tokens(path) if path and not ended else 0
+            row = state.mask() if consumed == len(path) and not ended else torch.ones(logp.shape[-1], dtype=torch.bool)
+            if consumed:
+                state.matcher.rollback(consumed)
+            rows.append(row if bool(row.any()) else torch.ones_like(row))
+        masked = mask_logits(logp.float(), torch.stack(rows))
+        return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+    return expand_masked
