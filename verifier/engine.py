@@ -46,7 +46,7 @@ class VerifierEngine:
     trees; "fixed" (default): trees are verified as drafted.
 
     ``grammar_tokenizer``: llguidance's tokenizer of the target
-    (``specdec.tree.grammar.default_grammar_tokenizer``), which constrained
+    (``specdec.model.loading.default_grammar_tokenizer``), which constrained
     sessions' grammars need; None: constrained requests are refused."""
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,

@@ -234,7 +234,7 @@ def run_verifier(args) -> int:
                                    tree_sizing=args.tree_sizing)
             atexit.register(verifier.shutdown)
             return verifier
-        from specdec.tree.grammar import default_grammar_tokenizer
+        from specdec.model.loading import default_grammar_tokenizer
 
         target = TargetModel(spec)
         target.unbuilt_eager(args.compile_tree_tokens)      # no request waits for a graph to be built
@@ -291,7 +291,7 @@ def _drafter_builder(args, default: TreeParams):
 def _with_grammar(build, args):
     """``build`` whose drafter gets the grammar tokenizer (``--tokenizer`` or the model directory's)."""
     def build_masked():
-        from specdec.tree.grammar import default_grammar_tokenizer
+        from specdec.model.loading import default_grammar_tokenizer
 
         drafter = build()
         drafter.grammar_tokenizer = default_grammar_tokenizer(args.tokenizer, args.target, args.draft_lm)

@@ -34,38 +34,27 @@ acceptance uses the distribution the children were drawn from.
 
 from __future__ import annotations
 
-import os
+import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 
 import llguidance
-import llguidance.hf
 import torch
 
 from specdec.request.constraints import Constraint, parser_limits
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+@dataclass
+class GrammarTime:
+    """Time this process spent on per-node grammar masks (the verifier's tree
+    walks and the drafters' masked levels), read by ``specdec bench --json-schema``."""
+
+    seconds: float = 0.0
+    masks: int = 0             # node masks computed
 
 
-def has_tokenizer(path: str | os.PathLike | None) -> bool:
-    """Whether ``path`` is a directory holding a Hugging Face tokenizer."""
-    return path is not None and Path(path).is_dir() and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
-
-
-def grammar_tokenizer(path: str | os.PathLike) -> llguidance.LLTokenizer:
-    """llguidance's view of the Hugging Face tokenizer in ``path`` (what matchers
-    map bytes to token ids with)."""
-    from specdec.model.loading import load_tokenizer
-
-    return llguidance.hf.from_tokenizer(load_tokenizer(path))
-
-
-def default_grammar_tokenizer(tokenizer: str | None, *model_dirs) -> llguidance.LLTokenizer | None:
-    """A server's grammar tokenizer: ``tokenizer`` when given, else the first of
-    ``model_dirs`` that holds one, else None (constrained requests refused)."""
-    path = tokenizer or next((d for d in model_dirs if has_tokenizer(d)), None)
-    return None if path is None else grammar_tokenizer(path)
+GRAMMAR_TIME = GrammarTime()
 
 
 class GrammarState:
@@ -95,6 +84,9 @@ class GrammarState:
         tokens = [int(t) for t in tokens]
         taken = self.matcher.try_consume_tokens(tokens) if tokens else 0
         self.consumed += taken
+        if taken < len(tokens) and self.matcher.is_error():
+            raise InvalidArgument(f"sampling.constraint is too costly to follow (the grammar engine's limit): "
+                                  f"{self.matcher.get_error()[:200]}")
         if taken < len(tokens) and not self.matcher.is_stopped():
             raise FailedPrecondition(f"the committed token {tokens[taken]} breaks the session's grammar")
 
@@ -106,12 +98,19 @@ class GrammarState:
             self.consumed -= drop
 
     def mask(self) -> torch.Tensor:
-        """[vocab_size] bool: the tokens allowed next at the matcher's state."""
-        return token_mask(self.matcher, self.vocab_size)
+        """[vocab_size] bool: the tokens allowed next at the matcher's state.
+        InvalidArgument when the grammar engine gave up (a limit of
+        ``parser_limits`` reached: a constraint too costly to follow)."""
+        row = token_mask(self.matcher, self.vocab_size)
+        if self.matcher.is_error():
+            raise InvalidArgument(f"sampling.constraint is too costly to follow (the grammar engine's limit): "
+                                  f"{self.matcher.get_error()[:200]}")
+        return row
 
     def node_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """[n, vocab_size] bool: row u allows the tokens the grammar allows after
         the root-to-u path (see the module docstring)."""
+        start = time.perf_counter()
         n = len(tokens)
         masks = torch.ones(n, self.vocab_size, dtype=torch.bool)
         children: list[list[int]] = [[] for _ in range(n)]
@@ -132,6 +131,8 @@ class GrammarState:
                     self.matcher.rollback(1)
 
         visit(0)
+        GRAMMAR_TIME.seconds += time.perf_counter() - start
+        GRAMMAR_TIME.masks += n
         return masks
 
 
@@ -166,6 +167,7 @@ def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
         logp = expand(frontier)
         if logp.shape[-1] != state.vocab_size:       # a drafter's own vocabulary: left unmasked
             return logp
+        start = time.perf_counter()
         nodes, tokens, parents = frontier.nodes.tolist(), frontier.tokens.tolist(), frontier.parents.tolist()
         rows = []
         for node, token, parent in zip(nodes, tokens, parents):
@@ -173,11 +175,18 @@ def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
             paths[node] = path
             ended = state.matcher.is_stopped() or any(t in state.eos for t in path)
             consumed = state.matcher.try_consume_tokens(path) if path and not ended else 0
-            row = state.mask() if consumed == len(path) and not ended else torch.ones(logp.shape[-1], dtype=torch.bool)
+            row = torch.ones(logp.shape[-1], dtype=torch.bool)
+            if consumed == len(path) and not ended:
+                try:
+                    row = state.mask()
+                except InvalidArgument:         # the verifier refuses the request; this draft stays unmasked
+                    pass
             if consumed:
                 state.matcher.rollback(consumed)
             rows.append(row if bool(row.any()) else torch.ones_like(row))
         masked = mask_logits(logp.float(), torch.stack(rows))
+        GRAMMAR_TIME.seconds += time.perf_counter() - start
+        GRAMMAR_TIME.masks += len(rows)
         return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
 
     return expand_masked

@@ -101,3 +101,19 @@ def test_sdk_keywords_build_the_constraint(kw, want):
 def test_sdk_refuses_two_constraints():
     with pytest.raises(ValueError, match="at most one constraint"):
         build_request("x", regex="a", json_object=True)
+
+
+def test_a_constraint_past_the_engines_limits_is_refused(tiny_family):
+    """Valid, but too costly to follow: a mask hits llguidance's limit (bounded
+    work) and the verifier refuses the session (INVALID_ARGUMENT), never
+    generating unconstrained text."""
+    from specdec.model.loading import ModelSpec, default_grammar_tokenizer
+    from specdec.tree.build import tree_from_lists
+    from verifier.engine import TargetModel, VerifierEngine
+
+    engine = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))),
+                            grammar_tokenizer=default_grammar_tokenizer(None, tiny_family["target"]))
+    with pytest.raises(InvalidArgument, match="^sampling.constraint is too costly"):
+        first = engine.prefill("s", [1, 2, 3], SamplingParams(constraint=Constraint("regex", "a{1000000}"))).token
+        for _ in range(4):
+            first = engine.verify("s", tree_from_lists([first], [-1])).tokens[-1]
