@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 
 from specdec.request.constraints import Constraint, parser_limits
@@ -75,6 +76,7 @@ class GrammarState:
         # end-of-sequence ids: never consumed while walking a tree (generation ends there,
         # and a matcher does not roll one back reliably)
         self.eos = frozenset(getattr(tokenizer, "eos_tokens", None) or [tokenizer.eos_token])
+        self.words = (tokenizer.vocab_size + 31) // 32      # bitmask width
         self.commit(list(tokens)[prompt_len:])
 
     def commit(self, tokens: list[int]) -> None:
@@ -101,39 +103,56 @@ class GrammarState:
         """[vocab_size] bool: the tokens allowed next at the matcher's state.
         InvalidArgument when the grammar engine gave up (a limit of
         ``parser_limits`` reached: a constraint too costly to follow)."""
-        row = token_mask(self.matcher, self.vocab_size)
-        if self.matcher.is_error():
-            raise InvalidArgument(f"sampling.constraint is too costly to follow (the grammar engine's limit): "
-                                  f"{self.matcher.get_error()[:200]}")
-        return row
+        bits = np.zeros((1, self.words), dtype=np.int32)
+        self._fill(bits, 0)
+        self._check()
+        return bitmask_rows(bits, self.vocab_size)[0]
 
     def node_masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """[n, vocab_size] bool: row u allows the tokens the grammar allows after
         the root-to-u path (see the module docstring)."""
         start = time.perf_counter()
         n = len(tokens)
-        masks = torch.ones(n, self.vocab_size, dtype=torch.bool)
+        bits = np.zeros((n, self.words), dtype=np.int32)    # llguidance's bitmasks, 32 tokens a word
         children: list[list[int]] = [[] for _ in range(n)]
         for node in range(1, n):
             children[parents[node]].append(node)
 
         def visit(node: int) -> None:      # depth first: consume a child's token, recurse, roll back
-            row = self.mask()
-            if not bool(row.any()):
-                return
-            masks[node] = row
-            if self.matcher.is_stopped():      # only the end-of-sequence token is left
-                return
+            self._fill(bits, node)
             for child in children[node]:
-                if tokens[child] not in self.eos and bool(row[tokens[child]]) and \
-                        self.matcher.consume_token(int(tokens[child])):
+                # refused (or after the grammar's end): never consumed, its row stays empty
+                if tokens[child] not in self.eos and self.matcher.try_consume_tokens([int(tokens[child])]) == 1:
                     visit(child)
                     self.matcher.rollback(1)
 
         visit(0)
+        self._check()
+        masks = bitmask_rows(bits, self.vocab_size)
+        masks[~masks.any(-1)] = True         # rows never reached or allowing nothing: unmasked
         GRAMMAR_TIME.seconds += time.perf_counter() - start
         GRAMMAR_TIME.masks += n
         return masks
+
+    def _fill(self, bits: np.ndarray, row: int) -> None:
+        """The matcher's next-token bitmask into row ``row`` of ``bits`` ([n, W] int32, C order)."""
+        self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + row * self.words * 4, self.words * 4)
+
+    def _check(self) -> None:
+        if self.matcher.is_error():       # a matcher in error stays there: one look after a walk is enough
+            raise InvalidArgument(f"sampling.constraint is too costly to follow (the grammar engine's limit): "
+                                  f"{self.matcher.get_error()[:200]}")
+
+
+def bitmask_rows(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """llguidance bitmasks [n, W] int32 (bit j of word w: token 32 w + j) as
+    [n, vocab_size] bool (False past the tokenizer's ids). One conversion per
+    tree: per-node tensor operations would cost more than the masks."""
+    n = bits.shape[0]
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")    # little-endian words: token order
+    if allowed.shape[1] < vocab_size:
+        allowed = np.concatenate([allowed, np.zeros((n, vocab_size - allowed.shape[1]), dtype=np.uint8)], axis=1)
+    return torch.from_numpy(allowed[:, :vocab_size].astype(bool))
 
 
 def token_mask(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
@@ -158,8 +177,8 @@ ExpandLike = Callable[[object], torch.Tensor]
 
 def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
     """``expand`` with each frontier node's log-probs masked by the grammar along
-    its own path and renormalised over the allowed tokens (a row the grammar
-    allows nothing in is left as it is). Frontier nodes are named by pool id;
+    its own path and renormalised over the allowed tokens (a row where the
+    grammar allows nothing, or nothing the drafter can propose, is left as it is). Frontier nodes are named by pool id;
     a node's parent is always an earlier frontier's node (or the root)."""
     paths: dict[int, list[int]] = {0: []}      # pool id -> its path's tokens below the root
 
@@ -185,6 +204,10 @@ def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
                 state.matcher.rollback(consumed)
             rows.append(row if bool(row.any()) else torch.ones_like(row))
         masked = mask_logits(logp.float(), torch.stack(rows))
+        # a row whose support the grammar refuses whole (an EAGLE-3 head's reduced
+        # vocabulary) stays as the drafter gave it: its drafts are rejected, never wrong
+        empty = ~torch.isfinite(masked).any(-1, keepdim=True)
+        masked = torch.where(empty, logp.float(), masked)
         GRAMMAR_TIME.seconds += time.perf_counter() - start
         GRAMMAR_TIME.masks += len(rows)
         return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
