@@ -160,7 +160,7 @@ def test_greedy_constrained_with_penalties_bias_and_logprobs(stacks):
 
 def test_sampled_constrained_outputs_validate(stacks):
     stack = stacks["eagle"]
-    for seed in range(8):
+    for seed in range(3):
         params = SamplingParams(temperature=1.0, seed=seed, constraint=CONSTRAINTS["json_schema"])
         for dec in run(stack, params):
             jsonschema.validate(json.loads(text_of(stack, dec.tokens)), SCHEMA)
@@ -215,7 +215,7 @@ def test_masking_with_the_committed_state_only_is_caught(stacks, reference, kind
 
 
 # -- sampling: the exact constrained joint -----------------------------------------------------
-NEW, RUNS, PLANTED_RUNS = 3, 600, 200
+NEW, RUNS, PLANTED_RUNS = 3, 400, 200
 SAMPLED = SamplingParams(temperature=1.0, frequency_penalty=0.7, repetition_penalty=1.2,
                          constraint=Constraint("regex", r"(x[yz]|y[xz]|z[xy]|xx|yy)(x[yz]|y[xz]|z[xy]|zz)"))
 
