@@ -18,6 +18,7 @@ plain (vanilla) run, whose tokens the speculative one must equal. Reports:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 
@@ -73,7 +74,7 @@ def run_structured(target: str, eagle: str, prompts: list, schema_text: str, max
                      f"{'valid' if ok else 'INVALID'}")
     tau_free = sum(r["tau_unconstrained"] for r in rows) / len(rows)
     tau_con = sum(r["tau_constrained"] for r in rows) / len(rows)
-    return {"target": target, "eagle": eagle, "tree": {"method": tree.method, "total_tokens": tree.total_tokens,
+    return {"target": _shown_path(target), "eagle": _shown_path(eagle), "tree": {"method": tree.method, "total_tokens": tree.total_tokens,
                                                        "depth": tree.depth, "expand_k": tree.expand_k},
             "prompts": len(rows), "max_new_tokens": max_new_tokens, "validated_by": validated_by,
             "tau_unconstrained": round(tau_free, 4), "tau_constrained": round(tau_con, 4),
@@ -82,6 +83,12 @@ def run_structured(target: str, eagle: str, prompts: list, schema_text: str, max
             "grammar_ms_per_token": round(1e3 * grammar_s / max(committed, 1), 4),
             "grammar_us_per_mask": round(1e6 * grammar_s / max(masks, 1), 2),
             "grammar_share_of_wall": round(grammar_s / max(wall_s, 1e-9), 4), "runs": rows}
+
+
+def _shown_path(path: str) -> str:
+    """``path`` relative to the working directory when inside it (a record that travels)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def structured_markdown(result: dict) -> str:

@@ -178,7 +178,8 @@ ExpandLike = Callable[[object], torch.Tensor]
 def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
     """``expand`` with each frontier node's log-probs masked by the grammar along
     its own path and renormalised over the allowed tokens (a row where the
-    grammar allows nothing, or nothing the drafter can propose, is left as it is). Frontier nodes are named by pool id;
+    grammar allows nothing is left as it is; one where it allows nothing the
+    drafter would propose becomes uniform over the allowed tokens). Frontier nodes are named by pool id;
     a node's parent is always an earlier frontier's node (or the root)."""
     paths: dict[int, list[int]] = {0: []}      # pool id -> its path's tokens below the root
 
@@ -203,11 +204,13 @@ def masked_expand(expand: ExpandLike, state: GrammarState) -> ExpandLike:
             if consumed:
                 state.matcher.rollback(consumed)
             rows.append(row if bool(row.any()) else torch.ones_like(row))
-        masked = mask_logits(logp.float(), torch.stack(rows))
+        allowed = torch.stack(rows).to(logp.device)
+        masked = mask_logits(logp.float(), allowed)
         # a row whose support the grammar refuses whole (an EAGLE-3 head's reduced
-        # vocabulary) stays as the drafter gave it: its drafts are rejected, never wrong
+        # vocabulary) drafts from the allowed tokens alike: a forced token (JSON's
+        # punctuation, keys) is then drafted, and accepted, whatever the head knows
         empty = ~torch.isfinite(masked).any(-1, keepdim=True)
-        masked = torch.where(empty, logp.float(), masked)
+        masked = torch.where(empty, torch.zeros_like(masked).masked_fill(~allowed, float("-inf")), masked)
         GRAMMAR_TIME.seconds += time.perf_counter() - start
         GRAMMAR_TIME.masks += len(rows)
         return masked - torch.logsumexp(masked, dim=-1, keepdim=True)

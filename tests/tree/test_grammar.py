@@ -95,8 +95,13 @@ def test_masked_expand_renormalises_over_allowed_tokens(tokenizer):
     assert bool(torch.isinf(root[0][~allowed]).all()) and bool(torch.isfinite(root[0][allowed]).all())
     child = masked(Frontier(torch.tensor([1]), torch.tensor([x]), torch.tensor([0]), 1))
     assert torch.isclose(child[0, z].exp(), torch.tensor(1.0))         # after "x" only "z" (single-char tokens)
-    # a drafter whose support the grammar refuses whole (EAGLE-3's reduced vocabulary): left as it was
+    # a drafter whose support the grammar refuses whole (EAGLE-3's reduced vocabulary):
+    # uniform over the allowed tokens, so a forced token is still drafted
     narrow = torch.full((1, vocab), -math.inf)
     narrow[0, ids(hf, "q")[0]] = 0.0
-    kept = masked_expand(lambda f: narrow, state)(Frontier(torch.tensor([0]), torch.tensor([7]), torch.tensor([-1]), 0))
-    assert torch.equal(kept, narrow)
+    frontier = Frontier(torch.tensor([0, 1]), torch.tensor([7, x]), torch.tensor([-1, 0]), 1)
+    state_paths = masked_expand(lambda f: narrow.expand(2, -1), state)
+    state_paths(Frontier(torch.tensor([0]), torch.tensor([7]), torch.tensor([-1]), 0))
+    rows = state_paths(frontier)
+    assert torch.allclose(rows[0][allowed].exp(), torch.full((int(allowed.sum()),), 1 / int(allowed.sum())))
+    assert torch.isclose(rows[1, z].exp(), torch.tensor(1.0))          # the forced "z"
