@@ -26,6 +26,7 @@ from specdec.request.errors import InvalidArgument
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
+from specdec.tree.grammar import GrammarState, masked_expand
 from specdec.tree.proposals import ProposalSampler
 from drafter.ahead import draft_forest, likely_stops, stop_scores
 
@@ -45,6 +46,7 @@ class DraftSession:
     record: TreeRecord | None = None       # the tree handed out by the last draft (drafting ahead)
     ahead: dict = field(default_factory=dict)   # commit tokens -> TreeRecord of a tree drafted ahead
     ahead_s_per_end: float = 0.0           # the last forest drafted ahead took this long per accepted path
+    grammar: GrammarState | None = None    # a constrained session's matcher at the committed tokens
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,22 @@ class Drafter(ABC):
     where the drafter has a distribution (``samples_proposals``): children drawn
     from it under the session's sampling params, shipped with the tree
     (specdec.tree.proposals). The draws are seeded by the session's seed and the
-    committed length, so a seed reproduces the tree."""
+    committed length, so a seed reproduces the tree.
+
+    Constrained sessions (``SamplingParams.constraint``) draft under the
+    grammar when the drafter has a ``grammar_tokenizer``: each node's
+    proposals are masked by the grammar along its own path
+    (``specdec.tree.grammar.masked_expand``; cached-tree drafters). Without
+    one, or where the drafter's state cannot follow the grammar, drafts are
+    unmasked: the verifier's mask keeps the output exact either way, only
+    fewer drafted tokens are accepted."""
 
     needs_features = False
     name = "drafter"
     drafts_ahead = False                   # draft_ahead can return trees
     samples_proposals = False              # can draw sampled proposals
+
+    grammar_tokenizer = None               # llguidance's tokenizer (``specdec.tree.grammar``); None: unmasked drafts
 
     def __init__(self, vocab_size: int, max_sessions: int = 64, ttl_s: float = 600.0,
                  greedy_value_temperature: float = 1.0):
@@ -122,6 +134,15 @@ class Drafter(ABC):
         seed = sampling.seed if sampling is not None and sampling.seed is not None else \
             int.from_bytes(os.urandom(8), "little") >> 1
         sess = DraftSession(tokens=[], greedy=greedy, sampling=None if greedy else sampling, seed=seed)
+        if sampling is not None and sampling.constraint is not None and self.grammar_tokenizer is not None:
+            # tokens are the prompt and the first generated token (on a resume the
+            # grammar fails to follow and the session drafts unmasked)
+            try:
+                sess.grammar = GrammarState(self.grammar_tokenizer, sampling.constraint, self.vocab_size, [],
+                                            len(tokens) - 1)
+            except Exception:  # noqa: BLE001 - the verifier refuses what does not compile
+                sess.grammar = None
+            self._follow_grammar(sess, tokens[-1:])
         self._append(sess, tokens, features, first=True)
         self.sessions.add(sid, sess, replace=True)
 
@@ -130,6 +151,7 @@ class Drafter(ABC):
         sess = self.sessions.get(sid)
         with sess.lock:
             self._append(sess, tokens, features, first=False)
+            self._follow_grammar(sess, tokens)
             sess.record, sess.ahead = None, {}       # what was drafted ahead assumed other commits
 
     def rollback(self, sid: str, length: int) -> None:
@@ -143,6 +165,8 @@ class Drafter(ABC):
             sess.state = None
             sess.root_out = None
             sess.record, sess.ahead = None, {}
+            if sess.grammar is not None:
+                sess.grammar.truncate(length)
             if sess.cache is not None and sess.fed >= self._inputs_for(length):
                 sess.fed = max(0, self._inputs_for(length) - 1)   # re-feed the root's input next draft
                 kv.truncate(sess.cache, sess.fed)
@@ -187,6 +211,9 @@ class Drafter(ABC):
             sess.record, sess.ahead = None, {}
             if tokens:
                 self._append(sess, tokens, features, first=False)
+                self._follow_grammar(sess, tokens)
+            if sess.grammar is not None:        # trees drafted ahead would not follow the grammar
+                return []
             if current is None or count <= 0 or int(current.tree.tokens[0]) != sess.tokens[-1]:
                 return []
             return self._draft_ahead(sess, current, self.session_config(sess, cfg), count, tokens_left, budget_s)
@@ -205,6 +232,16 @@ class Drafter(ABC):
         if cfg.proposals != "sampled":
             return None
         return ProposalSampler(sess.sampling, sess.seed, salt=len(sess.tokens))
+
+    @staticmethod
+    def _follow_grammar(sess: DraftSession, tokens: list[int]) -> None:
+        """Committed tokens into the session's matcher; one it cannot take (a
+        resumed session's) ends masked drafting for the session."""
+        if sess.grammar is not None:
+            try:
+                sess.grammar.commit(tokens)
+            except Exception:  # noqa: BLE001 - drafts stay exact unmasked
+                sess.grammar = None
 
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod
@@ -405,10 +442,12 @@ class CachedTreeDrafter(Drafter):
             return logp
 
         try:
-            whole = None if exclude or cfg.proposals == "sampled" else \
+            whole = None if exclude or cfg.proposals == "sampled" or sess.grammar is not None else \
                 self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg)
             if whole is not None:            # the whole draft in one graph (drafter.compiled.whole_draft)
                 return whole[0], TreeRecord(whole[0], whole[1]) if record else None
+            if sess.grammar is not None:
+                expand = masked_expand(expand, sess.grammar)
             tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
             if not record:
                 return tree, None

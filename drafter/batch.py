@@ -55,6 +55,7 @@ from specdec.request.errors import FailedPrecondition
 from specdec.request.params import TreeParams
 from specdec.serving.batching import BatchScheduler
 from specdec.tree.build import DraftTree, Frontier, build_tree, tree_from_lists
+from specdec.tree.grammar import masked_expand
 from drafter.base import CachedTreeDrafter, Drafter, DraftSession
 from drafter.draft_lm import DraftLmDrafter
 from drafter.eagle.eagle2 import FeatureHeadDrafter
@@ -418,8 +419,10 @@ class _Levels:
     def _build(self, row: _Row) -> None:
         try:
             with torch.inference_mode():           # thread-local: enter it on this thread too
-                row.tree = build_tree(row.sess.tokens[-1], lambda frontier: self._expand(row, frontier), row.cfg,
-                                      row.sampler)
+                expand = lambda frontier: self._expand(row, frontier)   # noqa: E731
+                if row.sess.grammar is not None:    # a constrained session: masked along each node's path
+                    expand = masked_expand(expand, row.sess.grammar)
+                row.tree = build_tree(row.sess.tokens[-1], expand, row.cfg, row.sampler)
         except Exception as exc:  # noqa: BLE001 - reported per item
             row.error = exc
         finally:

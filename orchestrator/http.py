@@ -248,6 +248,7 @@ class OpenAIApi:
             model = self.check_model(req.model)
             prompts = [self.chat_prompt(req)] if kind == "chat" else schema.completion_prompts(req)
             requests = [schema.generation_request(req, p, rid) for p in prompts]
+            tool = schema.called_tool(req)
         except SpecdecError as exc:
             return api_error(exc, req).response()
         run = Run(self.service, requests, self.config.timeout_s, request.receive, req.stream)
@@ -255,7 +256,7 @@ class OpenAIApi:
         try:
             if req.stream:
                 first = await run.next()
-                return StreamingResponse(self.stream(run, first, req, meta),
+                return StreamingResponse(self.stream(run, first, req, meta, tool),
                                          media_type="text/event-stream",
                                          headers={"cache-control": "no-cache", "x-request-id": rid})
             results = await run.results()
@@ -272,7 +273,8 @@ class OpenAIApi:
         texts = [(prompts[i // req.n] if echo else "") + r.text for i, r in enumerate(results)]
         body = schema.envelope(kind, meta[1], meta[2], model, [
             schema.choice_body(kind, i, text, r, req.return_token_ids,
-                               logprobs=self.logprobs(kind, req, r.logprobs, prompt_of=r if echo else None))
+                               logprobs=self.logprobs(kind, req, r.logprobs, prompt_of=r if echo else None),
+                               tool=tool)
             for i, (text, r) in enumerate(zip(texts, results))], False)
         body["usage"] = self.usage(results, req.n)
         return JSONResponse(body, headers={"x-request-id": rid})
@@ -298,7 +300,8 @@ class OpenAIApi:
         prompt = sum(r.stats.prompt_tokens for r in results[::n])
         return schema.usage(prompt, sum(r.stats.completion_tokens for r in results))
 
-    async def stream(self, run: Run, first: Event, req: schema.CommonRequest, meta: tuple) -> AsyncIterator[bytes]:
+    async def stream(self, run: Run, first: Event, req: schema.CommonRequest, meta: tuple,
+                     tool: str | None = None) -> AsyncIterator[bytes]:
         kind, rid, created, model = meta
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
@@ -313,7 +316,7 @@ class OpenAIApi:
         try:
             if kind == "chat":
                 for index in range(run.choices):
-                    yield chunk([schema.role_delta(index)])
+                    yield chunk([schema.role_delta(index, tool)])
             event = first
             while True:
                 if event.result is not None:
@@ -322,7 +325,7 @@ class OpenAIApi:
                             if event.result is None else None)
                 offsets[event.index] += len(event.text)
                 yield chunk([schema.choice_body(kind, event.index, event.text, event.result,
-                                                req.return_token_ids, stream=True, logprobs=logprobs)])
+                                                req.return_token_ids, stream=True, logprobs=logprobs, tool=tool)])
                 if not run.left:
                     break
                 event = await run.next()

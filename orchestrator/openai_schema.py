@@ -35,9 +35,14 @@ Parameter mapping:
   token, as OpenAI does; ``max_tokens`` 0 (refused without echo) -> a
   prompt-only request (``prompt_only``: nothing generated, n 1). Not with
   ``stream`` (400);
-- ``suffix``, ``best_of`` > 1, ``tools``, a ``response_format`` other than
-  text: refused (400) rather than ignored, since ignoring them would change
-  what the client gets.
+- ``response_format`` (json_object, json_schema), the extras ``guided_json``,
+  ``guided_regex``, ``guided_grammar``, ``structured_outputs``, and ``tools``
+  with a named ``tool_choice`` -> SamplingParams.constraint
+  (``orchestrator.structured``: the grammar masks every tree node along its
+  own path, so the output is exactly constrained decoding's); a named tool's
+  answer is ``message.tool_calls`` with ``finish_reason`` "tool_calls";
+- ``suffix``, ``best_of`` > 1, ``tool_choice`` "auto": refused (400) rather
+  than ignored, since ignoring them would change what the client gets.
 
 Responses carry each choice's speculation statistics (tau, acceptance per
 position, the time split: ``GenerationStats``) in a ``specdec`` object of the
@@ -56,6 +61,7 @@ from specdec.request.errors import InvalidArgument
 from specdec.request.params import (MAX_LOGPROBS, GenerationRequest, SamplingParams, TokenLogprob, TreeRequest,
                                     shown)
 from specdec.v1 import orchestrator_pb2
+from orchestrator import structured
 
 MAX_CHOICES = 16             # n
 MAX_PROMPTS = 16             # prompts in one completions request
@@ -94,6 +100,11 @@ class CommonRequest(BaseModel):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     method: str | None = None         # specdec's extra: the tree method (TreeRequest.method)
+    # structured output extras, as vLLM names them (``orchestrator.structured``)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(CommonRequest):
@@ -123,6 +134,7 @@ class ChatCompletionRequest(CommonRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -130,12 +142,7 @@ class ChatCompletionRequest(CommonRequest):
 # -- requests -> GenerationRequest -------------------------------------------------------------
 def unsupported(req: CommonRequest) -> None:
     """400 naming the first parameter this server cannot honour."""
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise InvalidArgument("tools is not supported")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise InvalidArgument(f"response_format {req.response_format.get('type')!r} is not supported")
-    else:
+    if not isinstance(req, ChatCompletionRequest):
         if req.echo and req.stream:
             raise InvalidArgument("echo is not supported with stream: true (ask without streaming)")
         if req.suffix:
@@ -198,13 +205,18 @@ def generation_request(req: CommonRequest, prompt: str, request_id: str = "") ->
         presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
         frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=logit_bias(req))
+        logit_bias=logit_bias(req), constraint=structured.request_constraint(req)[0])
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     logprobs = logprobs_asked(req)
     return GenerationRequest(prompt=prompt, max_new_tokens=max_tokens or 0, sampling=sampling, stop=stop,
                              tree=TreeRequest(method=req.method or ""),
                              request_id=request_id, n=req.n, logprobs=logprobs, prompt_only=prompt_only,
                              prompt_logprobs=logprobs if echoes(req) else None)
+
+
+def called_tool(req: CommonRequest) -> str | None:
+    """The function a chat request's named ``tool_choice`` calls (its answer is a tool call), else None."""
+    return structured.request_constraint(req)[1] if isinstance(req, ChatCompletionRequest) else None
 
 
 def completion_prompts(req: CompletionRequest) -> list[str]:
@@ -322,19 +334,24 @@ def completion_logprobs(entries: list[TokenLogprob], token_text: Callable[[int],
 
 
 def choice_body(kind: str, index: int, text: str, result=None, token_ids: bool = False,
-                stream: bool = False, logprobs: dict | None = None) -> dict:
+                stream: bool = False, logprobs: dict | None = None, tool: str | None = None) -> dict:
     """A choice of a response (``result`` set), or of a stream chunk: a delta
     of text, or the choice's last chunk (``result`` set, ``text`` "");
-    ``logprobs``: its tokens' (``chat_logprobs``, ``completion_logprobs``)."""
+    ``logprobs``: its tokens' (``chat_logprobs``, ``completion_logprobs``);
+    ``tool``: the function a named tool choice calls (the text is its arguments)."""
     done = result is not None
     if kind == "chat" and not stream:
-        body = {"index": index, "message": {"role": "assistant", "content": text}}
+        body = {"index": index, "message": {"role": "assistant", "content": text} if tool is None else
+                structured.tool_call_message(tool, text, structured.new_call_id())}
     elif kind == "chat":
-        body = {"index": index, "delta": {"content": text} if text else {}}
+        body = {"index": index, "delta": ({"content": text} if tool is None else structured.tool_call_delta(text))
+                if text else {}}
     else:
         body = {"index": index, "text": text}
     body["logprobs"] = logprobs
     body["finish_reason"] = finish_reason(result.stats) if done else None
+    if tool is not None and body["finish_reason"] == "stop":
+        body["finish_reason"] = "tool_calls"
     if done:
         if token_ids:
             body["token_ids"] = list(result.token_ids)
@@ -348,6 +365,9 @@ def envelope(kind: str, rid: str, created: int, model: str, choices: list[dict],
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
 
 
-def role_delta(index: int) -> dict:
-    """A chat stream's first chunk of a choice: the role."""
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+def role_delta(index: int, tool: str | None = None) -> dict:
+    """A chat stream's first chunk of a choice: the role (and, for a named tool
+    choice, the call's id and function name)."""
+    delta = {"role": "assistant", "content": ""} if tool is None else \
+        {"role": "assistant", "content": None, **structured.tool_call_delta("", tool, structured.new_call_id())}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}

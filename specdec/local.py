@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import llguidance.hf
 import torch
 
 from specdec.model.loading import ModelSpec, demo_path, load_tokenizer
@@ -44,7 +45,8 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     from verifier.engine import TargetModel, VerifierEngine
 
     tok = load_tokenizer(tokenizer_dir or target.path)
-    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing)
+    grammar_tok = llguidance.hf.from_tokenizer(tok)       # structured output (specdec.tree.grammar)
+    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, grammar_tokenizer=grammar_tok)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle.eagle3 import load_eagle_drafter
@@ -67,6 +69,8 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
         drafter = NgramDrafter(verifier.target.vocab_size)
     elif choice.kind != "none":
         raise ValueError(f"unknown drafter {choice.kind!r}")
+    if drafter is not None:
+        drafter.grammar_tokenizer = grammar_tok
     return LocalStack(verifier, drafter, tok)
 
 

@@ -20,11 +20,12 @@ import threading
 import torch
 
 from specdec.model import kv
-from specdec.request.errors import InvalidArgument, ResourceExhausted
+from specdec.request.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.request.knobs import check_tree_sizing
 from specdec.request.params import SamplingParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
+from specdec.tree.grammar import GrammarState
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
@@ -42,11 +43,17 @@ class VerifierEngine:
     ``tree_sizing``: "cost" gives the engine a ``TreeSizer`` (``sizer``)
     that whoever verifies through it (in-process generation, the gRPC
     service, before a tensor-parallel broadcast) applies to greedy sessions'
-    trees; "fixed" (default): trees are verified as drafted."""
+    trees; "fixed" (default): trees are verified as drafted.
+
+    ``grammar_tokenizer``: llguidance's tokenizer of the target
+    (``specdec.model.loading.default_grammar_tokenizer``), which constrained
+    sessions' grammars need; None: constrained requests are refused."""
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
-                 kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed"):
+                 kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed",
+                 grammar_tokenizer=None):
         self.target = target
+        self.grammar_tokenizer = grammar_tokenizer
         try:
             self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         except ValueError as exc:
@@ -85,6 +92,9 @@ class VerifierEngine:
         params.check_vocabulary(self.target.vocab_size, "sampling")
         if not prompt:
             raise InvalidArgument("prompt must not be empty")
+        if params.constraint is not None and self.grammar_tokenizer is None:
+            raise FailedPrecondition("sampling.constraint: this verifier has no tokenizer for structured output "
+                                     "(start it with --tokenizer DIR, or a --target directory holding one)")
         if len(prompt) + max_new_tokens > self.target.max_positions:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -110,6 +120,7 @@ class VerifierEngine:
                 sess.tokens = sess.tokens[:-1]
                 if params.penalized:
                     sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens))
+                sess.grammar = self._grammar(params, sess.tokens, prompt_tokens or len(sess.tokens))
                 ids = torch.tensor(prompt[:-1], dtype=torch.long)
                 hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None, feature_layers)
                 first = prompt[-1]
@@ -117,9 +128,11 @@ class VerifierEngine:
                 ids = torch.tensor(prompt, dtype=torch.long)
                 if params.penalized:
                     sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt))
+                sess.grammar = self._grammar(params, sess.tokens, prompt_tokens or len(prompt))
                 hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None, feature_layers)
                 counts = None if sess.history is None else sess.history.counts()
-                probs = target_probs(logits[-1], params, counts)
+                allowed = None if sess.grammar is None else sess.grammar.mask()
+                probs = target_probs(logits[-1], params, counts, allowed)
                 first = int(probs.argmax()) if params.greedy else sample(probs, generator)
                 if logprobs is not None:
                     first_logprobs = token_logprobs(logits[-1:], [first], logprobs)
@@ -133,6 +146,12 @@ class VerifierEngine:
         finally:
             sess.lock.release()
         return PrefillResult(first, hidden, first_logprobs, scored)
+
+    def _grammar(self, params: SamplingParams, tokens: list[int], prompt_len: int) -> GrammarState | None:
+        """A constrained session's matcher, having consumed ``tokens[prompt_len:]``."""
+        if params.constraint is None:
+            return None
+        return GrammarState(self.grammar_tokenizer, params.constraint, self.target.vocab_size, tokens, prompt_len)
 
     def release(self, sid: str) -> bool:
         if self.sizer is not None:

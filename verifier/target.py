@@ -25,6 +25,7 @@ from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
 from specdec.tree.acceptance import Acceptance, accept
 from specdec.tree.build import DraftTree
+from specdec.tree.grammar import GrammarState
 from specdec.tree.sampling import History, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class TargetSession:
     history: History | None = None  # penalty counts of `tokens` (only when a penalty is on)
     logprobs: int | None = None     # top alternatives per committed token's logprob; None: no logprobs
     feature_layers: tuple[int, ...] = ()   # what its features are (``TargetModel.run``)
+    grammar: GrammarState | None = None    # a constrained session's matcher at the committed tokens
 
     @property
     def prefix_len(self) -> int:
@@ -48,11 +50,13 @@ class TargetSession:
 
     def decide(self, tree: DraftTree, logits: torch.Tensor) -> tuple[Acceptance, list[TokenLogprob] | None]:
         """Acceptance of ``tree`` on its target logits [n, V] (every node
-        penalised with its own path's history), and the logprobs of the tokens
-        it commits when the session asked for them. Plain decoding (root-only
-        trees), the batched and the tensor-parallel verifiers all decide here."""
+        penalised with its own path's history and masked by the grammar along
+        its own path), and the logprobs of the tokens it commits when the
+        session asked for them. Plain decoding (root-only trees), the batched
+        and the tensor-parallel verifiers all decide here."""
         counts = None if self.history is None else self.history.node_counts(tree.tokens, tree.ancestor_mask())
-        result = accept(tree, logits, self.params, self.generator, counts)
+        allowed = None if self.grammar is None else self.grammar.node_masks(tree.token_list, tree.parent_list)
+        result = accept(tree, logits, self.params, self.generator, counts, allowed)
         if self.logprobs is None:
             return result, None
         path = [0] + result.accepted
@@ -62,12 +66,16 @@ class TargetSession:
         self.tokens.extend(tokens)
         if self.history is not None:
             self.history.extend(tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (and the penalty counts of just those)."""
         del self.tokens[length:]
         if self.history is not None:
             self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len)
+        if self.grammar is not None:
+            self.grammar.truncate(length)
 
 
 @dataclass(frozen=True)

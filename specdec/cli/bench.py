@@ -110,6 +110,9 @@ def add_parser(sub) -> None:
                    help=f"total_tokens values (default {','.join(map(str, SWEEP_TOTALS))}), at --depth")
     s.add_argument("--sweep-depths", type=_int_list, default=SWEEP_DEPTHS,
                    help=f"depth values (default {','.join(map(str, SWEEP_DEPTHS))}), at --total-tokens")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="structured output: greedy eagle2 with and without this JSON Schema on the prompts, "
+                        "reporting tau of both, valid outputs and the grammar's time per token")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
     p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -237,6 +240,8 @@ def run(args) -> int:
     from specdec.bench.runner import stderr_progress
     if args.mode == "profile":
         return run_profile_command(args)
+    if args.json_schema:
+        return run_structured_command(args)
     sweep = args.mode == "sweep"
     if args.concurrency and sweep:
         raise UsageError("--concurrency does not combine with `bench sweep`")
@@ -336,4 +341,32 @@ def run_cycle_command(args) -> int:
     result = run_cycle_profile(cfg, prompts, sampling, progress)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(cycle_markdown(result))
+    return 0
+
+
+def run_structured_command(args) -> int:
+    """``specdec bench --json-schema FILE``: tau with and without the schema (``specdec.bench.structured``)."""
+    import torch
+
+    from specdec.bench.runner import stderr_progress
+    from specdec.bench.structured import run_structured, structured_markdown
+    from specdec.request.errors import InvalidArgument
+    from specdec.request.params import TreeParams
+    try:
+        schema = Path(args.json_schema).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--json-schema: cannot read {args.json_schema}: {exc}") from None
+    target = model_dir(args.target, "target", "target model", "--target")
+    eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
+    progress = None if args.quiet else stderr_progress("bench --json-schema")
+    try:
+        result = run_structured(target, eagle, load_prompts(args.prompts, args.limit_prompts, target), schema,
+                                args.max_new_tokens, tree, progress)
+    except InvalidArgument as exc:
+        raise UsageError(str(exc)) from None
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(structured_markdown(result))
     return 0

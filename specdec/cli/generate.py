@@ -12,6 +12,7 @@ from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizin
                                  result_record)
 from specdec.cli.remote import run_remote
 from specdec.request import knobs
+from specdec.request.constraints import Constraint, constraint_from
 from specdec.request.decoding import StopCriteria
 from specdec.request.errors import UsageError
 from specdec.request.params import MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
@@ -38,6 +39,13 @@ def add_decoding_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
                    help="add BIAS in [-100, 100] to token id TOKEN's logit before sampling (repeatable; "
                         "-100 bans a token, 100 all but forces it)")
+    shape = p.add_argument_group("structured output (at most one; exact under speculation)")
+    one = shape.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under the JSON Schema in FILE")
+    one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    one.add_argument("--regex", metavar="PATTERN", help="the whole output matches the regular expression PATTERN")
+    one.add_argument("--grammar", metavar="FILE", help="the output follows the Lark grammar in FILE "
+                                                       "(llguidance's dialect)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each token's logprob (raw model) with N top alternatives (0..20), in --json output "
                         "or on stderr")
@@ -66,7 +74,22 @@ def sampling_from(args) -> SamplingParams:
                           min_p=args.min_p, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty,
-                          logit_bias=logit_bias_from(args.logit_bias)).validate()
+                          logit_bias=logit_bias_from(args.logit_bias), constraint=constraint_from_flags(args)).validate()
+
+
+def constraint_from_flags(args) -> Constraint | None:
+    """``--json-schema`` / ``--json-object`` / ``--regex`` / ``--grammar`` as a constraint (bounds: its own)."""
+    def read(flag: str, path: str | None) -> str | None:
+        if path is None:
+            return None
+        try:
+            return Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{flag}: cannot read {path}: {exc}") from None
+
+    return constraint_from(json_schema=read("--json-schema", getattr(args, "json_schema", None)),
+                           regex=getattr(args, "regex", None), grammar=read("--grammar", getattr(args, "grammar", None)),
+                           json_object=getattr(args, "json_object", False))
 
 
 def logit_bias_from(flags: list[str]) -> tuple[tuple[int, float], ...]:

@@ -33,6 +33,9 @@ def _request_params(args, params, tree_cfg) -> dict:
                top_k=params.top_k, seed=params.seed, min_p=params.min_p, presence_penalty=params.presence_penalty,
                frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
                logit_bias=dict(params.logit_bias), logprobs=args.logprobs)
+    c = params.constraint
+    if c is not None:       # the SDK's keyword of each kind
+        out.update({"json_object": True} if c.kind == "json_object" else {c.kind: c.value})
     if tree_cfg is None:
         out["method"] = VANILLA
     else:

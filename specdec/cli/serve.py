@@ -131,6 +131,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--kv-budget-bytes", type=int, default=None,
                    help="refuse new sessions (RESOURCE_EXHAUSTED) before their worst-case KV "
                         "(prompt + max_new_tokens + one tree) would exceed this many bytes (all ranks)")
+    p.add_argument("--tokenizer", help="tokenizer directory for structured output (a request's constraint); "
+                                       "default: the --target directory when it holds one, else constrained "
+                                       "requests are refused")
     p.add_argument("--batch-window-ms", type=float, default=2.0,
                    help="collect concurrent sessions' verifies for up to this long and run them as one "
                         "forward (0 = off; a lone session never waits)")
@@ -151,6 +154,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; Medusa: its hidden size "
                                     "and vocabulary; n-gram: vocab size)")
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
+    p.add_argument("--tokenizer", help="tokenizer directory: drafts of constrained requests follow the grammar "
+                                       "(default: the --target or --draft-lm directory when it holds one, else "
+                                       "such drafts are unmasked, still exact)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled.head_levels) "
@@ -231,10 +237,13 @@ def run_verifier(args) -> int:
                                    tree_sizing=args.tree_sizing)
             atexit.register(verifier.shutdown)
             return verifier
+        from specdec.model.loading import default_grammar_tokenizer
+
         target = TargetModel(spec)
         target.unbuilt_eager(args.compile_tree_tokens)      # no request waits for a graph to be built
         return VerifierEngine(target, max_sessions=args.max_sessions, ttl_s=args.session_ttl,
-                              kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing)
+                              kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing,
+                              grammar_tokenizer=default_grammar_tokenizer(args.tokenizer, spec.path))
 
     return _serve(cfg, servicer, "verifier", build, args)
 
@@ -293,6 +302,17 @@ def _drafter_builder(args, default: TreeParams):
     return build
 
 
+def _with_grammar(build, args):
+    """``build`` whose drafter gets the grammar tokenizer (``--tokenizer`` or the model directory's)."""
+    def build_masked():
+        from specdec.model.loading import default_grammar_tokenizer
+
+        drafter = build()
+        drafter.grammar_tokenizer = default_grammar_tokenizer(args.tokenizer, args.target, args.draft_lm)
+        return drafter
+    return build_masked
+
+
 def run_drafter(args) -> int:
     _check_sessions(args)
     cfg = server_config_from(args)
@@ -301,7 +321,7 @@ def run_drafter(args) -> int:
     limits = TreeParams(total_tokens=args.max_total_tokens, depth=args.max_depth, expand_k=args.max_expand_k)
     if not args.batch_window_ms >= 0 or args.max_batch < 1:
         raise UsageError("--batch-window-ms must be >= 0 and --max-batch >= 1")
-    build = _drafter_builder(args, default)
+    build = _with_grammar(_drafter_builder(args, default), args)
     from drafter.service import DrafterService, DrafterServiceConfig
 
     servicer = DrafterService(DrafterServiceConfig(default_tree=default, limits=limits,

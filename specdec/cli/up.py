@@ -128,6 +128,9 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
         drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
         verifier += feature_layer_flags(eagle, args.compile)
+    verifier += ["--tokenizer", target]              # structured output: the grammar's tokens
+    if drafter is not None:
+        drafter += ["--tokenizer", target]
     return verifier, drafter, target
 
 

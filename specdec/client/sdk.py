@@ -15,6 +15,10 @@ layer (``specdec.request.params``, ``specdec.request.wire``)::
         result = client.complete([1, 2, 3], max_new_tokens=16, logprobs=5, repetition_penalty=1.2,
                                  logit_bias={42: -100.0})
 
+        # structured output: json_schema=, regex=, grammar= (Lark) or json_object=True
+        result = client.complete("A point:", max_new_tokens=64, json_schema={"type": "object", "properties": {
+            "x": {"type": "integer"}}, "required": ["x"]})
+
         # the prompt's log-likelihood alone (what an eval harness asks)
         scored = client.complete("The sky is blue", prompt_only=True, prompt_logprobs=0)
         print(sum(lp.logprob for lp in scored.prompt_logprobs))
@@ -41,6 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import grpc
 
+from specdec.request.constraints import constraint_from
 from specdec.request.params import PROPOSALS as PROPOSALS  # re-exported: the names build_request accepts
 from specdec.client.results import Choice, Chunk, Completion, GenerationStats
 from specdec.request.params import REQUEST_METHODS, ChatMessage, SamplingParams, TokenLogprob, is_request_id
@@ -113,7 +118,8 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
                   proposals: str = "auto", request_id: str = "", min_p: float = 0.0, presence_penalty: float = 0.0,
                   frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logprobs: int | None = None,
                   n: int = 1, logit_bias: Mapping[int, float] | None = None, prompt_logprobs: int | None = None,
-                  prompt_only: bool = False) -> orchestrator_pb2.GenerateRequest:
+                  prompt_only: bool = False, json_schema: Mapping | str | None = None, regex: str | None = None,
+                  grammar: str | None = None, json_object: bool = False) -> orchestrator_pb2.GenerateRequest:
     """The request message; 0 / None leave a knob to the server's default.
     ``prompt``: text, or token ids (a sequence of ints); or ``messages``
     instead (a chat, rendered with the model's chat template by the server).
@@ -124,6 +130,10 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     the prompt's tokens' logprobs (all but the first) with that many
     alternatives, in ``Completion.prompt_logprobs`` (``complete`` only);
     ``prompt_only``: generate nothing (``max_new_tokens`` 0), the prompt alone.
+    Structured output, at most one of: ``json_schema`` (a JSON Schema, as a
+    mapping or its text), ``regex``, ``grammar`` (Lark, llguidance's dialect),
+    ``json_object`` (any JSON object): the output follows it exactly, under
+    speculation too (``specdec.request.constraints``).
     ``method``: one of ``METHODS`` ("vanilla": no drafting); ``proposals``: how
     draft tokens are proposed when sampling ("auto": the drafter's choice;
     "top" / "sampled"). Names are checked here (ValueError); values are checked
@@ -131,7 +141,8 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     the offending field."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              repetition_penalty=repetition_penalty, logit_bias=logit_bias or ())
+                              repetition_penalty=repetition_penalty, logit_bias=logit_bias or (),
+                              constraint=constraint_from(json_schema, regex, grammar, json_object))
     tree = common_pb2.TreeParams(
         method=common_pb2.TREE_METHOD_UNSPECIFIED if method is None else enum_to_proto(method, METHOD_TO_PROTO, "method"),
         total_tokens=total_tokens, depth=depth, expand_k=expand_k, value_temperature=value_temperature,

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import llguidance
+
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo"
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -179,3 +181,27 @@ def load_tokenizer(path: str | os.PathLike):
 
 def read_config(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+# -- structured output: llguidance's view of a tokenizer (specdec.tree.grammar) ------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a directory holding a Hugging Face tokenizer."""
+    return path is not None and Path(path).is_dir() and any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def grammar_tokenizer(path: str | os.PathLike) -> llguidance.LLTokenizer:
+    """llguidance's view of the Hugging Face tokenizer in ``path`` (what matchers
+    map bytes to token ids with)."""
+    import llguidance.hf        # imports transformers, as load_tokenizer does: not at the orchestrator's import
+
+    return llguidance.hf.from_tokenizer(load_tokenizer(path))
+
+
+def default_grammar_tokenizer(tokenizer: str | None, *model_dirs) -> llguidance.LLTokenizer | None:
+    """A server's grammar tokenizer: ``tokenizer`` when given, else the first of
+    ``model_dirs`` that holds one, else None (constrained requests refused)."""
+    path = tokenizer or next((d for d in model_dirs if has_tokenizer(d)), None)
+    return None if path is None else grammar_tokenizer(path)

@@ -21,6 +21,10 @@ sampling.repetition_penalty finite, > 0 (1 = off; on the wire 0 = unset = 1; pro
 sampling.logit_bias         at most ``MAX_LOGIT_BIAS`` (token id, bias) pairs: ids integers
                             >= 0, each once (the vocabulary bounds them, checked by the
                             verifier and the orchestrator), biases finite, in [-100, 100]
+sampling.constraint         unset, or a ``Constraint`` (``specdec.request.constraints``):
+                            kind one of ``CONSTRAINT_KINDS``, value at most
+                            ``MAX_CONSTRAINT_CHARS`` characters, compiling within
+                            llguidance's parser limits
 tree.method                 one of ``METHODS``; a request may also say "vanilla"
 tree.total_tokens, depth,   integer >= 1 (a request: >= 0, 0 = server default;
 tree.expand_k               larger values are clamped to the drafter's limits)
@@ -73,6 +77,7 @@ from specdec.request.checks import (MAX_ID_CHARS, MAX_SHOWN_CHARS, MAX_STOP_CHAR
                                     check_choice, check_count, check_max_new_tokens, check_owner, check_real,
                                     check_request_id, check_session_id, check_stop_strings, check_text,
                                     check_token_ids, is_int, is_request_id, prefixed, shown)
+from specdec.request.constraints import Constraint
 from specdec.request.errors import InvalidArgument
 from specdec.request.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METHOD, DEFAULT_PROPOSALS,
                                    DEFAULT_TOTAL_TOKENS)
@@ -159,7 +164,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 => off
     seed: int | None = None  # None => a random seed per request
     # Processors, applied in this order by ``specdec.tree.sampling.target_probs``:
-    # logit bias, repetition penalty, frequency and presence penalties,
+    # grammar mask (``constraint``), logit bias, repetition penalty, frequency and presence penalties,
     # temperature, top-k, top-p, min-p. Greedy decoding takes the argmax of the
     # biased, penalised logits.
     min_p: float = 0.0  # keep tokens with p >= min_p * max p; 0 => off
@@ -169,6 +174,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits (OpenAI's logit_bias); a mapping
     # is taken too and kept as pairs sorted by token id. () => off
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: only tokens this grammar allows, masked at every tree
+    # node along the node's own path (``specdec.tree.grammar``). None => off
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
@@ -193,6 +201,11 @@ class SamplingParams:
             check_logit_bias(self.logit_bias, prefixed(field, "logit_bias"))
         except TypeError:               # unhashable entries: not pairs of numbers
             raise InvalidArgument(f"{prefixed(field, 'logit_bias')} must map token ids to biases") from None
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidArgument(f"{prefixed(field, 'constraint')} must be a Constraint, got "
+                                      f"{type(self.constraint).__name__}")
+            self.constraint.validate(prefixed(field, "constraint"))
         return self
 
     def check_vocabulary(self, vocab_size: int, field: str = "") -> SamplingParams:
@@ -208,7 +221,7 @@ class SamplingParams:
 
     def without_penalties(self) -> SamplingParams:
         """These params with every penalty off (the history-free processors
-        only: the logit bias stays)."""
+        only: the logit bias and the constraint stay)."""
         return replace(self, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
 
     @property

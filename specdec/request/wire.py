@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+from specdec.request.constraints import CONSTRAINT_KINDS, Constraint
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import (PROPOSALS, REQUEST_METHODS, ChatMessage, GenerationRequest, SamplingParams,
                                     TokenLogprob, TreeParams, TreeRequest, check_max_new_tokens)
@@ -38,6 +39,9 @@ METHOD_FROM_PROTO: dict[int, str] = {v: k for k, v in METHOD_TO_PROTO.items()}
 PROPOSALS_TO_PROTO: dict[str, int] = {p: common_pb2.Proposals.Value(f"PROPOSALS_{_enum_suffix(p)}")
                                       for p in PROPOSALS}
 PROPOSALS_FROM_PROTO: dict[int, str] = {v: k for k, v in PROPOSALS_TO_PROTO.items()}
+CONSTRAINT_TO_PROTO: dict[str, int] = {k: common_pb2.ConstraintKind.Value(f"CONSTRAINT_KIND_{_enum_suffix(k)}")
+                                       for k in CONSTRAINT_KINDS}
+CONSTRAINT_FROM_PROTO: dict[int, str] = {v: k for k, v in CONSTRAINT_TO_PROTO.items()}
 
 # dtype name -> bytes per element. Bytes travel in the host's order, which the
 # check below pins to little-endian (the wire format).
@@ -55,7 +59,18 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
                                     logit_bias=dict(params.logit_bias))
     if params.seed is not None:
         msg.seed = params.seed
+    if params.constraint is not None:
+        msg.constraint.kind = CONSTRAINT_TO_PROTO[params.constraint.kind]
+        msg.constraint.value = params.constraint.value
     return msg
+
+
+def constraint_from_proto(msg: common_pb2.SamplingParams) -> Constraint | None:
+    """The message's constraint, unchecked (None when unset or UNSPECIFIED)."""
+    if not msg.HasField("constraint") or msg.constraint.kind == common_pb2.CONSTRAINT_KIND_UNSPECIFIED:
+        return None
+    kind = _enum_name(msg.constraint.kind, CONSTRAINT_FROM_PROTO, "sampling.constraint.kind", "ConstraintKind")
+    return Constraint(kind, msg.constraint.value)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
@@ -69,7 +84,8 @@ def unchecked_sampling(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p or 1.0,
                           seed=msg.seed if msg.HasField("seed") else None, min_p=msg.min_p,
                           presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                          repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=dict(msg.logit_bias))
+                          repetition_penalty=msg.repetition_penalty or 1.0, logit_bias=dict(msg.logit_bias),
+                          constraint=constraint_from_proto(msg))
 
 
 def tree_params_to_proto(cfg: TreeParams | None) -> common_pb2.TreeParams:

@@ -227,18 +227,21 @@ def accept(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     counts: TokenCounts | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> Acceptance:
     """Acceptance from raw target logits [n, V] under `params`.
 
     ``counts`` [n, V]: each node's own penalty counts (committed tokens plus
     its path, ``specdec.tree.sampling.History.node_counts``), needed when a penalty
-    is on. Greedy params use the argmaxes of the biased, penalised logits and need no
+    is on. ``allowed`` [n, V] bool: each node's grammar mask along its own path
+    (a constrained session, ``specdec.tree.grammar.GrammarState.node_masks``).
+    Greedy params use the argmaxes of the biased, penalised logits and need no
     generator; otherwise the logits are processed by `target_probs` and
     accepted by rejection sampling, in fp32 (fp64 for sampled proposals).
     """
     params.validate()
     if params.greedy:
-        return accept_greedy(tree, greedy_tokens(logits, params, counts))
+        return accept_greedy(tree, greedy_tokens(logits, params, counts, allowed))
     if generator is None:
         raise ValueError("generator is required when temperature > 0")
-    return accept_sampling(tree, target_probs(logits, params, counts), generator)
+    return accept_sampling(tree, target_probs(logits, params, counts, allowed), generator)

@@ -6,6 +6,10 @@ respect to *this* distribution, so plain decoding (a root-only tree) and tree
 verification call the same function. The processors, in order
 (`target_probs`):
 
+0. grammar mask (a constrained session, ``specdec.tree.grammar``): tokens the
+   grammar refuses after the node's own path get logit -inf, first, as vLLM
+   applies its grammar bitmask before the sampling processors (every later
+   step keeps -inf at -inf, so they stay at probability 0);
 1. logit bias (OpenAI): ``logit_bias``'s value added to each listed token's
    logit (before the penalties, as vLLM orders them);
 2. repetition penalty (transformers / vLLM): a token that occurs in the prompt
@@ -29,8 +33,8 @@ committed counts plus each node's path tokens, so the distribution at every
 node is exactly the one plain decoding would use after that path.
 
 Logprobs (`token_logprobs`) come from the raw model: the log-softmax of the
-target's fp32 logits, before any processor (logit bias included), as vLLM
-returns them by default.
+target's fp32 logits, before any processor (grammar mask and logit bias
+included), as vLLM returns them by default.
 
 All randomness flows through an explicit `torch.Generator` so that a seed
 reproduces a whole generation; see `make_generator`.
@@ -45,6 +49,7 @@ from functools import lru_cache
 import torch
 
 from specdec.request.params import SamplingParams, TokenLogprob
+from specdec.tree.grammar import mask_logits
 
 
 @dataclass(frozen=True)
@@ -138,21 +143,25 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts |
     return logits
 
 
-def adjusted_logits(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None) -> torch.Tensor:
-    """Steps 1-3 on logits [..., V], in fp32: biased, then penalised (what greedy
-    decoding takes the argmax of and temperature divides)."""
-    return penalize(bias_logits(logits.float(), params), params, counts)
+def adjusted_logits(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 0-3 on logits [..., V], in fp32: masked by ``allowed`` ([..., V]
+    bool, a constrained session's grammar mask; None: none), biased, then
+    penalised (what greedy decoding takes the argmax of and temperature divides)."""
+    return penalize(bias_logits(mask_logits(logits.float(), allowed), params), params, counts)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None,
+                 allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Processed target distribution, fp32, same shape as `logits` [..., V].
 
-    Greedy params give the one-hot of the argmax of the biased, penalised
-    logits (first index on ties), so that sampling-based code paths reduce
-    exactly to greedy decoding.
+    Greedy params give the one-hot of the argmax of the masked, biased,
+    penalised logits (first index on ties), so that sampling-based code paths
+    reduce exactly to greedy decoding. ``allowed`` [..., V] bool: the grammar
+    mask of a constrained session (None: none).
     """
     params.validate()
-    logits = adjusted_logits(logits, params, counts)
+    logits = adjusted_logits(logits, params, counts, allowed)
     vocab = logits.shape[-1]
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
@@ -179,9 +188,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams, counts: TokenCoun
     return probs
 
 
-def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None) -> torch.Tensor:
-    """Greedy decoding's choice per row: the argmax of the biased, penalised logits ([..., V] -> [...])."""
-    return adjusted_logits(logits, params, counts).argmax(-1)
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None = None,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy decoding's choice per row: the argmax of the masked, biased,
+    penalised logits ([..., V] -> [...])."""
+    return adjusted_logits(logits, params, counts, allowed).argmax(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:

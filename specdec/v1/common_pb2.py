@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xb0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb0\x01\n\nTreeParams\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.TreeMethod\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\x10\n\x08\x65xpand_k\x18\x04 \x01(\x05\x12\x19\n\x11value_temperature\x18\x05 \x01(\x02\x12(\n\tproposals\x18\x06 \x01(\x0e\x32\x15.specdec.v1.Proposals\"e\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06values\x18\x03 \x03(\x02\x12\'\n\tproposals\x18\x04 \x03(\x0b\x32\x14.specdec.v1.Proposal\"7\n\x08Proposal\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02*\xbe\x01\n\nTreeMethod\x12\x1b\n\x17TREE_METHOD_UNSPECIFIED\x10\x00\x12\x16\n\x12TREE_METHOD_EAGLE2\x10\x01\x12\x16\n\x12TREE_METHOD_STATIC\x10\x02\x12\x15\n\x11TREE_METHOD_CHAIN\x10\x03\x12\x18\n\x14TREE_METHOD_NO_VALUE\x10\x04\x12\x19\n\x15TREE_METHOD_NO_RERANK\x10\x05\x12\x17\n\x13TREE_METHOD_VANILLA\x10\x06*I\n\tProposals\x12\x12\n\x0ePROPOSALS_AUTO\x10\x00\x12\x11\n\rPROPOSALS_TOP\x10\x01\x12\x15\n\x11PROPOSALS_SAMPLED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xdc\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.specdec.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"E\n\nConstraint\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.specdec.v1.ConstraintKind\x12\r\n\x05value\x18\x02 \x01(\t\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xb0\x01\n\nTreeParams\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.TreeMethod\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\x05\x12\x10\n\x08\x65xpand_k\x18\x04 \x01(\x05\x12\x19\n\x11value_temperature\x18\x05 \x01(\x02\x12(\n\tproposals\x18\x06 \x01(\x0e\x32\x15.specdec.v1.Proposals\"e\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06values\x18\x03 \x03(\x02\x12\'\n\tproposals\x18\x04 \x03(\x0b\x32\x14.specdec.v1.Proposal\"7\n\x08Proposal\x12\x0c\n\x04node\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02*\xab\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x04*\xbe\x01\n\nTreeMethod\x12\x1b\n\x17TREE_METHOD_UNSPECIFIED\x10\x00\x12\x16\n\x12TREE_METHOD_EAGLE2\x10\x01\x12\x16\n\x12TREE_METHOD_STATIC\x10\x02\x12\x15\n\x11TREE_METHOD_CHAIN\x10\x03\x12\x18\n\x14TREE_METHOD_NO_VALUE\x10\x04\x12\x19\n\x15TREE_METHOD_NO_RERANK\x10\x05\x12\x17\n\x13TREE_METHOD_VANILLA\x10\x06*I\n\tProposals\x12\x12\n\x0ePROPOSALS_AUTO\x10\x00\x12\x11\n\rPROPOSALS_TOP\x10\x01\x12\x15\n\x11PROPOSALS_SAMPLED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,22 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TREEMETHOD']._serialized_start=830
-  _globals['_TREEMETHOD']._serialized_end=1020
-  _globals['_PROPOSALS']._serialized_start=1022
-  _globals['_PROPOSALS']._serialized_end=1095
+  _globals['_CONSTRAINTKIND']._serialized_start=945
+  _globals['_CONSTRAINTKIND']._serialized_end=1116
+  _globals['_TREEMETHOD']._serialized_start=1119
+  _globals['_TREEMETHOD']._serialized_end=1309
+  _globals['_PROPOSALS']._serialized_start=1311
+  _globals['_PROPOSALS']._serialized_end=1384
   _globals['_TENSOR']._serialized_start=39
   _globals['_TENSOR']._serialized_end=91
   _globals['_SAMPLINGPARAMS']._serialized_start=94
-  _globals['_SAMPLINGPARAMS']._serialized_end=398
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=341
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=389
-  _globals['_TOKENLOGPROB']._serialized_start=400
-  _globals['_TOKENLOGPROB']._serialized_end=488
-  _globals['_TREEPARAMS']._serialized_start=491
-  _globals['_TREEPARAMS']._serialized_end=667
-  _globals['_DRAFTTREE']._serialized_start=669
-  _globals['_DRAFTTREE']._serialized_end=770
-  _globals['_PROPOSAL']._serialized_start=772
-  _globals['_PROPOSAL']._serialized_end=827
+  _globals['_SAMPLINGPARAMS']._serialized_end=442
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=385
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=433
+  _globals['_CONSTRAINT']._serialized_start=444
+  _globals['_CONSTRAINT']._serialized_end=513
+  _globals['_TOKENLOGPROB']._serialized_start=515
+  _globals['_TOKENLOGPROB']._serialized_end=603
+  _globals['_TREEPARAMS']._serialized_start=606
+  _globals['_TREEPARAMS']._serialized_end=782
+  _globals['_DRAFTTREE']._serialized_start=784
+  _globals['_DRAFTTREE']._serialized_end=885
+  _globals['_PROPOSAL']._serialized_start=887
+  _globals['_PROPOSAL']._serialized_end=942
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ConstraintKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONSTRAINT_KIND_UNSPECIFIED: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_OBJECT: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_SCHEMA: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_REGEX: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_GRAMMAR: _ClassVar[ConstraintKind]
+
 class TreeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TREE_METHOD_UNSPECIFIED: _ClassVar[TreeMethod]
@@ -22,6 +30,11 @@ class Proposals(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSALS_AUTO: _ClassVar[Proposals]
     PROPOSALS_TOP: _ClassVar[Proposals]
     PROPOSALS_SAMPLED: _ClassVar[Proposals]
+CONSTRAINT_KIND_UNSPECIFIED: ConstraintKind
+CONSTRAINT_KIND_JSON_OBJECT: ConstraintKind
+CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKind
+CONSTRAINT_KIND_REGEX: ConstraintKind
+CONSTRAINT_KIND_GRAMMAR: ConstraintKind
 TREE_METHOD_UNSPECIFIED: TreeMethod
 TREE_METHOD_EAGLE2: TreeMethod
 TREE_METHOD_STATIC: TreeMethod
@@ -44,7 +57,7 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "constraint")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +74,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -70,7 +84,16 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("kind", "value")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    kind: ConstraintKind
+    value: str
+    def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., value: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")

@@ -1,6 +1,7 @@
 """``specdec generate --local``: JSON output and one-line errors for bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -162,3 +163,27 @@ def test_a_chat_without_a_template_is_one_line(tiny_family, capsys):
     code, _, err = run_cli(capsys, ["generate", "--local", *model_flags(tiny_family, "none"), "--method", "vanilla",
                                     "--chat", "hi"])
     assert code == 2 and "need a chat template" in err and len(err.strip().splitlines()) == 1
+
+
+def test_structured_output_flags(tiny_family, tmp_path, capsys):
+    """--json-schema / --regex / --grammar / --json-object: the output follows
+    them, speculative equal to vanilla; a bad one is one line naming it."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "answer: " ("yes" | "no")')
+    checks = {("--json-schema", str(schema)): lambda t: json.loads(t) in ({"ok": True}, {"ok": False}),
+              ("--regex", "(x[yz]|y[xz]){2}"): lambda t: re.fullmatch("(x[yz]|y[xz]){2}", t),
+              ("--grammar", str(grammar)): lambda t: t in ("answer: yes", "answer: no"),
+              ("--json-object",): lambda t: isinstance(json.loads(t), dict)}
+    for flags, check in checks.items():
+        common = ["generate", "--local", "--json", "--max-new-tokens", "40", *flags, "def add(a, b):"]
+        code, out, _ = run_cli(capsys, common + model_flags(tiny_family))
+        assert code == 0
+        row = json.loads(out)
+        assert check(row["text"]), (flags, row["text"])
+        _, ref, _ = run_cli(capsys, common + model_flags(tiny_family, "none") + ["--method", "vanilla"])
+        assert json.loads(ref)["token_ids"] == row["token_ids"]
+    code, _, err = run_cli(capsys, ["generate", "--local", "--regex", "a(", "hi"] + model_flags(tiny_family))
+    assert code == 2 and "does not compile" in err and len(err.strip().splitlines()) == 1

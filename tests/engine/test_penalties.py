@@ -320,7 +320,8 @@ def test_a_verifier_that_forgets_the_bias_in_trees_is_caught(engines, monkeypatc
     target, verifier, drafter = engines
     unbiased = acceptance.target_probs
     monkeypatch.setattr(acceptance, "target_probs",
-                        lambda logits, params, counts=None: unbiased(logits, replace(params, logit_bias=()), counts))
+                        lambda logits, params, counts=None, allowed=None:
+                        unbiased(logits, replace(params, logit_bias=()), counts, allowed))
     counts = sampled_joint(verifier, drafter, BIASED, "eagle2", "top")
     assert chi2_pvalue(counts, exact_joint(target, BIASED)) < 1e-4
 

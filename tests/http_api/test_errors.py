@@ -75,8 +75,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, "messages"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"), ({"temperature": -0.5}, "temperature"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),     # "auto": not supported
+    ({"response_format": {"type": "xml"}}, "response_format"), ({"temperature": -0.5}, "temperature"),
     ({"logit_bias": {"99999": 1}}, "logit_bias"), ({"logit_bias": {"7": -100.5}}, "logit_bias"),
 ]
 

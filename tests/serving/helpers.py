@@ -43,10 +43,12 @@ def _split(cfg: dict) -> tuple[ServerConfig, int, float, dict]:
 def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, dtype: str = "float32"):
     def build():
         from specdec.model.loading import ModelSpec
+        from specdec.model.loading import default_grammar_tokenizer
         from verifier.engine import TargetModel, VerifierEngine
 
         return VerifierEngine(TargetModel(ModelSpec(str(paths["target"]), dtype=dtype)),
-                              max_sessions=max_sessions, ttl_s=session_ttl)
+                              max_sessions=max_sessions, ttl_s=session_ttl,
+                              grammar_tokenizer=default_grammar_tokenizer(None, paths["target"]))
     return build
 
 
@@ -71,6 +73,13 @@ def oracle_dir(paths):
 
 def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0):
     def build():
+        from specdec.model.loading import default_grammar_tokenizer
+
+        drafter = build_kind()
+        drafter.grammar_tokenizer = default_grammar_tokenizer(None, paths["target"])     # `drafter serve`'s default
+        return drafter
+
+    def build_kind():
         sessions = dict(max_sessions=max_sessions, ttl_s=session_ttl)
         if kind == "eagle":
             from drafter.eagle.eagle2 import EagleDrafter
