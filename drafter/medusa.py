@@ -44,6 +44,7 @@ from specdec.model.loading import torch_device
 from specdec.request.params import TreeParams
 from specdec.request.tree_shapes import MEDUSA_MC_SIM_7B_63, Shape
 from specdec.tree.build import DraftTree, Frontier, build_tree
+from specdec.tree.grammar import masked_expand
 from drafter.base import Drafter, DraftSession, read_value_temperature
 from drafter.medusa_heads import MedusaHeads, MedusaLoadError, check_fits, load_heads
 
@@ -136,6 +137,8 @@ class MedusaDrafter(Drafter):
             # the children of level-d nodes are at depth d + 1: head d's tokens, whatever the path
             return logp[frontier.depth].expand(len(frontier.nodes), -1)
 
+        if sess.grammar is not None:     # a constrained session: each node's children masked along its own path
+            expand = masked_expand(expand, sess.grammar)
         return build_tree(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
 
     def _append(self, sess: DraftSession, tokens, features, first: bool) -> None:
