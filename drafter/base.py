@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from specdec.model import kv
+from specdec.model import prefix_cache as pc
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.serving.sessions import SessionTable
@@ -103,13 +104,21 @@ class Drafter(ABC):
         self.vocab_size = vocab_size
         self.sessions: SessionTable[DraftSession] = SessionTable(max_sessions, ttl_s)
         self.greedy_value_temperature = greedy_value_temperature
+        self.prefix = pc.PrefixCache(0)        # ``use_prefix_cache``: off until then
+
+    def use_prefix_cache(self, max_tokens: int) -> None:
+        """Keep the model's K/V of prompt prefixes for later sessions' prefills,
+        at most ``max_tokens`` tokens (0: off; ``CachedTreeDrafter.prefill_prefix``).
+        A drafter without a model keeps nothing."""
+        self.prefix = pc.PrefixCache(max_tokens)
 
     def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
-                greedy: bool = False, sampling: SamplingParams | None = None) -> None:
+                greedy: bool = False, sampling: SamplingParams | None = None, cache_salt: str = "") -> None:
         """tokens: prompt + first generated token; features: [len(tokens) - 1, H]
         target hidden states at the prompt positions (EAGLE only); greedy: the
         session's verifier decodes at temperature 0; sampling: the session's
-        sampling params (they set ``greedy``; None: top proposals only)."""
+        sampling params (they set ``greedy``; None: top proposals only);
+        cache_salt: prefix-cache blocks are shared between prefills of the same salt only."""
         if not tokens:
             raise InvalidArgument("drafter prefill needs at least one token")
         if self.needs_features and len(tokens) < 2:
@@ -123,6 +132,8 @@ class Drafter(ABC):
             int.from_bytes(os.urandom(8), "little") >> 1
         sess = DraftSession(tokens=[], greedy=greedy, sampling=None if greedy else sampling, seed=seed)
         self._append(sess, tokens, features, first=True)
+        if self.prefix.on:
+            self.prefill_prefix(sess, cache_salt)
         self.sessions.add(sid, sess, replace=True)
 
     def commit(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
@@ -222,6 +233,9 @@ class Drafter(ABC):
         """How many model inputs ``n_tokens`` committed tokens make."""
         return n_tokens
 
+    def prefill_prefix(self, sess: DraftSession, salt: str) -> None:
+        """With the prefix cache on: feed the prompt now, cached blocks loaded (model drafters)."""
+
     def _append(self, sess: DraftSession, tokens: list[int], features, first: bool) -> None:
         bad = next((t for t in tokens if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
@@ -245,8 +259,43 @@ class CachedTreeDrafter(Drafter):
     def new_cache(self): ...
 
     @abstractmethod
-    def feed_pending(self, sess: DraftSession) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed inputs [fed, total) into the cache; return (last hidden [H], log-probs [V])."""
+    def feed_pending(self, sess: DraftSession, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed inputs [fed, end) into the cache (None: all of them); return (last hidden [H], log-probs [V])."""
+
+    @abstractmethod
+    def block_contents(self, sess: DraftSession, inputs: int):
+        """The bytes of each whole block of the session's first ``inputs`` model
+        inputs: what the model's K/V at those positions is a function of (the
+        prefix cache's keys chain them)."""
+
+    def fit_cache(self, cache, n: int) -> None:
+        """Before ``n`` slots are loaded into ``cache``: room for them where its buffer has a fixed size."""
+
+    @torch.inference_mode()
+    def prefill_prefix(self, sess: DraftSession, salt: str) -> None:
+        """Feed the prompt's inputs at prefill, in block-aligned chunks, the
+        longest cached prefix of blocks loaded instead of computed (its bits are
+        the ones this feed would compute: ``specdec.model.prefix_cache``); then
+        the whole blocks not cached yet are added (copies: the session's later
+        drafts and rollbacks never reach them). At least the last input is fed
+        (its output roots the first draft)."""
+        block, inputs = self.prefix.block, self._inputs_for(len(sess.tokens))
+        root = pc.namespace("drafter", self.name, type(self).__name__, self.vocab_size, salt, block)
+        keys = pc.chain(root, self.block_contents(sess, inputs))
+        found = self.prefix.match(keys, pc.usable(inputs, block))
+        sess.cache = self.new_cache()
+        if found:
+            self.fit_cache(sess.cache, len(found) * block)
+            kv.append_blocks(sess.cache, found)
+            sess.fed = len(found) * block
+        for _, end in pc.chunks(sess.fed, inputs, block):
+            sess.root_out = self.feed_pending(sess, end)
+
+        def payload(j: int):
+            slots = kv.copy_slots(sess.cache, j * block, (j + 1) * block)
+            return slots, kv.slots_nbytes(slots)
+
+        self.prefix.insert(keys, payload)
 
     @abstractmethod
     def step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,

@@ -330,3 +330,25 @@ def nbytes(cache) -> int:
         elif getattr(layer, "keys", None) is not None:
             total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
     return total
+
+
+# -- prefix caching (``specdec.model.prefix_cache``) ------------------------------------------
+@_in_inference_mode
+def copy_slots(cache, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of slots [start, end) of every layer: [(keys, values) [B, heads, end - start, d]]."""
+    return [(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in cache.layers]
+
+
+@_in_inference_mode
+def append_blocks(cache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Append ``copy_slots`` blocks, in order, to every layer: one write per layer."""
+    if not blocks:
+        return
+    for layer_idx in range(len(blocks[0])):
+        keys = torch.cat([b[layer_idx][0] for b in blocks], dim=2)
+        values = torch.cat([b[layer_idx][1] for b in blocks], dim=2)
+        append(cache, layer_idx, keys, values)
+
+
+def slots_nbytes(slots: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in slots)
