@@ -109,8 +109,7 @@ class Drafter(ABC):
     def use_prefix_cache(self, max_tokens: int) -> None:
         """Keep the model's K/V of prompt prefixes for later sessions' prefills,
         at most ``max_tokens`` tokens (0: off; ``CachedTreeDrafter.prefill_prefix``).
-        A drafter without a model keeps nothing."""
-        self.prefix = pc.PrefixCache(max_tokens)
+        A drafter without a model (n-gram) has nothing to keep."""
 
     def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
                 greedy: bool = False, sampling: SamplingParams | None = None, cache_salt: str = "") -> None:
@@ -270,6 +269,9 @@ class CachedTreeDrafter(Drafter):
 
     def fit_cache(self, cache, n: int) -> None:
         """Before ``n`` slots are loaded into ``cache``: room for them where its buffer has a fixed size."""
+
+    def use_prefix_cache(self, max_tokens: int) -> None:
+        self.prefix = pc.PrefixCache(max_tokens)
 
     @torch.inference_mode()
     def prefill_prefix(self, sess: DraftSession, salt: str) -> None:

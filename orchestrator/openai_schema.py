@@ -89,6 +89,7 @@ class CommonRequest(BaseModel):
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: str = ""                      # vLLM's: prefix-cache isolation within the caller's tenant
 
 
 class CompletionRequest(CommonRequest):
@@ -198,7 +199,7 @@ def generation_request(req: CommonRequest, prompt: str, request_id: str = "") ->
     logprobs = logprobs_asked(req)
     return GenerationRequest(prompt=prompt, max_new_tokens=max_tokens or 0, sampling=sampling, stop=stop,
                              request_id=request_id, n=req.n, logprobs=logprobs, prompt_only=prompt_only,
-                             prompt_logprobs=logprobs if echoes(req) else None)
+                             prompt_logprobs=logprobs if echoes(req) else None, cache_salt=req.cache_salt)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str]:

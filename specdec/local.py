@@ -39,11 +39,12 @@ class LocalStack:
 
 
 def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None,
-                tree_sizing: str = "fixed") -> LocalStack:
+                tree_sizing: str = "fixed", prefix_cache_tokens: int = 0) -> LocalStack:
+    """``prefix_cache_tokens``: both engines' prefix caches (0: off)."""
     from verifier.engine import TargetModel, VerifierEngine
 
     tok = load_tokenizer(tokenizer_dir or target.path)
-    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing)
+    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, prefix_cache_tokens=prefix_cache_tokens)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle.eagle3 import load_eagle_drafter
@@ -61,6 +62,8 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
         drafter = NgramDrafter(verifier.target.vocab_size)
     elif choice.kind != "none":
         raise ValueError(f"unknown drafter {choice.kind!r}")
+    if drafter is not None:
+        drafter.use_prefix_cache(prefix_cache_tokens)
     return LocalStack(verifier, drafter, tok)
 
 
@@ -70,9 +73,10 @@ class LocalVerifier:
     network_s = 0.0
 
     def __init__(self, engine, sid: str, logprobs: int | None = None, feature_layers: tuple[int, ...] = (),
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, cache_salt: str = ""):
         self.engine = engine
         self.sid = sid
+        self.cache_salt = cache_salt               # prefix-cache isolation (``VerifierEngine.prefill``)
         self.logprobs = logprobs                   # top alternatives per token's logprob; None: no logprobs
         self.prompt_logprobs = prompt_logprobs     # the same for the prompt's tokens (the prefill's)
         self.feature_layers = feature_layers       # the drafter's (``VerifierEngine.prefill``)
@@ -86,7 +90,7 @@ class LocalVerifier:
                       features: bool) -> Committed:
         first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens, logprobs=self.logprobs,
                                     feature_layers=self.feature_layers if features else (),
-                                    prompt_logprobs=self.prompt_logprobs)
+                                    prompt_logprobs=self.prompt_logprobs, cache_salt=self.cache_salt)
         self.root = first.token
         return Committed([first.token], [], first.features, first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
@@ -115,9 +119,10 @@ class LocalDrafter:
 
     network_s = 0.0
 
-    def __init__(self, engine, sid: str):
+    def __init__(self, engine, sid: str, cache_salt: str = ""):
         self.engine = engine
         self.sid = sid
+        self.cache_salt = cache_salt               # prefix-cache isolation (``Drafter.prefill``)
 
     @property
     def needs_features(self) -> bool:
@@ -128,7 +133,8 @@ class LocalDrafter:
         return self.engine.drafts_ahead
 
     async def prefill(self, tokens: list[int], features, sampling: SamplingParams) -> None:
-        self.engine.prefill(self.sid, tokens, features if self.needs_features else None, sampling=sampling)
+        self.engine.prefill(self.sid, tokens, features if self.needs_features else None, sampling=sampling,
+                            cache_salt=self.cache_salt)
 
     async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft:
         if commits:
@@ -154,7 +160,7 @@ class LocalDrafter:
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
-             logprobs: int | None = None, prompt_logprobs: int | None = None) -> Decoding:
+             logprobs: int | None = None, prompt_logprobs: int | None = None, cache_salt: str = "") -> Decoding:
     """Run one request to completion through the speculative loop
     (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
@@ -164,14 +170,15 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     services draft them during it, so both use the same trees. ``logprobs``:
     each token's raw logprob with that many top alternatives, in
     ``Decoding.logprobs`` (None: none); ``prompt_logprobs``: the prompt's, in
-    ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only."""
+    ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only.
+    ``cache_salt``: the engines' prefix caches share blocks within one salt only."""
     sid = uuid.uuid4().hex
     request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
 
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))
-        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs),
-                                          LocalDrafter(drafter, sid) if drafter is not None else None,
+        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs, cache_salt),
+                                          LocalDrafter(drafter, sid, cache_salt) if drafter is not None else None,
                                           request, Decoding(stop, min_tau))
 
     # the engines are synchronous: the loop never waits on I/O, asyncio only sequences it

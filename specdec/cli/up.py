@@ -126,6 +126,11 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
         drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
         verifier += feature_layer_flags(eagle, args.compile)
+    tokens = getattr(args, "prefix_cache_tokens", None)
+    if tokens is not None:                       # both services keep prefixes (an n-gram drafter has none)
+        verifier += ["--prefix-cache-tokens", str(tokens)]
+        if drafter is not None:
+            drafter += ["--prefix-cache-tokens", str(tokens)]
     return verifier, drafter, target
 
 
