@@ -106,9 +106,10 @@ class Drafter(ABC):
         self.greedy_value_temperature = greedy_value_temperature
         self.prefix = pc.PrefixCache(0)        # ``use_prefix_cache``: off until then
 
-    def use_prefix_cache(self, max_tokens: int) -> None:
+    def use_prefix_cache(self, max_tokens: int, exact: bool = False) -> None:
         """Keep the model's K/V of prompt prefixes for later sessions' prefills,
-        at most ``max_tokens`` tokens (0: off; ``CachedTreeDrafter.prefill_prefix``).
+        at most ``max_tokens`` tokens (0: off; ``exact``: block-aligned feeds,
+        ``specdec.model.prefix_cache``; ``CachedTreeDrafter.prefill_prefix``).
         A drafter without a model (n-gram) has nothing to keep."""
 
     def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
@@ -270,14 +271,13 @@ class CachedTreeDrafter(Drafter):
     def fit_cache(self, cache, n: int) -> None:
         """Before ``n`` slots are loaded into ``cache``: room for them where its buffer has a fixed size."""
 
-    def use_prefix_cache(self, max_tokens: int) -> None:
-        self.prefix = pc.PrefixCache(max_tokens)
+    def use_prefix_cache(self, max_tokens: int, exact: bool = False) -> None:
+        self.prefix = pc.PrefixCache(max_tokens, exact=exact)
 
     @torch.inference_mode()
     def prefill_prefix(self, sess: DraftSession, salt: str) -> None:
-        """Feed the prompt's inputs at prefill, in block-aligned chunks, the
-        longest cached prefix of blocks loaded instead of computed (its bits are
-        the ones this feed would compute: ``specdec.model.prefix_cache``); then
+        """Feed the prompt's inputs at prefill (``PrefixCache.spans``), the
+        longest cached prefix of blocks loaded instead of computed; then
         the whole blocks not cached yet are added (copies: the session's later
         drafts and rollbacks never reach them). At least the last input is fed
         (its output roots the first draft)."""
@@ -290,7 +290,7 @@ class CachedTreeDrafter(Drafter):
             self.fit_cache(sess.cache, len(found) * block)
             kv.append_blocks(sess.cache, found)
             sess.fed = len(found) * block
-        for _, end in pc.chunks(sess.fed, inputs, block):
+        for _, end in self.prefix.spans(sess.fed, inputs):
             sess.root_out = self.feed_pending(sess, end)
 
         def payload(j: int):

@@ -39,12 +39,13 @@ class LocalStack:
 
 
 def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None,
-                tree_sizing: str = "fixed", prefix_cache_tokens: int = 0) -> LocalStack:
-    """``prefix_cache_tokens``: both engines' prefix caches (0: off)."""
+                tree_sizing: str = "fixed", prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False) -> LocalStack:
+    """``prefix_cache_tokens``, ``prefix_cache_exact``: both engines' prefix caches (0: off)."""
     from verifier.engine import TargetModel, VerifierEngine
 
     tok = load_tokenizer(tokenizer_dir or target.path)
-    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, prefix_cache_tokens=prefix_cache_tokens)
+    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, prefix_cache_tokens=prefix_cache_tokens,
+                              prefix_cache_exact=prefix_cache_exact)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle.eagle3 import load_eagle_drafter
@@ -63,7 +64,7 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     elif choice.kind != "none":
         raise ValueError(f"unknown drafter {choice.kind!r}")
     if drafter is not None:
-        drafter.use_prefix_cache(prefix_cache_tokens)
+        drafter.use_prefix_cache(prefix_cache_tokens, prefix_cache_exact)
     return LocalStack(verifier, drafter, tok)
 
 

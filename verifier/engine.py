@@ -43,7 +43,8 @@ class VerifierEngine:
     ``prefix_cache_tokens`` (0: off): the committed K/V and features of prompt
     prefixes kept for later sessions' prefills, at most this many tokens
     (``verifier.prefix``); they count against ``kv_budget_bytes`` too, and go
-    first when a session needs the room.
+    first when a session needs the room; ``prefix_cache_exact``: a hit gives
+    the very bits of a miss (``specdec.model.prefix_cache``).
 
     ``tree_sizing``: "cost" gives the engine a ``TreeSizer`` (``sizer``)
     that whoever verifies through it (in-process generation, the gRPC
@@ -52,9 +53,9 @@ class VerifierEngine:
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
                  kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed",
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
         self.target = target
-        self.prefix = TargetPrefixCache(target, prefix_cache_tokens)
+        self.prefix = TargetPrefixCache(target, prefix_cache_tokens, prefix_cache_exact)
         try:
             self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         except ValueError as exc:

@@ -21,9 +21,9 @@ from specdec.model import prefix_cache as pc
 class TargetPrefixCache:
     """Prefix blocks of one ``verifier.target.TargetModel``."""
 
-    def __init__(self, target, max_tokens: int, block: int = pc.BLOCK_TOKENS):
+    def __init__(self, target, max_tokens: int, exact: bool = False, block: int = pc.BLOCK_TOKENS):
         self.target = target
-        self.blocks = pc.PrefixCache(max_tokens, block)
+        self.blocks = pc.PrefixCache(max_tokens, block, exact)
         spec = target.spec
         # the model's identity (each engine keeps its own blocks; the key names the model all the same)
         self.model = (str(spec.path), str(spec.dtype), target.num_layers, target.vocab_size)
@@ -39,7 +39,7 @@ class TargetPrefixCache:
     @torch.inference_mode()
     def prefill(self, cache, tokens: list[int], feature_layers: tuple[int, ...], salt: str,
                 lookup: bool = True, all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``tokens`` into the empty ``cache`` in block-aligned chunks, the
+        """Run ``tokens`` into the empty ``cache`` (``PrefixCache.spans``), the
         longest cached prefix loaded instead of computed (``lookup``); then the
         whole blocks not cached yet are added. Returns the features of every
         token [n, F] and the logits [m, V] of the last m tokens run (every
@@ -54,7 +54,7 @@ class TargetPrefixCache:
         feats = [f for _, f in found]
         logits = []
         ids = torch.tensor(tokens, dtype=torch.long)
-        for a, b in pc.chunks(start, len(tokens), block):
+        for a, b in self.blocks.spans(start, len(tokens)):
             hidden, out = self.target.forward(cache, ids[a:b], torch.arange(a, b), None, feature_layers)
             feats.append(hidden)
             logits.append(out if all_logits else out[-1:])

@@ -140,37 +140,40 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int,
-            kv_budget_bytes: int | None, threads: int, prefix_cache_tokens: int = 0) -> None:
+            kv_budget_bytes: int | None, threads: int, prefix_cache_tokens: int = 0,
+            prefix_cache_exact: bool = False) -> None:
     if threads:
         torch.set_num_threads(threads)
     init_process_group(rank, world, port)
     try:
         follow(VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
-                              kv_budget_bytes=kv_budget_bytes, prefix_cache_tokens=prefix_cache_tokens))
+                              kv_budget_bytes=kv_budget_bytes, prefix_cache_tokens=prefix_cache_tokens,
+                              prefix_cache_exact=prefix_cache_exact))
     finally:
         dist.destroy_process_group()
 
 
 def start_ranks(tp: int, spec: ModelSpec, max_sessions: int = 64, ttl_s: float = 600.0,
                 kv_budget_bytes: int | None = None, threads: int = 0, tree_sizing: str = "fixed",
-                prefix_cache_tokens: int = 0) -> ReplicatedVerifier:
+                prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False) -> ReplicatedVerifier:
     """Start ranks 1..tp-1 as processes, become rank 0, load this rank's shard.
     ``ReplicatedVerifier.shutdown()`` stops them again. ``tree_sizing``: rank
     0's (it cuts trees before they are broadcast: ``VerifierEngine``);
-    ``prefix_cache_tokens``: every rank's (they look up and evict in lockstep)."""
+    ``prefix_cache_tokens``, ``prefix_cache_exact``: every rank's (they look up and evict in lockstep)."""
     import torch.multiprocessing as mp
 
     check_tp_degree(spec.path, tp)
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, kv_budget_bytes, threads,
-                                               prefix_cache_tokens), daemon=True) for r in range(1, tp)]
+                                               prefix_cache_tokens, prefix_cache_exact), daemon=True)
+             for r in range(1, tp)]
     for p in procs:
         p.start()
     init_process_group(0, tp, port)
     engine = VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
                             kv_budget_bytes=kv_budget_bytes, tree_sizing=tree_sizing,
-                            prefix_cache_tokens=prefix_cache_tokens)
+                            prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact)
     verifier = ReplicatedVerifier(engine, ttl_s)
     verifier._procs = procs
     return verifier

@@ -82,6 +82,12 @@ def add_prefix_cache_flag(p) -> None:
                    help="keep the committed KV of prompt prefixes, at most N tokens, for later sessions' prefills "
                         "(verifier and drafter; within the KV budget, sessions first; 0 = off; default "
                         f"{PREFIX_CACHE_TOKENS}; env SPECDEC_PREFIX_CACHE_TOKENS)")
+    p.add_argument("--prefix-cache-exact", action="store_true",
+                   default=env("SPECDEC_PREFIX_CACHE_EXACT", "0") not in ("0", "false", "off"),
+                   help="prefill in 64-token chunks so that a prefix-cache hit gives the very bits of a miss "
+                        "(seeded sampling reproducible whatever the cache holds; a slower cold prefill: "
+                        "docs/benchmarks.md); default: outputs equal up to float rounding, greedy tokens "
+                        "unchanged (env SPECDEC_PREFIX_CACHE_EXACT)")
 
 
 def prefix_cache_tokens(text) -> int:

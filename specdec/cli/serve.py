@@ -226,14 +226,15 @@ def run_verifier(args) -> int:
             from verifier.tp import start_ranks
 
             verifier = start_ranks(args.tp, spec, args.max_sessions, args.session_ttl, args.kv_budget_bytes,
-                                   tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens)
+                                   tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens,
+                                   prefix_cache_exact=args.prefix_cache_exact)
             atexit.register(verifier.shutdown)
             return verifier
         target = TargetModel(spec)
         target.unbuilt_eager(args.compile_tree_tokens)      # no request waits for a graph to be built
         return VerifierEngine(target, max_sessions=args.max_sessions, ttl_s=args.session_ttl,
                               kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing,
-                              prefix_cache_tokens=args.prefix_cache_tokens)
+                              prefix_cache_tokens=args.prefix_cache_tokens, prefix_cache_exact=args.prefix_cache_exact)
 
     return _serve(cfg, servicer, "verifier", build, args)
 
@@ -266,7 +267,7 @@ def _drafter_builder(args, default: TreeParams):
             from drafter.draft_lm import DraftLmDrafter
 
             drafter = DraftLmDrafter(spec, **sessions)
-            drafter.use_prefix_cache(args.prefix_cache_tokens)
+            drafter.use_prefix_cache(args.prefix_cache_tokens, args.prefix_cache_exact)
             return drafter
         return build
     head = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
@@ -279,7 +280,7 @@ def _drafter_builder(args, default: TreeParams):
 
         drafter = load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
         use_budget(drafter, default)
-        drafter.use_prefix_cache(args.prefix_cache_tokens)
+        drafter.use_prefix_cache(args.prefix_cache_tokens, args.prefix_cache_exact)
         return drafter
     return build
 

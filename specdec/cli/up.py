@@ -128,9 +128,10 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         verifier += feature_layer_flags(eagle, args.compile)
     tokens = getattr(args, "prefix_cache_tokens", None)
     if tokens is not None:                       # both services keep prefixes (an n-gram drafter has none)
-        verifier += ["--prefix-cache-tokens", str(tokens)]
+        cache = ["--prefix-cache-tokens", str(tokens)] + (["--prefix-cache-exact"] if args.prefix_cache_exact else [])
+        verifier += cache
         if drafter is not None:
-            drafter += ["--prefix-cache-tokens", str(tokens)]
+            drafter += cache
     return verifier, drafter, target
 
 

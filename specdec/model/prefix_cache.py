@@ -18,14 +18,20 @@ tokens up to x_{(j+1)B} and the features f_0..f_{(j+1)B-1} (``chain`` takes
 each block's bytes from the caller).
 
 Exactness. A block's K/V computed inside a longer forward and inside a
-shorter one can differ in the last bits (other GEMM shapes), and so can the
-logits of a suffix run over loaded K/V against those of one long forward.
-With the cache on, a prefill therefore runs in block-aligned chunks
-(``chunks``): block j is always computed by the same forward of the same
+shorter one can differ in the last bits (other GEMM shapes; measured on the
+demo target: a prefix's K/V from a 960-token prefill against from a
+1,000-token one), and so can the logits of a suffix run over loaded K/V
+against those of one long forward. By default a prefill runs what it did
+not load in one forward: a hit then gives the uncached logits up to float
+rounding, the same latitude batched verification already takes (a batched
+forward sums in another order than a lone one), and the greedy tokens of
+the uncached run. With ``exact`` a prefill runs in block-aligned chunks
+(``spans``): block j is always computed by the same forward of the same
 shape over the same K/V, whether its session found it cached or not, so a
-hit gives the very bits a miss gives (logits, features, sampled tokens).
-A lookup uses at most ``usable`` blocks: at least one input always runs (its
-output is the first token's logits), and the run starts on a block boundary.
+hit gives the very bits a miss gives (logits, features, sampled tokens);
+the price is the cold prefill's, measured in docs/benchmarks.md. A lookup
+uses at most ``usable`` blocks: at least one input always runs (its output is
+the first token's logits), and the run starts on a block boundary.
 
 Eviction: least recently used under a budget of tokens; a hit touches its
 blocks last to first, so a prefix's first block is the freshest and a chain is
@@ -111,10 +117,11 @@ class _Block:
 
 @dataclass
 class PrefixCache:
-    """LRU blocks under ``max_tokens`` (0: off). Thread-safe."""
+    """LRU blocks under ``max_tokens`` (0: off); ``exact``: see ``spans``. Thread-safe."""
 
     max_tokens: int
     block: int = BLOCK_TOKENS
+    exact: bool = False         # prefills in block-aligned chunks: a hit gives a miss's bits (module doc)
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self):
@@ -138,6 +145,13 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def spans(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The forwards a prefill runs [start, end) in (``start`` on a block boundary): block-aligned chunks
+        when ``exact``, else one."""
+        if self.exact:
+            return chunks(start, end, self.block)
+        return [(start, end)] if start < end else []
 
     def match(self, keys: Sequence[bytes], limit: int | None = None) -> list:
         """The payloads of the longest run of ``keys`` from the first that is
@@ -199,6 +213,11 @@ class PrefixCache:
         with self._lock:
             while self._blocks:
                 self._pop_oldest()
+
+    def reset(self) -> None:
+        """No block and every count back to zero (a bench after its warm-up)."""
+        self.clear()
+        self.stats = CacheStats()
 
     def _pop_oldest(self) -> int:
         _, block = self._blocks.popitem(last=False)

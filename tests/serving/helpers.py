@@ -38,18 +38,20 @@ _SERVER_FIELDS = {f.name for f in fields(ServerConfig)}
 def _split(cfg: dict) -> tuple[ServerConfig, dict, dict]:
     server = ServerConfig(**{k: cfg.pop(k) for k in list(cfg) if k in _SERVER_FIELDS})
     engine = dict(max_sessions=cfg.pop("max_sessions", 8), session_ttl=cfg.pop("session_ttl", 600.0),
-                  prefix_cache_tokens=cfg.pop("prefix_cache_tokens", 0))
+                  prefix_cache_tokens=cfg.pop("prefix_cache_tokens", 0),
+                  prefix_cache_exact=cfg.pop("prefix_cache_exact", False))
     return server, engine, cfg
 
 
 def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, dtype: str = "float32",
-                     prefix_cache_tokens: int = 0):
+                     prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
     def build():
         from specdec.model.loading import ModelSpec
         from verifier.engine import TargetModel, VerifierEngine
 
         return VerifierEngine(TargetModel(ModelSpec(str(paths["target"]), dtype=dtype)),
-                              max_sessions=max_sessions, ttl_s=session_ttl, prefix_cache_tokens=prefix_cache_tokens)
+                              max_sessions=max_sessions, ttl_s=session_ttl, prefix_cache_tokens=prefix_cache_tokens,
+                              prefix_cache_exact=prefix_cache_exact)
     return build
 
 
@@ -72,10 +74,11 @@ def oracle_dir(paths):
     return oracle
 
 
-def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0, prefix_cache_tokens: int = 0):
+def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0, prefix_cache_tokens: int = 0,
+                    prefix_cache_exact: bool = False):
     def build():
         drafter = _drafter(paths, kind, max_sessions, session_ttl)
-        drafter.use_prefix_cache(prefix_cache_tokens)
+        drafter.use_prefix_cache(prefix_cache_tokens, prefix_cache_exact)
         return drafter
     return build
 

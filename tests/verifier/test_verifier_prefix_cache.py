@@ -1,8 +1,9 @@
 """The verifier's prefix cache (``verifier.prefix``) and both engines in process:
-a hit changes no output bit (greedy and seeded sampled tokens, their
-logprobs), is counted, never crosses tenants, never serves a token a session
-did not commit, always runs the last prompt token, gives way to sessions
-under the KV budget, and works on the compiled path."""
+a hit leaves greedy and seeded sampled tokens as they are uncached (and, exact,
+every bit: tokens and logprobs of a hit equal a miss's), is counted, never
+crosses tenants, never serves a token a session did not commit, always runs
+the last prompt token, gives way to sessions under the KV budget, and works
+on the compiled path."""
 
 import pytest
 import torch
@@ -28,20 +29,38 @@ def tokens(n, seed, vocab):
 @pytest.fixture(scope="module")
 def stacks(tiny_family):
     spec, choice = ModelSpec(str(tiny_family["target"])), DrafterChoice("eagle", str(tiny_family["eagle"]))
-    return build_local(spec, choice), build_local(spec, choice, prefix_cache_tokens=16 * B)
+    return (build_local(spec, choice), build_local(spec, choice, prefix_cache_tokens=16 * B),
+            build_local(spec, choice, prefix_cache_tokens=16 * B, prefix_cache_exact=True))
+
+
+def exact_engine(target):
+    return VerifierEngine(target, prefix_cache_tokens=8 * B, prefix_cache_exact=True)
 
 
 @pytest.fixture
 def engine(stacks):
-    return VerifierEngine(stacks[0].verifier.target, prefix_cache_tokens=8 * B)
+    return exact_engine(stacks[0].verifier.target)
 
 
 def run(stack, prompt, params, salt=""):
     return generate(stack.verifier, stack.drafter, prompt, params, STOP, CFG, logprobs=0, cache_salt=salt)
 
 
-def test_hits_change_no_output_bit(stacks):
-    plain, cached = stacks
+def test_hits_leave_greedy_and_seeded_tokens_as_uncached(stacks):
+    plain, cached, _ = stacks
+    vocab = plain.verifier.target.vocab_size
+    system = tokens(2 * B + 10, 11, vocab)
+    for prompt in (system + tokens(9, 12, vocab), system + tokens(4, 13, vocab), system):
+        for params in (GREEDY, SAMPLED):
+            want, got = run(plain, prompt, params), run(cached, prompt, params)
+            assert got.tokens == want.tokens
+            for g, w in zip(got.logprobs, want.logprobs):         # float rounding, at most
+                assert abs(g.logprob - w.logprob) < 1e-4
+    assert cached.verifier.prefix.blocks.stats.hits == 5 and cached.drafter.prefix.stats.hits == 5
+
+
+def test_exact_hits_change_no_output_bit(stacks):
+    plain, _, cached = stacks
     vocab = plain.verifier.target.vocab_size
     system = tokens(2 * B + 10, 1, vocab)
     prompts = [system + tokens(9, 2, vocab), system + tokens(5, 3, vocab), system[:B + 3]]
@@ -83,8 +102,7 @@ def test_blocks_never_serve_what_a_session_did_not_commit(engine, stacks):
     engine.verify("open", tree_from_lists([prompt[B // 2 - 1], 11, 12], [-1, 0, 1]))
     probe = prompt + tokens(3, 7, vocab)
     got = engine.prefill("probe", probe, GREEDY, logprobs=2)
-    want = VerifierEngine(stacks[0].verifier.target, prefix_cache_tokens=8 * B).prefill("probe", probe, GREEDY,
-                                                                                        logprobs=2)
+    want = exact_engine(stacks[0].verifier.target).prefill("probe", probe, GREEDY, logprobs=2)
     assert engine.prefix.blocks.stats.saved_tokens == 2 * B
     assert (got.token, got.logprobs) == (want.token, want.logprobs) and torch.equal(got.features, want.features)
 
@@ -117,7 +135,7 @@ def test_the_compiled_path_hits_with_the_same_bits(tiny_family, stacks):
     eager = stacks[0].verifier.target
     fast = TargetModel(ModelSpec(str(tiny_family["target"])), model=eager.model)
     fast.compiled = startup.compile_target(fast.lm, "on")
-    engine = VerifierEngine(fast, prefix_cache_tokens=8 * B)
+    engine = exact_engine(fast)
     prompt = tokens(2 * B + 7, 10, eager.vocab_size)
     miss = engine.prefill("a", prompt, GREEDY, logprobs=3)
     assert engine.sessions.get("a").cache.fixed_buffers is not None       # a compiled-path cache

@@ -1,8 +1,8 @@
 """The drafters' prefix caches (``CachedTreeDrafter.prefill_prefix``): an EAGLE
 head's block is keyed by its inputs (f_i, x_{i+1}), so the block ending at
-position k needs tokens up to k, not k - 1; a hit loads the very K/V a fresh
-feed computes; the draft LM's blocks are keyed by its tokens; the n-gram
-drafter keeps nothing."""
+position k needs tokens up to k, not k - 1; a hit (exact) loads the very K/V
+a fresh feed computes; the draft LM's blocks are keyed by its tokens; the
+n-gram drafter keeps nothing."""
 
 import pytest
 import torch
@@ -18,7 +18,8 @@ CFG = TreeParams(method="eagle2", total_tokens=10, depth=4, expand_k=3)
 
 @pytest.fixture(scope="module")
 def verifier(tiny_family):
-    return VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))), prefix_cache_tokens=16 * B)
+    return VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))), prefix_cache_tokens=16 * B,
+                          prefix_cache_exact=True)
 
 
 def prefilled(verifier, prompt):
@@ -40,7 +41,8 @@ def same_state(a, b, sid) -> bool:
 
 
 def test_an_eagle_block_needs_the_token_after_it(tiny_family, verifier):
-    cached, fresh = (drafter_builder(tiny_family, "eagle", prefix_cache_tokens=16 * B)() for _ in range(2))
+    cached, fresh = (drafter_builder(tiny_family, "eagle", prefix_cache_tokens=16 * B, prefix_cache_exact=True)()
+                     for _ in range(2))
     vocab = verifier.target.vocab_size
     a = torch.randint(1, vocab, (2 * B + 5,), generator=torch.Generator().manual_seed(1)).tolist()
     b = a[:B] + [a[B] % (vocab - 1) + 1] + a[B + 1:]       # same tokens before position B, another at B
@@ -79,7 +81,8 @@ def test_an_eagle_block_keys_the_features_it_read(tiny_family, verifier):
 
 
 def test_the_draft_lm_hits_with_the_same_bits(tiny_family, verifier):
-    cached, fresh = (drafter_builder(tiny_family, "draft-lm", prefix_cache_tokens=16 * B)() for _ in range(2))
+    cached, fresh = (drafter_builder(tiny_family, "draft-lm", prefix_cache_tokens=16 * B, prefix_cache_exact=True)()
+                     for _ in range(2))
     prompt = torch.randint(1, verifier.target.vocab_size, (2 * B + 3,), generator=torch.Generator().manual_seed(3))
     tokens = prompt.tolist() + [5]
     cached.prefill("a", tokens)
