@@ -341,13 +341,12 @@ def copy_slots(cache, start: int, end: int) -> list[tuple[torch.Tensor, torch.Te
 
 @_in_inference_mode
 def append_blocks(cache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    """Append ``copy_slots`` blocks, in order, to every layer: one write per layer."""
-    if not blocks:
-        return
-    for layer_idx in range(len(blocks[0])):
-        keys = torch.cat([b[layer_idx][0] for b in blocks], dim=2)
-        values = torch.cat([b[layer_idx][1] for b in blocks], dim=2)
-        append(cache, layer_idx, keys, values)
+    """Append ``copy_slots`` blocks, in order, to every layer: each block copied
+    once, straight into the layer's buffer where it has the room (a
+    ``SlabLayer`` allocates its reservation at the first append)."""
+    for layer_idx in range(len(blocks[0]) if blocks else 0):
+        for block in blocks:
+            append(cache, layer_idx, *block[layer_idx])
 
 
 def slots_nbytes(slots: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
