@@ -140,6 +140,19 @@ class SlabLayer(DynamicLayer):
         self._len = self._vlen = end
 
     @_in_inference_mode
+    def append_many(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """``append`` each of keys[i], values[i] [B, heads, n_i, d] in turn, the room made once."""
+        end = self._len + sum(k.shape[-2] for k in keys)
+        if self._k is None or end > self.capacity:
+            self._grow(keys[0], values[0], end)
+        for k, v in zip(keys, values):
+            n = k.shape[-2]
+            self._k[:, :, self._len:self._len + n] = k
+            self._v[:, :, self._len:self._len + n] = v
+            self._len += n
+        self._vlen = self._len
+
+    @_in_inference_mode
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
         old = self.capacity
         # the caller's reservation once (exactly: a verifier's KV budget counts it), then by half
@@ -342,11 +355,16 @@ def copy_slots(cache, start: int, end: int) -> list[tuple[torch.Tensor, torch.Te
 @_in_inference_mode
 def append_blocks(cache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
     """Append ``copy_slots`` blocks, in order, to every layer: each block copied
-    once, straight into the layer's buffer where it has the room (a
-    ``SlabLayer`` allocates its reservation at the first append)."""
+    once, straight into a ``SlabLayer``'s buffer (grown once)."""
     for layer_idx in range(len(blocks[0]) if blocks else 0):
-        for block in blocks:
-            append(cache, layer_idx, *block[layer_idx])
+        layer = cache.layers[layer_idx]
+        if hasattr(layer, "append_many"):
+            if not layer.is_initialized:
+                layer.lazy_initialization(*blocks[0][layer_idx])
+            layer.append_many([b[layer_idx][0] for b in blocks], [b[layer_idx][1] for b in blocks])
+        else:
+            for block in blocks:
+                append(cache, layer_idx, *block[layer_idx])
 
 
 def slots_nbytes(slots: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
