@@ -153,3 +153,21 @@ def kv_equal(cache, prompt, eager) -> bool:
     want = eager.new_cache()
     eager.forward(want, torch.tensor(prompt), torch.arange(len(prompt)), None)
     return all(torch.allclose(g.keys, w.keys, atol=1e-4) for g, w in zip(cache.layers, want.layers))
+
+
+def test_sessions_opened_on_hits_verify_in_one_batch_as_alone(stacks):
+    target = stacks[0].verifier.target
+    prompt = tokens(2 * B + 3, 14, target.vocab_size)
+    batched, alone = exact_engine(target), exact_engine(target)
+    opened = []
+    for engine in (batched, alone):
+        engine.prefill("warm", prompt, GREEDY)
+        engine.release("warm")
+        opened.append([engine.prefill(sid, prompt + [i + 1], GREEDY).token for i, sid in enumerate("ab")])
+    firsts = opened[0]
+    assert opened[1] == firsts
+    trees = [tree_from_lists([first, 5, 6, 7], [-1, 0, 0, 1]) for first in firsts]
+    got = batched.verify_batch(list(zip("ab", trees)))
+    want = [alone.verify(sid, tree) for sid, tree in zip("ab", trees)]
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert batched.prefix.blocks.stats.hits == 2
