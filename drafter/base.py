@@ -1,4 +1,5 @@
-"""The drafter interface and the KV-cached tree expansion shared by model drafters.
+"""The drafter interface (sessions, commits, rollbacks, drafting ahead and the
+constraint a session drafts under); model drafters build on ``drafter.cached``.
 
 A drafter session mirrors the committed tokens. Its model has consumed a
 prefix of them (``fed``); the rest are *pending* and are fed at the start of
@@ -14,7 +15,6 @@ import json
 import math
 import os
 import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from specdec.model import kv
+from specdec.model import prefix_cache as pc
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.serving.sessions import SessionTable
-from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
-from specdec.tree.grammar import GrammarState, masked_expand
+from specdec.tree.build import DraftTree
+from specdec.tree.grammar import GrammarState
 from specdec.tree.proposals import ProposalSampler
-from drafter.ahead import draft_forest, likely_stops, stop_scores
 
 
 @dataclass
@@ -115,13 +115,21 @@ class Drafter(ABC):
         self.vocab_size = vocab_size
         self.sessions: SessionTable[DraftSession] = SessionTable(max_sessions, ttl_s)
         self.greedy_value_temperature = greedy_value_temperature
+        self.prefix = pc.PrefixCache(0)        # ``use_prefix_cache``: off until then
+
+    def use_prefix_cache(self, max_tokens: int, exact: bool = False) -> None:
+        """Keep the model's K/V of prompt prefixes for later sessions' prefills,
+        at most ``max_tokens`` tokens (0: off; ``exact``: block-aligned feeds,
+        ``specdec.model.prefix_cache``; ``CachedTreeDrafter.prefill_prefix``).
+        A drafter without a model (n-gram) has nothing to keep."""
 
     def prefill(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
-                greedy: bool = False, sampling: SamplingParams | None = None) -> None:
+                greedy: bool = False, sampling: SamplingParams | None = None, cache_salt: str = "") -> None:
         """tokens: prompt + first generated token; features: [len(tokens) - 1, H]
         target hidden states at the prompt positions (EAGLE only); greedy: the
         session's verifier decodes at temperature 0; sampling: the session's
-        sampling params (they set ``greedy``; None: top proposals only)."""
+        sampling params (they set ``greedy``; None: top proposals only);
+        cache_salt: prefix-cache blocks are shared between prefills of the same salt only."""
         if not tokens:
             raise InvalidArgument("drafter prefill needs at least one token")
         if self.needs_features and len(tokens) < 2:
@@ -144,6 +152,8 @@ class Drafter(ABC):
                 sess.grammar = None
             self._follow_grammar(sess, tokens[-1:])
         self._append(sess, tokens, features, first=True)
+        if self.prefix.on:
+            self.prefill_prefix(sess, cache_salt)
         self.sessions.add(sid, sess, replace=True)
 
     def commit(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
@@ -259,6 +269,9 @@ class Drafter(ABC):
         """How many model inputs ``n_tokens`` committed tokens make."""
         return n_tokens
 
+    def prefill_prefix(self, sess: DraftSession, salt: str) -> None:
+        """With the prefix cache on: feed the prompt now, cached blocks loaded (model drafters)."""
+
     def _append(self, sess: DraftSession, tokens: list[int], features, first: bool) -> None:
         bad = next((t for t in tokens if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
@@ -270,191 +283,3 @@ class Drafter(ABC):
                 raise InvalidArgument(f"EAGLE drafter needs features of shape [{want}, H], got {got}")
             sess.features.extend(features.float().unbind(0))
         sess.tokens.extend(int(t) for t in tokens)
-
-
-class CachedTreeDrafter(Drafter):
-    """A drafter whose model runs over a KV cache (EAGLE head or small LM)."""
-
-    drafts_ahead = True
-    samples_proposals = True
-
-    @abstractmethod
-    def new_cache(self): ...
-
-    @abstractmethod
-    def feed_pending(self, sess: DraftSession) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed inputs [fed, total) into the cache; return (last hidden [H], log-probs [V])."""
-
-    @abstractmethod
-    def step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,
-              positions: torch.Tensor, allowed: torch.Tensor,
-              key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One tree level: tokens [k], parent_hidden [k, H], positions [k]; allowed
-        [k, cache + k] bool (which slots each node sees), key_positions [cache + k]
-        (the position of the token in each slot). Returns hidden [k, H], log-probs [k, V]."""
-
-    def draft_whole(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
-                    cfg: TreeParams) -> tuple[DraftTree, torch.Tensor] | None:
-        """A top-proposal draft of ``cfg`` after the root in one call (the tree and
-        its nodes' outputs [n, H] fp32, as the level-by-level path records them),
-        or None: draft it level by level."""
-        return None
-
-    def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
-        return self._build(sess, cfg, record=False)[0]
-
-    def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
-        return self._build(sess, cfg, record=True)
-
-    @torch.inference_mode()
-    def _draft_ahead(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
-                     tokens_left: int, budget_s: float = 0.0) -> list[tuple[list[int], DraftTree]]:
-        """For each likely accepted path (likeliest first, while the budget lasts):
-        a tree rooted at its last node, one level deeper and twice the size,
-        whose first level holds candidates for the bonus token (never a child
-        the current tree already had there: the verifier would have accepted
-        it); under each candidate b, the subtree is the tree for the outcome
-        (path, b)."""
-        start = time.perf_counter()
-        if sess.cache is None:
-            sess.cache = self.new_cache()
-        if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
-            sess.root_out = self.feed_pending(sess)     # the real commit stays fed
-        if cfg.method == "eagle2":
-            return self._draft_forest(sess, current, cfg, count, tokens_left, budget_s)
-        root_hidden = sess.root_out[0]
-        kids = current.tree.children()
-        out = []
-        for drafted, path in enumerate(likely_stops(current.tree, count)):
-            spent = time.perf_counter() - start
-            if drafted and budget_s and spent + spent / drafted > budget_s:
-                break                   # the next path would end after the verify it hides behind
-            accepted = current.tree.tokens[path[1:]].tolist()
-            left = tokens_left - len(accepted) - 1 if tokens_left else 0   # wanted after (path, bonus)
-            if tokens_left and left <= 1:
-                continue
-            depth = cfg.depth if not tokens_left else min(cfg.depth, left - 1)
-            big = replace(cfg, depth=depth + 1, total_tokens=2 * cfg.total_tokens)
-            # the target's features along the path, as the drafter predicted them
-            feats = (torch.stack([root_hidden, *current.hidden[path[1:-1]]]) if self.needs_features and accepted
-                     else None)
-            taken = current.tree.tokens[kids[path[-1]]].tolist()
-            tree, rec = self._on_outcome(sess, accepted, feats, big, taken)
-            for child in tree.children()[0]:
-                sub, keep = subtree(tree, child, cfg.total_tokens)
-                sub_rec = TreeRecord(sub, rec.hidden[keep])
-                commit = accepted + [int(tree.tokens[child])]
-                sess.ahead[tuple(commit)] = sub_rec
-                out.append((commit, sub))
-        return out
-
-    def _draft_forest(self, sess: DraftSession, current: TreeRecord, cfg: TreeParams, count: int,
-                      tokens_left: int, budget_s: float) -> list[tuple[list[int], DraftTree]]:
-        """EAGLE-2 trees drafted ahead together (``drafter.ahead``) for the likeliest
-        accepted paths: ``count`` of them, fewer when the last forest's time per
-        path says more would not fit in ``budget_s``."""
-        if budget_s and sess.ahead_s_per_end:
-            count = max(1, min(count, int(budget_s / sess.ahead_s_per_end)))
-        scores = stop_scores(current.tree)
-        ends = []
-        for node in torch.sort(scores, descending=True, stable=True).indices.tolist():
-            if len(ends) == count:
-                break
-            left = tokens_left - int(current.tree.depths[node]) - 1 if tokens_left else 0   # after the bonus
-            if tokens_left and left <= 1:
-                continue
-            ends.append((node, float(scores[node]), cfg.depth if not tokens_left else min(cfg.depth, left - 1)))
-        if not ends:
-            return []
-        start, committed = time.perf_counter(), kv.seq_len(sess.cache)
-        try:
-            outcomes = draft_forest(lambda *args: self.step(sess, *args), current.tree, current.hidden, sess.root_out,
-                                    committed, ends, cfg.total_tokens, cfg.expand_k, cfg.value_temperature or 1.0)
-        finally:
-            kv.truncate(sess.cache, committed)
-        sess.ahead_s_per_end = (time.perf_counter() - start) / len(ends)
-        for o in outcomes:
-            sess.ahead[tuple(o.commit)] = TreeRecord(o.tree, o.hidden)
-        return [(o.commit, o.tree) for o in outcomes]
-
-    def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeParams, exclude: list[int]):
-        """Draft (recorded) as if ``accepted`` had been committed, with ``exclude``
-        kept off the first level; then put the session back."""
-        n_tokens, n_feats, fed, root_out = len(sess.tokens), len(sess.features), sess.fed, sess.root_out
-        try:
-            if accepted:
-                self._append(sess, accepted, feats, first=False)
-            return self._build(sess, cfg, record=True, exclude=exclude)
-        finally:
-            del sess.tokens[n_tokens:]
-            del sess.features[n_feats:]
-            kv.truncate(sess.cache, fed)
-            sess.fed, sess.root_out = fed, root_out
-
-    @torch.inference_mode()
-    def _build(self, sess: DraftSession, cfg: TreeParams, record: bool,
-               exclude: list[int] | None = None) -> tuple[DraftTree, TreeRecord | None]:
-        """The tree (and its record); ``exclude``: tokens kept off the first level
-        (the others' log-probs renormalised)."""
-        if sess.cache is None:
-            sess.cache = self.new_cache()
-        if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
-            sess.root_out = self.feed_pending(sess)
-        root_hidden, root_logp = sess.root_out    # a second draft with nothing new reuses it
-        if exclude:
-            root_logp = root_logp.clone()
-            root_logp[exclude] = -math.inf
-            root_logp = root_logp - torch.logsumexp(root_logp, dim=-1)
-        committed = kv.seq_len(sess.cache)
-        root_pos = committed - 1
-        hidden = {0: root_hidden}          # pool id -> model output at that node
-        slot: dict[int, int] = {}          # pool id -> draft KV slot (0-based after `committed`)
-        parent_of: dict[int, int] = {0: -1}
-
-        slot_pos = torch.arange(committed)   # position of the token in each cache slot
-
-        def expand(frontier: Frontier) -> torch.Tensor:
-            nonlocal slot_pos
-            if frontier.depth == 0:
-                return root_logp[None]
-            nodes, parents = frontier.nodes.tolist(), frontier.parents.tolist()
-            k, used = len(nodes), len(slot)
-            allowed = torch.zeros(k, committed + used + k, dtype=torch.bool)
-            allowed[:, :committed] = True
-            rows, cols = [], []            # the draft slots each node sees: its ancestors' and its own
-            for row, (node, parent) in enumerate(zip(nodes, parents)):
-                parent_of[node] = parent
-                a = parent
-                while a > 0:               # the root's input is committed, not a draft slot
-                    rows.append(row)
-                    cols.append(committed + slot[a])
-                    a = parent_of[a]
-                rows.append(row)
-                cols.append(committed + used + row)
-            allowed[rows, cols] = True
-            positions = torch.full((k,), root_pos + frontier.depth, dtype=torch.long)
-            slot_pos = torch.cat([slot_pos, positions])
-            parent_h = torch.stack([hidden[p] for p in parents])
-            out_h, logp = self.step(sess, frontier.tokens, parent_h, positions, allowed, slot_pos)
-            for row, node in enumerate(nodes):
-                slot[node] = used + row
-                hidden[node] = out_h[row]
-            return logp
-
-        try:
-            whole = None if exclude or cfg.proposals == "sampled" or sess.grammar is not None else \
-                self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg)
-            if whole is not None:            # the whole draft in one graph (drafter.compiled.whole_draft)
-                return whole[0], TreeRecord(whole[0], whole[1]) if record else None
-            if sess.grammar is not None:
-                expand = masked_expand(expand, sess.grammar)
-            tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
-            if not record:
-                return tree, None
-            # a path the verifier may accept feeds the outputs of its nodes that have
-            # children: those were all expanded
-            none = torch.zeros_like(root_hidden)
-            rec = TreeRecord(tree, torch.stack([hidden.get(n, none) for n in ids.tolist()]).float().cpu())
-            return tree, rec
-        finally:
-            kv.truncate(sess.cache, committed)

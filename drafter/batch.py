@@ -56,7 +56,8 @@ from specdec.request.params import TreeParams
 from specdec.serving.batching import BatchScheduler
 from specdec.tree.build import DraftTree, Frontier, build_tree, tree_from_lists
 from specdec.tree.grammar import masked_expand
-from drafter.base import CachedTreeDrafter, Drafter, DraftSession
+from drafter.base import Drafter, DraftSession
+from drafter.cached import CachedTreeDrafter
 from drafter.draft_lm import DraftLmDrafter
 from drafter.eagle.eagle2 import FeatureHeadDrafter
 from drafter.medusa import MedusaDrafter

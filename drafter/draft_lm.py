@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 
 from specdec.compile.startup import compile_target
+from specdec.model import prefix_cache as pc
 from specdec.model.causal_lm import CausalLm
 from specdec.model.loading import ModelSpec, load_causal_lm
-from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
+from drafter.base import DraftSession, read_value_temperature
+from drafter.cached import CachedTreeDrafter
 
 
 class DraftLmDrafter(CachedTreeDrafter):
@@ -47,12 +49,20 @@ class DraftLmDrafter(CachedTreeDrafter):
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]
         return out, self.logprobs(out)
 
-    def feed_pending(self, sess: DraftSession):
-        start, end = sess.fed, len(sess.tokens)
+    def feed_pending(self, sess: DraftSession, end: int | None = None):
+        start, end = sess.fed, len(sess.tokens) if end is None else end
         tokens = torch.tensor(sess.tokens[start:end], dtype=torch.long)
         out, logp = self._run(sess, tokens, torch.arange(start, end), None)
         sess.fed = end
         return out[-1], logp[-1]
+
+    def block_contents(self, sess: DraftSession, inputs: int):
+        block = self.prefix.block             # input t is token t
+        return (pc.token_bytes(sess.tokens[a:a + block]) for a in range(0, inputs - block + 1, block))
+
+    def fit_cache(self, cache, n: int) -> None:
+        if self.compiled is not None:
+            self.compiled.fit(cache, n)
 
     def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
         return self._run(sess, tokens, positions, self.lm.masks(allowed[None], positions[None], key_positions[None]))

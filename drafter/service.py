@@ -34,7 +34,8 @@ import torch
 from specdec.model import kv
 from specdec.request import wire
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import TreeParams, check_count, check_owner, check_session_id, check_token_ids
+from specdec.request.params import (TreeParams, check_cache_salt, check_count, check_owner, check_session_id,
+                                    check_token_ids)
 from specdec.serving import metrics, tensor_wire
 from specdec.serving.engine_servicer import EngineServicer
 from specdec.serving.sessions import DEFAULT_LEASE_S
@@ -111,6 +112,9 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
     def _kv_bytes(self) -> int:
         return sum(kv.nbytes(s.cache) for _, s in self.drafter.sessions.items() if s.cache is not None)
 
+    def _prefix_cache(self):
+        return self.drafter.prefix if self.drafter is not None else None
+
     def _feature_tensor(self, msg, field: str, rows: int) -> torch.Tensor | None:
         feats = tensor_wire.tensor_from_proto(msg, field)
         if not self.drafter.needs_features:
@@ -164,8 +168,9 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         feats = self._feature_tensor(request.features, "features", len(tokens) - 1)
         sampling = wire.sampling_from_proto(request.sampling) if request.HasField("sampling") else None
         owner = check_owner(request.owner)
+        salt = check_cache_salt(request.cache_salt)
         _, seconds = await self.open_session(context, sid, owner, self.drafter.prefill, sid, tokens, feats,
-                                             request.greedy, sampling)
+                                             request.greedy, sampling, salt)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         return drafter_pb2.DrafterPrefillResponse()
 

@@ -136,8 +136,10 @@ class RemoteVerifier(Backend):
     session_request = verifier_pb2.VerifierSessionRequest
 
     def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases,
-                 logprobs: int | None = None, streams: bool = True, prompt_logprobs: int | None = None):
+                 logprobs: int | None = None, streams: bool = True, prompt_logprobs: int | None = None,
+                 cache_salt: str = ""):
         super().__init__(pool, session_id, deadline, leases, streams)
+        self.cache_salt = cache_salt             # the verifier's prefix cache shares blocks within it
         self.logprobs = logprobs                 # top alternatives per token's logprob; None: no logprobs
         self.prompt_logprobs = prompt_logprobs   # the same for the prompt's tokens (the Prefill's)
         self.opened = False                      # the pinned verifier answered the session's Prefill
@@ -164,7 +166,8 @@ class RemoteVerifier(Backend):
         first = await self.on_verifier("Prefill", verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=prompt, sampling=self.sampling, max_new_tokens=max_new_tokens,
             return_features=features, owner=self.leases.owner, logprobs=self.logprobs,
-            feature_layers=self.feature_layers if features else [], prompt_logprobs=self.prompt_logprobs))
+            feature_layers=self.feature_layers if features else [], prompt_logprobs=self.prompt_logprobs,
+            cache_salt=self.cache_salt))
         self.opened = True
         self.committed = [*prompt, first.token]
         scored = wire.logprobs_from_proto(first.prompt_logprobs) if self.prompt_logprobs is not None else None
@@ -208,7 +211,7 @@ class RemoteVerifier(Backend):
         request = verifier_pb2.VerifierPrefillRequest(
             session_id=self.session_id, prompt_ids=self.committed, sampling=self.sampling,
             max_new_tokens=max(remaining, 0), resume=True, owner=self.leases.owner, logprobs=self.logprobs,
-            prompt_tokens=self.prompt_len, feature_layers=self.feature_layers)
+            prompt_tokens=self.prompt_len, feature_layers=self.feature_layers, cache_salt=self.cache_salt)
         while True:
             try:
                 await self.call("Prefill", request)
@@ -252,8 +255,10 @@ class RemoteDrafter(Backend):
     stream_steps = {"Prefill": "prefill", "Draft": "draft", "DraftAhead": "draft_ahead"}
     session_request = drafter_pb2.DrafterSessionRequest
 
-    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases, streams: bool = True):
+    def __init__(self, pool: Pool, session_id: str, deadline: Deadline, leases: Leases, streams: bool = True,
+                 cache_salt: str = ""):
         super().__init__(pool, session_id, deadline, leases, streams)
+        self.cache_salt = cache_salt              # the drafter's prefix cache shares blocks within it
         self.features: FeatureLog | None = None   # every feature row, kept while an EAGLE drafter may need them
         self.feature_layers: list[int] = []       # the target layers those rows come from
         self.committed: list[int] = []            # every token this handle was given
@@ -379,7 +384,8 @@ class RemoteDrafter(Backend):
             request = drafter_pb2.DrafterPrefillRequest(
                 session_id=self.session_id, token_ids=self.committed,
                 features=self.features.tensor() if self.endpoint.info.needs_features else None,
-                greedy=self.sampling.temperature <= 0.0, sampling=self.sampling, owner=self.leases.owner)
+                greedy=self.sampling.temperature <= 0.0, sampling=self.sampling, owner=self.leases.owner,
+                cache_salt=self.cache_salt)
             try:
                 await self.call("Prefill", request)
             except BackendError as exc:

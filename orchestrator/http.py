@@ -136,8 +136,9 @@ class Run:
     GONE = Event(-1)
 
     def __init__(self, service: OrchestratorService, requests: list, timeout_s: float | None, receive,
-                 stream: bool):
+                 stream: bool, tenant: str = ""):
         self.service = service
+        self.tenant = tenant                    # the caller's bearer token (``OrchestratorService.generate``)
         self.timeout_s = timeout_s
         self.stream = stream                    # False: only each choice's end is an event
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -154,7 +155,7 @@ class Run:
 
         cap = None if self.timeout_s is None else self.timeout_s + TIMEOUT_GRACE_S
         try:
-            results = await asyncio.wait_for(self.service.generate(request, emit, self.timeout_s), cap)
+            results = await asyncio.wait_for(self.service.generate(request, emit, self.timeout_s, self.tenant), cap)
         except Exception as exc:
             self.queue.put_nowait(Event(first, error=exc))
         else:
@@ -195,6 +196,12 @@ class Run:
 def sse(obj) -> bytes:
     text = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
     return f"data: {text}\n\n".encode()
+
+
+def bearer(request: Request) -> str:
+    """The bearer token an HTTP caller presented ("" for none): its tenant."""
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else ""
 
 
 class OpenAIApi:
@@ -251,7 +258,7 @@ class OpenAIApi:
             tool = schema.called_tool(req)
         except SpecdecError as exc:
             return api_error(exc, req).response()
-        run = Run(self.service, requests, self.config.timeout_s, request.receive, req.stream)
+        run = Run(self.service, requests, self.config.timeout_s, request.receive, req.stream, bearer(request))
         meta = (kind, schema.new_id(kind), int(time.time()), model)
         try:
             if req.stream:

@@ -65,6 +65,7 @@ class Job:
     tree: TreeParams | None           # explicit knobs; None: root-only trees
     logprobs: int | None = None       # top alternatives per token's logprob; None: no logprobs
     prompt_logprobs: int | None = None  # the same for the prompt's tokens but the first
+    cache_salt: str = ""              # the backends' prefix caches share blocks within one salt only
 
 
 class Generation:
@@ -80,8 +81,9 @@ class Generation:
         self.request = Request(prompt=list(job.prompt_ids), sampling=job.sampling, tree=job.tree,
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
         self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases,
-                                              job.logprobs, streams, job.prompt_logprobs)
-        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams)
+                                              job.logprobs, streams, job.prompt_logprobs, job.cache_salt)
+        self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams,
+                                             job.cache_salt)
                                if job.tree is not None
                                else None)
         if self.remote_drafter is not None and ahead_budget:

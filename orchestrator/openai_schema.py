@@ -105,6 +105,7 @@ class CommonRequest(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str = ""                      # vLLM's: prefix-cache isolation within the caller's tenant
 
 
 class CompletionRequest(CommonRequest):
@@ -211,7 +212,7 @@ def generation_request(req: CommonRequest, prompt: str, request_id: str = "") ->
     return GenerationRequest(prompt=prompt, max_new_tokens=max_tokens or 0, sampling=sampling, stop=stop,
                              tree=TreeRequest(method=req.method or ""),
                              request_id=request_id, n=req.n, logprobs=logprobs, prompt_only=prompt_only,
-                             prompt_logprobs=logprobs if echoes(req) else None)
+                             prompt_logprobs=logprobs if echoes(req) else None, cache_salt=req.cache_salt)
 
 
 def called_tool(req: CommonRequest) -> str | None:

@@ -35,7 +35,7 @@ from typing import Awaitable, Callable, Sequence
 from specdec.request import wire
 from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.errors import InvalidArgument, Unavailable
-from specdec.request.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, choice_seed
+from specdec.request.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, backend_salt, choice_seed
 from specdec.serving import metrics
 from specdec.serving.logs import request_id_var
 from specdec.serving.server import ClientTls, Lifecycle, status_code_of
@@ -243,10 +243,10 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         except InvalidArgument:
             metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
             raise
-        return await self.generate(request, emit, context.time_remaining())
+        return await self.generate(request, emit, context.time_remaining(), bearer_token(context))
 
     async def generate(self, request: GenerationRequest, emit: Emit,
-                       timeout: float | None = None) -> list[GenerationResult]:
+                       timeout: float | None = None, tenant: str = "") -> list[GenerationResult]:
         """Run one validated request to its end, its ``n`` choices concurrently
         (each its own sessions), passing each final chunk to ``emit`` with its
         choice and its tokens' logprobs: the one generation path of every
@@ -254,7 +254,10 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         ``orchestrator.http``). Returns the choices in order. Errors are
         raised as ``SpecdecError``s (their ``code`` is the status); the first
         failing choice cancels the others; cancelling the caller's task stops
-        the generations and releases their sessions."""
+        the generations and releases their sessions. ``tenant``: the caller's
+        bearer token ("" for none); with the request's ``cache_salt`` it
+        decides which cached prompt prefixes the backends may reuse for it
+        (``specdec.request.params.backend_salt``)."""
         start = time.perf_counter()
         status = "OK"
         gens: list[Generation] = []
@@ -267,7 +270,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             if self.verifier_info is None:
                 raise Unavailable("not ready: waiting for a verifier")
             self.lifecycle.check(opens_session=True)
-            gens = self._prepare(request, deadline)
+            gens = self._prepare(request, deadline, backend_salt(tenant, request.cache_salt))
             await run_all([gen.run(partial(choice_emit, emit, i, gen)) for i, gen in enumerate(gens)])
             for gen in gens:
                 gen.dec.finish()
@@ -289,7 +292,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 self._count(gen, status)
 
     # -- requests -------------------------------------------------------------------------
-    def _prepare(self, request: GenerationRequest, deadline: Deadline) -> list[Generation]:
+    def _prepare(self, request: GenerationRequest, deadline: Deadline, salt: str = "") -> list[Generation]:
         """Apply this server's defaults and limits, tokenize; INVALID_ARGUMENT
         names the field. One generation per choice: choice i samples with
         ``choice_seed(seed, i)``, so a seeded request reproduces every choice.
@@ -308,14 +311,14 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             raise InvalidArgument(f"prompt is too long: {len(prompt_ids)} tokens + max_new_tokens {max_new} "
                                   f"exceed the model's context of {context} tokens")
         return [self._generation(prompt_ids, max_new, replace(sampling, seed=choice_seed(sampling.seed, i)),
-                                 tree, request, deadline) for i in range(request.n)]
+                                 tree, request, deadline, salt) for i in range(request.n)]
 
     def _generation(self, prompt_ids: list[int], max_new: int, sampling, tree: TreeParams | None,
-                    request: GenerationRequest, deadline: Deadline) -> Generation:
+                    request: GenerationRequest, deadline: Deadline, salt: str = "") -> Generation:
         text = TextStream(self.tokenizer, list(request.stop))
         stop = StopCriteria(max_new_tokens=max_new, eos_ids=self.tokenizer.eos_ids, stop_check=text.stop_check)
         job = Job(session_id=uuid.uuid4().hex, prompt_ids=prompt_ids, max_new_tokens=max_new, sampling=sampling,
-                  tree=tree, logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
+                  tree=tree, logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs, cache_salt=salt)
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": tree.method if tree else VANILLA})
@@ -374,6 +377,15 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             "tau": round(s.tau, 3), "finish_reason": gen.dec.finish_reason, "wall_s": round(s.wall_s, 4),
             "verifier": gen.verifier.address if gen.verifier else None,
             "drafter": gen.drafter.address if gen.drafter else None, "moves": gen.moves})
+
+
+def bearer_token(context) -> str:
+    """The bearer token a gRPC caller presented ("" for none): its tenant."""
+    for key, value in (context.invocation_metadata() or ()) if context is not None else ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
 
 
 async def choice_emit(emit: Emit, index: int, gen: Generation, delta: Delta) -> None:

@@ -41,12 +41,14 @@ class LocalStack:
 
 
 def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None,
-                tree_sizing: str = "fixed") -> LocalStack:
+                tree_sizing: str = "fixed", prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False) -> LocalStack:
+    """``prefix_cache_tokens``, ``prefix_cache_exact``: both engines' prefix caches (0: off)."""
     from verifier.engine import TargetModel, VerifierEngine
 
     tok = load_tokenizer(tokenizer_dir or target.path)
     grammar_tok = llguidance.hf.from_tokenizer(tok)       # structured output (specdec.tree.grammar)
-    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, grammar_tokenizer=grammar_tok)
+    verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, grammar_tokenizer=grammar_tok,
+                              prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle.eagle3 import load_eagle_drafter
@@ -71,6 +73,7 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
         raise ValueError(f"unknown drafter {choice.kind!r}")
     if drafter is not None:
         drafter.grammar_tokenizer = grammar_tok
+        drafter.use_prefix_cache(prefix_cache_tokens, prefix_cache_exact)
     return LocalStack(verifier, drafter, tok)
 
 
@@ -80,9 +83,10 @@ class LocalVerifier:
     network_s = 0.0
 
     def __init__(self, engine, sid: str, logprobs: int | None = None, feature_layers: tuple[int, ...] = (),
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, cache_salt: str = ""):
         self.engine = engine
         self.sid = sid
+        self.cache_salt = cache_salt               # prefix-cache isolation (``VerifierEngine.prefill``)
         self.logprobs = logprobs                   # top alternatives per token's logprob; None: no logprobs
         self.prompt_logprobs = prompt_logprobs     # the same for the prompt's tokens (the prefill's)
         self.feature_layers = feature_layers       # the drafter's (``VerifierEngine.prefill``)
@@ -96,7 +100,7 @@ class LocalVerifier:
                       features: bool) -> Committed:
         first = self.engine.prefill(self.sid, prompt, sampling, max_new_tokens, logprobs=self.logprobs,
                                     feature_layers=self.feature_layers if features else (),
-                                    prompt_logprobs=self.prompt_logprobs)
+                                    prompt_logprobs=self.prompt_logprobs, cache_salt=self.cache_salt)
         self.root = first.token
         return Committed([first.token], [], first.features, first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
@@ -125,9 +129,10 @@ class LocalDrafter:
 
     network_s = 0.0
 
-    def __init__(self, engine, sid: str):
+    def __init__(self, engine, sid: str, cache_salt: str = ""):
         self.engine = engine
         self.sid = sid
+        self.cache_salt = cache_salt               # prefix-cache isolation (``Drafter.prefill``)
 
     @property
     def needs_features(self) -> bool:
@@ -138,7 +143,8 @@ class LocalDrafter:
         return self.engine.drafts_ahead
 
     async def prefill(self, tokens: list[int], features, sampling: SamplingParams) -> None:
-        self.engine.prefill(self.sid, tokens, features if self.needs_features else None, sampling=sampling)
+        self.engine.prefill(self.sid, tokens, features if self.needs_features else None, sampling=sampling,
+                            cache_salt=self.cache_salt)
 
     async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft:
         if commits:
@@ -164,7 +170,7 @@ class LocalDrafter:
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
-             logprobs: int | None = None, prompt_logprobs: int | None = None) -> Decoding:
+             logprobs: int | None = None, prompt_logprobs: int | None = None, cache_salt: str = "") -> Decoding:
     """Run one request to completion through the speculative loop
     (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
@@ -174,14 +180,15 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     services draft them during it, so both use the same trees. ``logprobs``:
     each token's raw logprob with that many top alternatives, in
     ``Decoding.logprobs`` (None: none); ``prompt_logprobs``: the prompt's, in
-    ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only."""
+    ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only.
+    ``cache_salt``: the engines' prefix caches share blocks within one salt only."""
     sid = uuid.uuid4().hex
     request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
 
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))
-        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs),
-                                          LocalDrafter(drafter, sid) if drafter is not None else None,
+        return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs, cache_salt),
+                                          LocalDrafter(drafter, sid, cache_salt) if drafter is not None else None,
                                           request, Decoding(stop, min_tau))
 
     # the engines are synchronous: the loop never waits on I/O, asyncio only sequences it

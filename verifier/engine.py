@@ -29,6 +29,7 @@ from specdec.tree.grammar import GrammarState
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
+from verifier.prefix import TargetPrefixCache
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 
 __all__ = ["PrefillResult", "TargetModel", "TargetSession", "VerifierEngine", "VerifyResult"]
@@ -39,6 +40,12 @@ class VerifierEngine:
     admitted if its worst case (prompt + max_new_tokens + one full tree of
     ``max_tree_tokens``) fits next to every admitted session's worst case: a
     running session can never run the cache out of memory.
+
+    ``prefix_cache_tokens`` (0: off): the committed K/V and features of prompt
+    prefixes kept for later sessions' prefills, at most this many tokens
+    (``verifier.prefix``); they count against ``kv_budget_bytes`` too, and go
+    first when a session needs the room; ``prefix_cache_exact``: a hit gives
+    the very bits of a miss (``specdec.model.prefix_cache``).
 
     ``tree_sizing``: "cost" gives the engine a ``TreeSizer`` (``sizer``)
     that whoever verifies through it (in-process generation, the gRPC
@@ -51,9 +58,10 @@ class VerifierEngine:
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
                  kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed",
-                 grammar_tokenizer=None):
+                 grammar_tokenizer=None, prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
         self.target = target
         self.grammar_tokenizer = grammar_tokenizer
+        self.prefix = TargetPrefixCache(target, prefix_cache_tokens, prefix_cache_exact)
         try:
             self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         except ValueError as exc:
@@ -70,7 +78,7 @@ class VerifierEngine:
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams,
                 max_new_tokens: int = 0, resume: bool = False, logprobs: int | None = None,
                 prompt_tokens: int = 0, feature_layers: tuple[int, ...] = (),
-                prompt_logprobs: int | None = None) -> PrefillResult:
+                prompt_logprobs: int | None = None, cache_salt: str = "") -> PrefillResult:
         """Run the prompt, pick the first token, open the session.
 
         ``resume``: ``prompt`` is a session's whole committed sequence, moved
@@ -85,7 +93,10 @@ class VerifierEngine:
         EAGLE-3 drafter's), or the final hidden state when empty (EAGLE-1/2's).
         ``prompt_logprobs``: also return the raw logprob of every prompt token
         after the first, given the tokens before it, with this many top
-        alternatives, from this forward's logits (None: none; not on resume)."""
+        alternatives, from this forward's logits (None: none; not on resume;
+        the prefix cache is then not looked up: every prompt token is scored).
+        ``cache_salt``: the tenant's (and request's) salt: prefix-cache blocks
+        are only shared between prefills of the same salt."""
         params.validate()
         feature_layers = self.target.check_feature_layers(feature_layers)
         check_tokens(self.target, prompt, "prompt")
@@ -103,10 +114,15 @@ class VerifierEngine:
         need = slots * self.target.kv_bytes_per_token
         with self._admission:          # reserve before computing, so concurrent prefills can't overshoot
             self.sessions.evict_idle()
-            if self.kv_budget_bytes is not None and self.reserved_bytes() + need > self.kv_budget_bytes:
-                raise ResourceExhausted(
-                    f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
-                    f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
+            if self.kv_budget_bytes is not None:
+                # sessions come first: cached prefixes make room before a session is refused
+                over = self.reserved_bytes() + self.prefix.blocks.nbytes + need - self.kv_budget_bytes
+                if over > 0:
+                    self.prefix.blocks.evict_bytes(over)
+                if self.reserved_bytes() + self.prefix.blocks.nbytes + need > self.kv_budget_bytes:
+                    raise ResourceExhausted(
+                        f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
+                        f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
             generator = make_generator(params.seed)
             sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need,
                                  logprobs=logprobs, feature_layers=feature_layers)
@@ -121,15 +137,14 @@ class VerifierEngine:
                 if params.penalized:
                     sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens))
                 sess.grammar = self._grammar(params, sess.tokens, prompt_tokens or len(sess.tokens))
-                ids = torch.tensor(prompt[:-1], dtype=torch.long)
-                hidden, _ = self.target.forward(sess.cache, ids, torch.arange(len(ids)), None, feature_layers)
+                hidden, _ = self._run_prompt(sess.cache, prompt[:-1], feature_layers, cache_salt)
                 first = prompt[-1]
             else:
-                ids = torch.tensor(prompt, dtype=torch.long)
                 if params.penalized:
                     sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt))
                 sess.grammar = self._grammar(params, sess.tokens, prompt_tokens or len(prompt))
-                hidden, logits = self.target.forward(sess.cache, ids, torch.arange(len(prompt)), None, feature_layers)
+                hidden, logits = self._run_prompt(sess.cache, prompt, feature_layers, cache_salt,
+                                                  all_logits=prompt_logprobs is not None)
                 counts = None if sess.history is None else sess.history.counts()
                 allowed = None if sess.grammar is None else sess.grammar.mask()
                 probs = target_probs(logits[-1], params, counts, allowed)
@@ -143,6 +158,7 @@ class VerifierEngine:
             raise
         else:
             sess.commit([first])
+            self._fit_budget()
         finally:
             sess.lock.release()
         return PrefillResult(first, hidden, first_logprobs, scored)
@@ -152,6 +168,23 @@ class VerifierEngine:
         if params.constraint is None:
             return None
         return GrammarState(self.grammar_tokenizer, params.constraint, self.target.vocab_size, tokens, prompt_len)
+
+    def _run_prompt(self, cache, tokens: list[int], feature_layers: tuple[int, ...], salt: str,
+                    all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens`` into ``cache``: (features [n, F], logits [n, V], the last
+        row at least: every row with ``all_logits``), through the prefix cache when on."""
+        if self.prefix.on:
+            return self.prefix.prefill(cache, tokens, feature_layers, salt, lookup=not all_logits,
+                                       all_logits=all_logits)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        return self.target.forward(cache, ids, torch.arange(len(tokens)), None, feature_layers)
+
+    def _fit_budget(self) -> None:
+        """Cached prefixes within what the sessions' reservations leave of the KV budget."""
+        if self.kv_budget_bytes is not None:
+            over = self.reserved_bytes() + self.prefix.blocks.nbytes - self.kv_budget_bytes
+            if over > 0:
+                self.prefix.blocks.evict_bytes(over)
 
     def release(self, sid: str) -> bool:
         if self.sizer is not None:
@@ -191,4 +224,5 @@ class VerifierEngine:
         return list(self.sessions.get(sid).tokens)
 
     def kv_bytes(self) -> int:
+        """Bytes the open sessions' caches hold (the prefix cache's: ``prefix.blocks.nbytes``)."""
         return sum(kv.nbytes(s.cache) for _, s in self.sessions.items())

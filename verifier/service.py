@@ -24,8 +24,8 @@ from typing import Callable
 
 from specdec.request import wire
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import (SamplingParams, check_count, check_logprobs, check_owner, check_session_id,
-                                    check_token_ids)
+from specdec.request.params import (SamplingParams, check_cache_salt, check_count, check_logprobs, check_owner,
+                                    check_session_id, check_token_ids)
 from specdec.serving import metrics, tensor_wire
 from specdec.serving.engine_servicer import EngineServicer
 from specdec.serving.sessions import DEFAULT_LEASE_S
@@ -115,6 +115,9 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     def _kv_bytes(self) -> int:
         return self.engine.kv_bytes() if self.engine is not None else 0
 
+    def _prefix_cache(self):
+        return self.engine.prefix.blocks if self.engine is not None else None
+
     def _features(self, features):
         return tensor_wire.tensor_to_proto(features, self.config.feature_dtype)
 
@@ -134,9 +137,10 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         prompt_logprobs = check_logprobs(request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
                                          "prompt_logprobs")
         prompt_tokens = check_count(request.prompt_tokens, "prompt_tokens", note="0 = all")
+        salt = check_cache_salt(request.cache_salt)
         result, seconds = await self.open_session(context, sid, owner, self.engine.prefill, sid, prompt, params,
                                                   max_new, request.resume, logprobs, prompt_tokens,
-                                                  tuple(request.feature_layers), prompt_logprobs)
+                                                  tuple(request.feature_layers), prompt_logprobs, salt)
         metrics.PREFILL_DURATION.labels(self.role).observe(seconds)
         response = verifier_pb2.VerifierPrefillResponse(
             token=result.token, compute_s=seconds, logprobs=wire.logprobs_to_proto(result.logprobs or ()),

@@ -77,11 +77,11 @@ class ReplicatedVerifier:
 
     def prefill(self, sid: str, prompt: list[int], params: SamplingParams, max_new_tokens: int = 0,
                 resume: bool = False, logprobs: int | None = None, prompt_tokens: int = 0,
-                feature_layers: tuple[int, ...] = (), prompt_logprobs: int | None = None):
+                feature_layers: tuple[int, ...] = (), prompt_logprobs: int | None = None, cache_salt: str = ""):
         if params.seed is None:               # every rank must draw the same random numbers
             params = replace(params, seed=int.from_bytes(os.urandom(8), "little") >> 1)
         return self._call("prefill", sid, prompt, params, max_new_tokens, resume, logprobs, prompt_tokens,
-                          tuple(feature_layers), prompt_logprobs)
+                          tuple(feature_layers), prompt_logprobs, cache_salt)
 
     def verify(self, sid, tree):
         return self._call("verify", sid, tree)
@@ -140,34 +140,40 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int,
-            kv_budget_bytes: int | None, threads: int) -> None:
+            kv_budget_bytes: int | None, threads: int, prefix_cache_tokens: int = 0,
+            prefix_cache_exact: bool = False) -> None:
     if threads:
         torch.set_num_threads(threads)
     init_process_group(rank, world, port)
     try:
         follow(VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
-                              kv_budget_bytes=kv_budget_bytes))
+                              kv_budget_bytes=kv_budget_bytes, prefix_cache_tokens=prefix_cache_tokens,
+                              prefix_cache_exact=prefix_cache_exact))
     finally:
         dist.destroy_process_group()
 
 
 def start_ranks(tp: int, spec: ModelSpec, max_sessions: int = 64, ttl_s: float = 600.0,
-                kv_budget_bytes: int | None = None, threads: int = 0, tree_sizing: str = "fixed") -> ReplicatedVerifier:
+                kv_budget_bytes: int | None = None, threads: int = 0, tree_sizing: str = "fixed",
+                prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False) -> ReplicatedVerifier:
     """Start ranks 1..tp-1 as processes, become rank 0, load this rank's shard.
     ``ReplicatedVerifier.shutdown()`` stops them again. ``tree_sizing``: rank
-    0's (it cuts trees before they are broadcast: ``VerifierEngine``)."""
+    0's (it cuts trees before they are broadcast: ``VerifierEngine``);
+    ``prefix_cache_tokens``, ``prefix_cache_exact``: every rank's (they look up and evict in lockstep)."""
     import torch.multiprocessing as mp
 
     check_tp_degree(spec.path, tp)
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, kv_budget_bytes, threads),
-                         daemon=True) for r in range(1, tp)]
+    procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, kv_budget_bytes, threads,
+                                               prefix_cache_tokens, prefix_cache_exact), daemon=True)
+             for r in range(1, tp)]
     for p in procs:
         p.start()
     init_process_group(0, tp, port)
     engine = VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
-                            kv_budget_bytes=kv_budget_bytes, tree_sizing=tree_sizing)
+                            kv_budget_bytes=kv_budget_bytes, tree_sizing=tree_sizing,
+                            prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact)
     verifier = ReplicatedVerifier(engine, ttl_s)
     verifier._procs = procs
     return verifier

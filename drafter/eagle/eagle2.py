@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from specdec.model import kv, masks
+from specdec.model import prefix_cache as pc
 from specdec.model.loading import torch_device
-from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
+from drafter.base import DraftSession, read_value_temperature
+from drafter.cached import CachedTreeDrafter
 from drafter.eagle.eagle2_head import TargetHead, load_head, load_target_head
 
 
@@ -66,8 +68,8 @@ class FeatureHeadDrafter(CachedTreeDrafter):
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The head's token input for ``tokens``: the target's embedding rows."""
 
-    def feed_pending(self, sess: DraftSession):
-        start, end = sess.fed, len(sess.tokens) - 1          # pairs (feature_t, x_{t+1})
+    def feed_pending(self, sess: DraftSession, end: int | None = None):
+        start, end = sess.fed, len(sess.tokens) - 1 if end is None else end     # pairs (feature_t, x_{t+1})
         dev = self.device
         tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
         feats = torch.stack(sess.features[start:end]).to(dev)
@@ -82,6 +84,14 @@ class FeatureHeadDrafter(CachedTreeDrafter):
             return done[0][-1], done[1][-1]
         out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
         return out[-1], self.logprobs(out[-1])
+
+    def block_contents(self, sess: DraftSession, inputs: int):
+        # input t is (f_t, x_{t+1}): block j's K/V needs the tokens up to x_{(j+1)B} and the features
+        # before f_{(j+1)B}, and its key digests exactly those pairs
+        block = self.prefix.block
+        for a in range(0, inputs - block + 1, block):
+            feats = torch.stack(sess.features[a:a + block]).cpu().numpy().tobytes()
+            yield pc.token_bytes(sess.tokens[a + 1:a + block + 1]) + feats
 
     def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
         out = None if self.compiled is None else self.compiled.step(sess.cache, tokens, parent_hidden, positions,

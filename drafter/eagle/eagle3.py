@@ -32,7 +32,8 @@ from transformers import AutoConfig
 
 from specdec.model.loading import torch_device
 from specdec.request.errors import InvalidArgument
-from drafter.base import CachedTreeDrafter, DraftSession, read_value_temperature
+from drafter.base import DraftSession, read_value_temperature
+from drafter.cached import CachedTreeDrafter
 from drafter.eagle import eagle3_layouts as layouts
 from drafter.eagle.eagle2 import EagleDrafter, FeatureHeadDrafter
 from drafter.eagle.eagle2_head import WEIGHT_FILES, load_target_head

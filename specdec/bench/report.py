@@ -137,6 +137,7 @@ def markdown(result: dict) -> str:
         "- methods interleaved per prompt (order rotated), one warm-up per method excluded",
         *(["- pinned: verifier and drafter processes on one core each, one torch thread each; in-process "
            "methods on the verifier's core"] if result.get("pinned") else []),
+        *cache_lines(result.get("prefix_cache")),
         "",
         "## Speed and acceptance length",
         "",
@@ -343,3 +344,13 @@ def write_concurrency_report(result: dict, out_dir: str | Path) -> list[Path]:
     paths[0].write_text(concurrency_markdown(result))
     plot_concurrency(result, paths[1])
     return paths
+
+
+def cache_lines(record: dict | None) -> list[str]:
+    """Markdown lines of a ``prefix_record`` (none when the caches were off)."""
+    lines = []
+    for name, c in (record or {}).items():
+        rate = "–" if c["hit_rate"] is None else f"{c['hit_rate']:.0%}"
+        lines.append(f"- {name} prefix cache: {c['lookups']} lookups, hit rate {rate}, "
+                     f"{c['saved_prefill_tokens']} prefill tokens saved, {c['cached_tokens']} tokens held")
+    return lines

@@ -340,6 +340,8 @@ class BenchConfig:
     openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)
     openai_model: str | None = None  # its model id (None: the first it lists)
     openai_key: str | None = None    # its bearer token
+    prefix_cache_tokens: int = 0     # the in-process engines' prefix caches (0: off; methods share prompts)
+    prefix_cache_exact: bool = False  # ... prefilling in block-aligned chunks (specdec.model.prefix_cache)
 
     def gate(self, drafter_kind: str) -> float:
         """The min_tau a method with this drafter kind runs with."""

@@ -41,7 +41,9 @@ class Models:
         self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
-        self.verifier = VerifierEngine(self.target, tree_sizing=cfg.tree_sizing)
+        self.verifier = VerifierEngine(self.target, tree_sizing=cfg.tree_sizing,
+                                       prefix_cache_tokens=cfg.prefix_cache_tokens,
+                                       prefix_cache_exact=cfg.prefix_cache_exact)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset() if eos is None else frozenset([int(eos)])
         self._drafters: dict[str, object] = {}
@@ -99,6 +101,7 @@ class Models:
                 self._drafters[kind] = DraftLmDrafter(model=self.assistant(), compile=self.cfg.compile)
             else:
                 raise ValueError(f"unknown drafter kind {kind!r}")
+            self._drafters[kind].use_prefix_cache(self.cfg.prefix_cache_tokens, self.cfg.prefix_cache_exact)
         return self._drafters[kind]
 
     @staticmethod
@@ -200,6 +203,22 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "llamacpp": {"notes": llama_notes, "identical_to_vanilla": {
             n: identical_fraction(totals[n].outputs(), totals["vanilla"].outputs()) for n in llama}
             if cfg.params.greedy else None},
+        "prefix_cache": prefix_record(cfg, models),
         "calibration": ({"method": CALIBRATED, "evaluated_nodes": len(points), "bins": calibration_bins(points)}
                         if CALIBRATED in names else None),
     }
+
+
+def prefix_record(cfg: BenchConfig, models: Models) -> dict | None:
+    """The in-process engines' prefix caches: lookups, hit rate, saved prefill tokens (None: off)."""
+    if not cfg.prefix_cache_tokens:
+        return None
+    caches = {"verifier": models.verifier.prefix.blocks,
+              **{f"drafter {d.name}": d.prefix for d in models.loaded_drafters() if d.prefix.on}}
+    out = {}
+    for name, cache in caches.items():
+        s = cache.stats
+        out[name] = {"lookups": s.lookups, "hits": s.hits, "hit_rate": round(s.hits / s.lookups, 4) if s.lookups
+                     else None, "hit_tokens": s.hit_tokens, "saved_prefill_tokens": s.saved_tokens,
+                     "evictions": s.evictions, "cached_tokens": cache.tokens}
+    return out

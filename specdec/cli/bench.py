@@ -3,6 +3,7 @@
     specdec bench --prompts specdec/bench/prompts.jsonl --json out.json --report out/
     specdec bench sweep --json sweep.json --report out/      # tree budget sweep
     specdec bench --concurrency 1,2,4,8 --json conc.json --report out/   # C requests in flight
+    specdec bench prefix --json prefix.json     # a shared 1,000-token system prompt: TTFT cold vs warm
 
 Models default to the bundled demo family. See ``specdec.bench`` for the
 measurement protocol and the JSON schema.
@@ -16,8 +17,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.cli.options import (add_compile_flag, add_tree_flags, add_tree_sizing_flag, medusa_dir, model_dir,
-                                 read_prompts, resolved_min_tau)
+from specdec.cli.options import (PREFIX_CACHE_TOKENS, add_compile_flag, add_tree_flags, add_tree_sizing_flag,
+                                 medusa_dir, model_dir, prefix_cache_tokens, read_prompts, resolved_min_tau)
 from specdec.procs import pinned_cores
 from specdec.request.errors import UsageError
 
@@ -44,8 +45,10 @@ def add_parser(sub) -> None:
                        description="Run every method on the same prompts, interleaved per prompt, and report "
                                    "tokens/s, speedups, tau (bonus token included) and acceptance per position. "
                                    "`specdec bench sweep` measures eagle2 over tree sizes and depths instead.")
-    p.add_argument("mode", nargs="?", choices=("sweep", "profile"),
-                   help="sweep: tree budget sweep of eagle2; profile: where a step's time goes (eager, compiled)")
+    p.add_argument("mode", nargs="?", choices=("sweep", "profile", "prefix"),
+                   help="sweep: tree budget sweep of eagle2; profile: where a step's time goes (eager, compiled); "
+                        "prefix: requests sharing a system prompt, time to first token with the prefix cache cold, "
+                        "warm and off (specdec.bench.prefix)")
     g = p.add_argument_group("models (default: the bundled demo family)")
     g.add_argument("--target", help="target model directory (HF causal LM with its tokenizer)")
     g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
@@ -113,6 +116,18 @@ def add_parser(sub) -> None:
     p.add_argument("--json-schema", metavar="FILE",
                    help="structured output: greedy eagle2 with and without this JSON Schema on the prompts, "
                         "reporting tau of both, valid outputs and the grammar's time per token")
+    x = p.add_argument_group("prefix caching")
+    x.add_argument("--prefix-cache-tokens", type=prefix_cache_tokens, metavar="N",
+                   help="the in-process engines' prefix caches, N tokens (default: 0, off, since the methods run "
+                        f"the same prompts; `bench prefix`: {PREFIX_CACHE_TOKENS}); with it the hit rates and "
+                        "saved prefill tokens are reported")
+    x.add_argument("--prefix-cache-exact", action="store_true",
+                   help="prefill in block-aligned chunks so that a hit gives the very bits of a miss "
+                        "(specdec.model.prefix_cache)")
+    x.add_argument("--system-tokens", type=int, default=1000, metavar="N",
+                   help="`bench prefix`: tokens of the shared system prompt (default 1000); requests: "
+                        "--limit-prompts (default 4) of --prompts, each after it, method: the first of --methods "
+                        "(default eagle2)")
     p.add_argument("--json", required=True, metavar="OUT.json", help="write the results here")
     p.add_argument("--report", metavar="DIR", help="write results.md and PNG plots here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -208,7 +223,8 @@ def config_from(args, sweep: bool):
                        min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
                        pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,
-                       openai_model=args.openai_model, openai_key=args.openai_key)
+                       openai_model=args.openai_model, openai_key=args.openai_key,
+                       prefix_cache_tokens=args.prefix_cache_tokens or 0, prefix_cache_exact=args.prefix_cache_exact)
 
 
 def concurrency_plan(args):
@@ -240,6 +256,8 @@ def run(args) -> int:
     from specdec.bench.runner import stderr_progress
     if args.mode == "profile":
         return run_profile_command(args)
+    if args.mode == "prefix":
+        return run_prefix_command(args)
     if args.json_schema:
         return run_structured_command(args)
     sweep = args.mode == "sweep"
@@ -288,6 +306,36 @@ def run(args) -> int:
     if args.report:
         write_report(result, args.report)
     print(markdown(result))
+    return 0
+
+
+def run_prefix_command(args) -> int:
+    """``specdec bench prefix``: time to first token over a shared system prompt (``specdec.bench.prefix``)."""
+    import torch
+
+    from specdec.bench.prefix import prefix_markdown, run_prefix_bench
+    from specdec.bench.runner import stderr_progress
+    if args.grpc or args.concurrency or args.openai_url:
+        raise UsageError("`bench prefix` runs in process: no --grpc, --concurrency or --openai-url")
+    tokens = PREFIX_CACHE_TOKENS if args.prefix_cache_tokens is None else args.prefix_cache_tokens
+    if not 1 <= args.system_tokens or tokens < args.system_tokens:
+        raise UsageError(f"--system-tokens must be >= 1 and fit in --prefix-cache-tokens ({tokens}), "
+                         f"got {args.system_tokens}")
+    names = _methods(args.methods or "eagle2")
+    cfg = replace(config_from(argparse.Namespace(**{**vars(args), "methods": names[0]}), sweep=False),
+                  methods=names[:1])
+    limit = args.limit_prompts or 4
+    if limit < 2:
+        raise UsageError("`bench prefix` needs --limit-prompts >= 2 (the second request is the warm one)")
+    prompts = load_prompts(args.prompts, None, cfg.target)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_prefix_bench(cfg, prompts, args.system_tokens, limit, tokens,
+                              None if args.quiet else stderr_progress("bench prefix"))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(prefix_markdown(result))
     return 0
 
 

@@ -153,7 +153,8 @@ def run(args) -> int:
     min_tau = resolved_min_tau(args.min_tau)
     spec, choice = resolve_models(args)
     min_tau = min_tau if min_tau is not None else knobs.default_min_tau(choice.kind)
-    stack = build_local(spec, choice, tree_sizing=args.tree_sizing)
+    stack = build_local(spec, choice, tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens,
+                        prefix_cache_exact=args.prefix_cache_exact)
     if tree_cfg is not None and stack.drafter is not None:
         stack.verifier.target.compile_trees(tree_cfg.total_tokens)     # a tree past the start-up widths
         from drafter.compiled.whole_draft import use_budget

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV,
                                    CUDA_GRAPHS_MODES, PACKED_ENV, demo_path)
+from specdec.model.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from specdec.request import knobs
 from specdec.request.errors import SpecdecError, UsageError
 from specdec.request.params import PROPOSALS
@@ -73,6 +74,32 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="attention of the target with --local: auto (default), sdpa or eager")
     add_compile_flag(g)
+    add_prefix_cache_flag(g)
+
+
+def add_prefix_cache_flag(p) -> None:
+    p.add_argument("--prefix-cache-tokens", type=prefix_cache_tokens, metavar="N",
+                   default=prefix_cache_tokens(env("SPECDEC_PREFIX_CACHE_TOKENS", PREFIX_CACHE_TOKENS)),
+                   help="keep the committed KV of prompt prefixes, at most N tokens, for later sessions' prefills "
+                        "(verifier and drafter; within the KV budget, sessions first; 0 = off; default "
+                        f"{PREFIX_CACHE_TOKENS}; env SPECDEC_PREFIX_CACHE_TOKENS)")
+    p.add_argument("--prefix-cache-exact", action="store_true",
+                   default=env("SPECDEC_PREFIX_CACHE_EXACT", "0") not in ("0", "false", "off"),
+                   help="prefill in 64-token chunks so that a prefix-cache hit gives the very bits of a miss "
+                        "(seeded sampling reproducible whatever the cache holds; a slower cold prefill: "
+                        "docs/benchmarks.md); default: outputs equal up to float rounding, greedy tokens "
+                        "unchanged (env SPECDEC_PREFIX_CACHE_EXACT)")
+
+
+def prefix_cache_tokens(text) -> int:
+    """--prefix-cache-tokens' value: an integer >= 0."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
 
 
 def add_medusa_flags(kind, group) -> None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec.cli.options import (add_compile_flag, add_medusa_flags, add_tree_sizing_flag, env, medusa_choices,
-                                 medusa_dir, model_dir)
+from specdec.cli.options import (add_compile_flag, add_medusa_flags, add_prefix_cache_flag, add_tree_sizing_flag,
+                                 env, medusa_choices, medusa_dir, model_dir)
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
@@ -90,6 +90,7 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
                         "OMP_NUM_THREADS / torch's default (0 = always that; for a drafter and verifier "
                         "sharing cores, which alternate while one session runs, unless the orchestrator "
                         "drafts ahead; env SPECDEC_SOLO_THREADS)")
+    add_prefix_cache_flag(g)
 
 
 def _check_sessions(args) -> None:
@@ -234,7 +235,8 @@ def run_verifier(args) -> int:
             from verifier.tp import start_ranks
 
             verifier = start_ranks(args.tp, spec, args.max_sessions, args.session_ttl, args.kv_budget_bytes,
-                                   tree_sizing=args.tree_sizing)
+                                   tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens,
+                                   prefix_cache_exact=args.prefix_cache_exact)
             atexit.register(verifier.shutdown)
             return verifier
         from specdec.model.loading import default_grammar_tokenizer
@@ -243,7 +245,8 @@ def run_verifier(args) -> int:
         target.unbuilt_eager(args.compile_tree_tokens)      # no request waits for a graph to be built
         return VerifierEngine(target, max_sessions=args.max_sessions, ttl_s=args.session_ttl,
                               kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing,
-                              grammar_tokenizer=default_grammar_tokenizer(args.tokenizer, spec.path))
+                              grammar_tokenizer=default_grammar_tokenizer(args.tokenizer, spec.path),
+                              prefix_cache_tokens=args.prefix_cache_tokens, prefix_cache_exact=args.prefix_cache_exact)
 
     return _serve(cfg, servicer, "verifier", build, args)
 
@@ -286,7 +289,9 @@ def _drafter_builder(args, default: TreeParams):
         def build():
             from drafter.draft_lm import DraftLmDrafter
 
-            return DraftLmDrafter(spec, **sessions)
+            drafter = DraftLmDrafter(spec, **sessions)
+            drafter.use_prefix_cache(args.prefix_cache_tokens, args.prefix_cache_exact)
+            return drafter
         return build
     head = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
     target = model_dir(args.target, "target", "target model", "--target")
@@ -298,6 +303,7 @@ def _drafter_builder(args, default: TreeParams):
 
         drafter = load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
         use_budget(drafter, default)
+        drafter.use_prefix_cache(args.prefix_cache_tokens, args.prefix_cache_exact)
         return drafter
     return build
 

@@ -79,7 +79,9 @@ def _models(args) -> Models:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
         drafter = ("--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile)
         verifier += tuple(feature_layer_flags(eagle, args.compile))
-    return Models(verifier, drafter, target)
+    cache = ("--prefix-cache-tokens", str(args.prefix_cache_tokens)) + (
+        ("--prefix-cache-exact",) if args.prefix_cache_exact else ())
+    return Models(verifier + cache, drafter + cache, target)
 
 
 def _backends_from_state(path: str | None) -> tuple[list[Backend], dict[str, int]]:

@@ -131,6 +131,12 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     verifier += ["--tokenizer", target]              # structured output: the grammar's tokens
     if drafter is not None:
         drafter += ["--tokenizer", target]
+    tokens = getattr(args, "prefix_cache_tokens", None)
+    if tokens is not None:                       # both services keep prefixes (an n-gram drafter has none)
+        cache = ["--prefix-cache-tokens", str(tokens)] + (["--prefix-cache-exact"] if args.prefix_cache_exact else [])
+        verifier += cache
+        if drafter is not None:
+            drafter += cache
     return verifier, drafter, target
 
 

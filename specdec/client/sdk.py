@@ -119,7 +119,8 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
                   frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logprobs: int | None = None,
                   n: int = 1, logit_bias: Mapping[int, float] | None = None, prompt_logprobs: int | None = None,
                   prompt_only: bool = False, json_schema: Mapping | str | None = None, regex: str | None = None,
-                  grammar: str | None = None, json_object: bool = False) -> orchestrator_pb2.GenerateRequest:
+                  grammar: str | None = None, json_object: bool = False,
+                  cache_salt: str = "") -> orchestrator_pb2.GenerateRequest:
     """The request message; 0 / None leave a knob to the server's default.
     ``prompt``: text, or token ids (a sequence of ints); or ``messages``
     instead (a chat, rendered with the model's chat template by the server).
@@ -134,6 +135,8 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     mapping or its text), ``regex``, ``grammar`` (Lark, llguidance's dialect),
     ``json_object`` (any JSON object): the output follows it exactly, under
     speculation too (``specdec.request.constraints``).
+    ``cache_salt``: cached prompt prefixes are shared only between requests of
+    the same tenant (bearer token) and the same salt.
     ``method``: one of ``METHODS`` ("vanilla": no drafting); ``proposals``: how
     draft tokens are proposed when sampling ("auto": the drafter's choice;
     "top" / "sampled"). Names are checked here (ValueError); values are checked
@@ -153,7 +156,7 @@ def build_request(prompt: Prompt = None, *, messages: Iterable | None = None,
     msg = orchestrator_pb2.GenerateRequest(prompt=text or "", prompt_ids=ids, max_new_tokens=max_new_tokens,
                                            sampling=sampling_to_proto(sampling), stop=list(stop), tree=tree,
                                            request_id=request_id, messages=chat_messages(messages or ()), n=n,
-                                           prompt_only=prompt_only)
+                                           prompt_only=prompt_only, cache_salt=cache_salt)
     if logprobs is not None:
         msg.logprobs = logprobs
     if prompt_logprobs is not None:

@@ -140,6 +140,19 @@ class SlabLayer(DynamicLayer):
         self._len = self._vlen = end
 
     @_in_inference_mode
+    def append_many(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """``append`` each of keys[i], values[i] [B, heads, n_i, d] in turn, the room made once."""
+        end = self._len + sum(k.shape[-2] for k in keys)
+        if self._k is None or end > self.capacity:
+            self._grow(keys[0], values[0], end)
+        for k, v in zip(keys, values):
+            n = k.shape[-2]
+            self._k[:, :, self._len:self._len + n] = k
+            self._v[:, :, self._len:self._len + n] = v
+            self._len += n
+        self._vlen = self._len
+
+    @_in_inference_mode
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:
         old = self.capacity
         # the caller's reservation once (exactly: a verifier's KV budget counts it), then by half
@@ -330,3 +343,29 @@ def nbytes(cache) -> int:
         elif getattr(layer, "keys", None) is not None:
             total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
     return total
+
+
+# -- prefix caching (``specdec.model.prefix_cache``) ------------------------------------------
+@_in_inference_mode
+def copy_slots(cache, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of slots [start, end) of every layer: [(keys, values) [B, heads, end - start, d]]."""
+    return [(layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in cache.layers]
+
+
+@_in_inference_mode
+def append_blocks(cache, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Append ``copy_slots`` blocks, in order, to every layer: each block copied
+    once, straight into a ``SlabLayer``'s buffer (grown once)."""
+    for layer_idx in range(len(blocks[0]) if blocks else 0):
+        layer = cache.layers[layer_idx]
+        if hasattr(layer, "append_many"):
+            if not layer.is_initialized:
+                layer.lazy_initialization(*blocks[0][layer_idx])
+            layer.append_many([b[layer_idx][0] for b in blocks], [b[layer_idx][1] for b in blocks])
+        else:
+            for block in blocks:
+                append(cache, layer_idx, *block[layer_idx])
+
+
+def slots_nbytes(slots: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in slots)

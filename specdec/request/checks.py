@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_ID_CHARS = 128             # request and session ids (they travel in metadata and logs)
 MAX_SHOWN_CHARS = 64           # of a client's value echoed in an error message
+MAX_SALT_CHARS = 256           # a request's cache_salt, and the salt the backends key prefix blocks under
 
 
 def shown(value) -> str:
@@ -61,6 +62,10 @@ def check_session_id(value, field: str = "session_id") -> str:
 
 def check_owner(value, field: str = "owner") -> str:
     return check_text(value, field, MAX_ID_CHARS, empty_ok=True)
+
+
+def check_cache_salt(value, field: str = "cache_salt") -> str:
+    return check_text(value, field, MAX_SALT_CHARS, empty_ok=True)
 
 
 def check_request_id(value, field: str = "request_id") -> str:

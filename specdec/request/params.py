@@ -67,6 +67,7 @@ value (``shown``): status details travel in size-limited metadata.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -74,7 +75,8 @@ from functools import lru_cache
 
 # the field checks, re-exported: the services and the wire check their own fields with them
 from specdec.request.checks import (MAX_ID_CHARS, MAX_SHOWN_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS,  # noqa: F401
-                                    check_choice, check_count, check_max_new_tokens, check_owner, check_real,
+                                    check_cache_salt, check_choice, check_count, check_max_new_tokens, check_owner,
+                                    check_real,
                                     check_request_id, check_session_id, check_stop_strings, check_text,
                                     check_token_ids, is_int, is_request_id, prefixed, shown)
 from specdec.request.constraints import Constraint
@@ -374,6 +376,7 @@ class GenerationRequest:
     n: int = 1                                 # independent choices; choice i > 0 reseeded (``choice_seed``)
     prompt_logprobs: int | None = None         # None = off; else top alternatives per prompt token
     prompt_only: bool = False                  # generate nothing: max_new_tokens 0, n 1
+    cache_salt: str = ""                       # prefix-cache isolation within a tenant (``backend_salt``)
 
     def __post_init__(self):
         given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(self, name)]
@@ -382,6 +385,7 @@ class GenerationRequest:
         if not given:
             raise InvalidArgument("prompt must not be empty (or give prompt_ids or messages)")
         check_text(self.prompt, "prompt", MAX_PROMPT_CHARS, empty_ok=True)
+        check_cache_salt(self.cache_salt)
         object.__setattr__(self, "prompt_ids", check_prompt_ids(self.prompt_ids))
         object.__setattr__(self, "messages", check_messages(self.messages))
         for name in ("logprobs", "prompt_logprobs"):
@@ -422,3 +426,18 @@ def choice_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MAX_SEED
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MAX_SEED
     return (z ^ (z >> 31)) >> 1
+
+
+def backend_salt(tenant_token: str | None, cache_salt: str = "") -> str:
+    """The salt the backends' prefix caches key a request's blocks under
+    (``specdec.model.prefix_cache``): a digest of the caller's bearer token
+    (its tenant; None or "" for an unauthenticated caller) and the request's
+    ``cache_salt``, so neither travels nor is kept in the clear. "" for neither:
+    the shared space of unauthenticated, unsalted requests."""
+    if not tenant_token and not cache_salt:
+        return ""
+    h = hashlib.blake2b(digest_size=16, person=b"specdec-tenant")
+    for part in (tenant_token or "", cache_salt):
+        h.update(len(part.encode()).to_bytes(8, "little"))
+        h.update(part.encode())
+    return h.hexdigest()

@@ -138,7 +138,7 @@ def generation_request_to_proto(req: GenerationRequest) -> orchestrator_pb2.Gene
     msg = orchestrator_pb2.GenerateRequest(
         prompt=req.prompt, max_new_tokens=req.max_new_tokens, sampling=sampling_to_proto(req.sampling),
         stop=list(req.stop), tree=tree_request_to_proto(req.tree), request_id=req.request_id,
-        prompt_ids=list(req.prompt_ids), n=req.n, prompt_only=req.prompt_only,
+        prompt_ids=list(req.prompt_ids), n=req.n, prompt_only=req.prompt_only, cache_salt=req.cache_salt,
         messages=[orchestrator_pb2.ChatMessage(role=m.role, content=m.content) for m in req.messages])
     if req.logprobs is not None:
         msg.logprobs = req.logprobs
@@ -159,7 +159,7 @@ def generation_request_from_proto(msg: orchestrator_pb2.GenerateRequest,
                                 messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages),
                                 logprobs=msg.logprobs if msg.HasField("logprobs") else None, n=msg.n or 1,
                                 prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-                                prompt_only=msg.prompt_only)
+                                prompt_only=msg.prompt_only, cache_salt=msg.cache_salt)
     if max_new_tokens_limit is not None:
         check_max_new_tokens(request.max_new_tokens, max_new_tokens_limit)
     request = replace(request, sampling=unchecked_sampling(msg.sampling), stop=tuple(msg.stop),

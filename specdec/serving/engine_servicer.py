@@ -74,6 +74,7 @@ class EngineServicer:
         self.lifecycle = Lifecycle()
         self.lifecycle.busy = lambda: self.stats.active > 0
         self.stats = metrics.SessionStats(self.role)
+        self.prefix_stats = metrics.PrefixStats(self.role)
         self.sessions = None                # SessionTable, once loaded
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.role}-engine")
         self._jobs: set[Future] = set()     # queued or running on it
@@ -245,9 +246,16 @@ class EngineServicer:
     def _refresh_stats(self) -> None:
         if self.sessions is not None:
             self.stats.update(len(self.sessions), self._kv_bytes())
+            cache = self._prefix_cache()
+            if cache is not None:
+                self.prefix_stats.update(cache.stats, cache.tokens)
 
     def _kv_bytes(self) -> int:
         return 0
+
+    def _prefix_cache(self):
+        """The engine's ``specdec.model.prefix_cache.PrefixCache`` (None: none)."""
+        return None
 
     def start_sweeper(self, ttl_s: float | None = None) -> None:
         self.sessions.lease_s = self.lease_s

@@ -11,7 +11,9 @@ Who counts what, so that summing over pods never counts a thing twice:
   accepted tokens per position;
 - the verifier and the drafter report what only they see: their compute time
   per call (``specdec_verify_duration_seconds``,
-  ``specdec_draft_duration_seconds``), sessions, KV bytes and evictions;
+  ``specdec_draft_duration_seconds``), sessions, KV bytes and evictions, and
+  their prefix caches (``specdec_prefix_cache_*{role}``: lookups, hits, hit
+  and saved prefill tokens, evictions, cached tokens);
 - every server's interceptor records each RPC (``specdec_rpc_duration_seconds``,
   ``specdec_rpcs_total``) and the in-flight count ``specdec_queue_depth``.
 """
@@ -81,6 +83,44 @@ KV_CACHE_BYTES = Gauge("specdec_kv_cache_bytes", "KV cache bytes held by open se
                        registry=REGISTRY)
 SESSIONS_EVICTED = Counter("specdec_sessions_evicted_total", "Sessions dropped after their idle TTL.", ["role"],
                            registry=REGISTRY)
+
+
+# -- prefix caches (verifier and drafter: ``specdec.model.prefix_cache``) ---------------------
+PREFIX_LOOKUPS = Counter("specdec_prefix_cache_lookups_total", "Prefills that looked their prompt up in the prefix cache.",
+                         ["role"], registry=REGISTRY)
+PREFIX_HITS = Counter("specdec_prefix_cache_hits_total", "Prefix-cache lookups that found at least one block.",
+                      ["role"], registry=REGISTRY)
+PREFIX_HIT_TOKENS = Counter("specdec_prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.",
+                            ["role"], registry=REGISTRY)
+PREFIX_SAVED_TOKENS = Counter("specdec_prefix_cache_saved_prefill_tokens_total",
+                              "Prefill tokens loaded from the prefix cache instead of computed.", ["role"],
+                              registry=REGISTRY)
+PREFIX_EVICTIONS = Counter("specdec_prefix_cache_evictions_total",
+                           "Prefix-cache blocks evicted (its token budget, or room for sessions).", ["role"],
+                           registry=REGISTRY)
+PREFIX_TOKENS = Gauge("specdec_prefix_cache_tokens", "Tokens held by the prefix cache.", ["role"], registry=REGISTRY)
+
+
+class PrefixStats:
+    """One server's prefix cache into the per-role series: ``update`` adds what
+    its counters gained since the last call and sets the gauge."""
+
+    COUNTERS = ((PREFIX_LOOKUPS, "lookups"), (PREFIX_HITS, "hits"), (PREFIX_HIT_TOKENS, "hit_tokens"),
+                (PREFIX_SAVED_TOKENS, "saved_tokens"), (PREFIX_EVICTIONS, "evictions"))
+
+    def __init__(self, role: str):
+        self.role = role
+        self._seen: dict[str, int] = {}
+
+    def update(self, stats, tokens: int) -> None:
+        """``stats``: the cache's ``CacheStats``; ``tokens``: what it holds now."""
+        for counter, name in self.COUNTERS:
+            now = getattr(stats, name)
+            gained = now - self._seen.get(name, 0)
+            if gained > 0:
+                counter.labels(self.role).inc(gained)
+            self._seen[name] = now
+        PREFIX_TOKENS.labels(self.role).set(tokens)
 
 
 class SessionStats:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe4\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12$\n\x04tree\x18\x05 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nprompt_ids\x18\x07 \x03(\x05\x12)\n\x08messages\x18\x08 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x00\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0bprompt_only\x18\x0c \x01(\x08\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"h\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\x05\"\xa7\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ycles\x18\x03 \x01(\x05\x12\x0b\n\x03tau\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\x05\x12\x0f\n\x07\x64raft_s\x18\x08 \x01(\x01\x12\x10\n\x08verify_s\x18\t \x01(\x01\x12\x11\n\tnetwork_s\x18\n \x01(\x01\x12\x0f\n\x07other_s\x18\x0b \x01(\x01\x12\x0e\n\x06ttft_s\x18\x0c \x01(\x01\x12\x0e\n\x06wall_s\x18\r \x01(\x01\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x12\n\nahead_hits\x18\x10 \x01(\x05\x12\r\n\x05index\x18\x11 \x01(\x05\x12\x12\n\nwire_bytes\x18\x12 \x01(\x03\x12\x15\n\rahead_draft_s\x18\x13 \x01(\x01\x12\x17\n\x0f\x61head_committed\x18\x14 \x01(\x05\"r\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.specdec.v1.TokenChunkH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.GenerationStatsH\x00\x42\x07\n\x05\x65vent\"?\n\x0f\x43ompleteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerateRequest\"\xf7\x01\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x05stats\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12#\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x12.specdec.v1.Choice\x12\x12\n\nprompt_ids\x18\x06 \x03(\x05\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x90\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats2\xa5\x01\n\x13OrchestratorService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.CompleteRequest\x1a\x1c.specdec.v1.CompleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecdec/v1/orchestrator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xf8\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12$\n\x04tree\x18\x05 \x01(\x0b\x32\x16.specdec.v1.TreeParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nprompt_ids\x18\x07 \x03(\x05\x12)\n\x08messages\x18\x08 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x00\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x0bprompt_only\x18\x0c \x01(\x08\x12\x12\n\ncache_salt\x18\r \x01(\tB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"h\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\x05\"\xa7\x03\n\x0fGenerationStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06\x63ycles\x18\x03 \x01(\x05\x12\x0b\n\x03tau\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x05 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\x05\x12\x0f\n\x07\x64raft_s\x18\x08 \x01(\x01\x12\x10\n\x08verify_s\x18\t \x01(\x01\x12\x11\n\tnetwork_s\x18\n \x01(\x01\x12\x0f\n\x07other_s\x18\x0b \x01(\x01\x12\x0e\n\x06ttft_s\x18\x0c \x01(\x01\x12\x0e\n\x06wall_s\x18\r \x01(\x01\x12\x15\n\rfinish_reason\x18\x0e \x01(\t\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x12\n\nahead_hits\x18\x10 \x01(\x05\x12\r\n\x05index\x18\x11 \x01(\x05\x12\x12\n\nwire_bytes\x18\x12 \x01(\x03\x12\x15\n\rahead_draft_s\x18\x13 \x01(\x01\x12\x17\n\x0f\x61head_committed\x18\x14 \x01(\x05\"r\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.specdec.v1.TokenChunkH\x00\x12,\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1b.specdec.v1.GenerationStatsH\x00\x42\x07\n\x05\x65vent\"?\n\x0f\x43ompleteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.specdec.v1.GenerateRequest\"\xf7\x01\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x05stats\x18\x03 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12#\n\x07\x63hoices\x18\x05 \x03(\x0b\x32\x12.specdec.v1.Choice\x12\x12\n\nprompt_ids\x18\x06 \x03(\x05\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x90\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12*\n\x05stats\x18\x05 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats2\xa5\x01\n\x13OrchestratorService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.CompleteRequest\x1a\x1c.specdec.v1.CompleteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.orchestrator_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=71
-  _globals['_GENERATEREQUEST']._serialized_end=427
-  _globals['_CHATMESSAGE']._serialized_start=429
-  _globals['_CHATMESSAGE']._serialized_end=473
-  _globals['_TOKENCHUNK']._serialized_start=475
-  _globals['_TOKENCHUNK']._serialized_end=579
-  _globals['_GENERATIONSTATS']._serialized_start=582
-  _globals['_GENERATIONSTATS']._serialized_end=1005
-  _globals['_GENERATERESPONSE']._serialized_start=1007
-  _globals['_GENERATERESPONSE']._serialized_end=1121
-  _globals['_COMPLETEREQUEST']._serialized_start=1123
-  _globals['_COMPLETEREQUEST']._serialized_end=1186
-  _globals['_COMPLETERESPONSE']._serialized_start=1189
-  _globals['_COMPLETERESPONSE']._serialized_end=1436
-  _globals['_CHOICE']._serialized_start=1439
-  _globals['_CHOICE']._serialized_end=1583
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=1586
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=1751
+  _globals['_GENERATEREQUEST']._serialized_end=447
+  _globals['_CHATMESSAGE']._serialized_start=449
+  _globals['_CHATMESSAGE']._serialized_end=493
+  _globals['_TOKENCHUNK']._serialized_start=495
+  _globals['_TOKENCHUNK']._serialized_end=599
+  _globals['_GENERATIONSTATS']._serialized_start=602
+  _globals['_GENERATIONSTATS']._serialized_end=1025
+  _globals['_GENERATERESPONSE']._serialized_start=1027
+  _globals['_GENERATERESPONSE']._serialized_end=1141
+  _globals['_COMPLETEREQUEST']._serialized_start=1143
+  _globals['_COMPLETEREQUEST']._serialized_end=1206
+  _globals['_COMPLETERESPONSE']._serialized_start=1209
+  _globals['_COMPLETERESPONSE']._serialized_end=1456
+  _globals['_CHOICE']._serialized_start=1459
+  _globals['_CHOICE']._serialized_end=1603
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=1606
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=1771
 # @@protoc_insertion_point(module_scope)

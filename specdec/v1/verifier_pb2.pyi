@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierPrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "max_new_tokens", "return_features", "resume", "owner", "logprobs", "prompt_tokens", "feature_layers", "prompt_logprobs")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "max_new_tokens", "return_features", "resume", "owner", "logprobs", "prompt_tokens", "feature_layers", "prompt_logprobs", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class VerifierPrefillRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -31,7 +32,8 @@ class VerifierPrefillRequest(_message.Message):
     prompt_tokens: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., return_features: _Optional[bool] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., return_features: _Optional[bool] = ..., resume: _Optional[bool] = ..., owner: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class VerifierPrefillResponse(_message.Message):
     __slots__ = ("token", "features", "compute_s", "logprobs", "prompt_logprobs")

@@ -35,12 +35,16 @@ from specdec.serving.server import ClientTls, RunningServer, ServerConfig, open_
 _SERVER_FIELDS = {f.name for f in fields(ServerConfig)}
 
 
-def _split(cfg: dict) -> tuple[ServerConfig, int, float, dict]:
+def _split(cfg: dict) -> tuple[ServerConfig, dict, dict]:
     server = ServerConfig(**{k: cfg.pop(k) for k in list(cfg) if k in _SERVER_FIELDS})
-    return server, cfg.pop("max_sessions", 8), cfg.pop("session_ttl", 600.0), cfg
+    engine = dict(max_sessions=cfg.pop("max_sessions", 8), session_ttl=cfg.pop("session_ttl", 600.0),
+                  prefix_cache_tokens=cfg.pop("prefix_cache_tokens", 0),
+                  prefix_cache_exact=cfg.pop("prefix_cache_exact", False))
+    return server, engine, cfg
 
 
-def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, dtype: str = "float32"):
+def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, dtype: str = "float32",
+                     prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
     def build():
         from specdec.model.loading import ModelSpec
         from specdec.model.loading import default_grammar_tokenizer
@@ -48,7 +52,8 @@ def verifier_builder(paths, max_sessions: int = 8, session_ttl: float = 600.0, d
 
         return VerifierEngine(TargetModel(ModelSpec(str(paths["target"]), dtype=dtype)),
                               max_sessions=max_sessions, ttl_s=session_ttl,
-                              grammar_tokenizer=default_grammar_tokenizer(None, paths["target"]))
+                              grammar_tokenizer=default_grammar_tokenizer(None, paths["target"]),
+                              prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact)
     return build
 
 
@@ -71,51 +76,54 @@ def oracle_dir(paths):
     return oracle
 
 
-def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0):
+def drafter_builder(paths, kind: str, max_sessions: int = 8, session_ttl: float = 600.0, prefix_cache_tokens: int = 0,
+                    prefix_cache_exact: bool = False):
     def build():
         from specdec.model.loading import default_grammar_tokenizer
 
-        drafter = build_kind()
+        drafter = _drafter(paths, kind, max_sessions, session_ttl)
         drafter.grammar_tokenizer = default_grammar_tokenizer(None, paths["target"])     # `drafter serve`'s default
+        drafter.use_prefix_cache(prefix_cache_tokens, prefix_cache_exact)
         return drafter
-
-    def build_kind():
-        sessions = dict(max_sessions=max_sessions, ttl_s=session_ttl)
-        if kind == "eagle":
-            from drafter.eagle.eagle2 import EagleDrafter
-
-            return EagleDrafter(paths["eagle"], paths["target"], **sessions)
-        if kind == "draft-lm":
-            from drafter.draft_lm import DraftLmDrafter
-            from specdec.model.loading import ModelSpec
-
-            return DraftLmDrafter(ModelSpec(str(paths["draft-lm"])), **sessions)
-        if kind == "oracle":        # the target itself as draft LM: its greedy drafts are always accepted
-            from drafter.draft_lm import DraftLmDrafter
-            from specdec.model.loading import ModelSpec
-
-            return DraftLmDrafter(ModelSpec(str(oracle_dir(paths))), **sessions)
-        if kind == "medusa":      # the family's paths must hold "medusa" (tests/drafter/test_medusa.py writes one)
-            from drafter.medusa import load_medusa_drafter
-
-            return load_medusa_drafter(paths["medusa"], paths["target"], **sessions)
-        if kind == "ngram":
-            from drafter.ngram import NgramDrafter
-            from specdec.model.loading import read_config
-
-            return NgramDrafter(int(read_config(paths["target"])["vocab_size"]), **sessions)
-        raise ValueError(f"unknown drafter kind {kind!r}")
     return build
+
+
+def _drafter(paths, kind: str, max_sessions: int, session_ttl: float):
+    sessions = dict(max_sessions=max_sessions, ttl_s=session_ttl)
+    if kind == "eagle":
+        from drafter.eagle.eagle2 import EagleDrafter
+
+        return EagleDrafter(paths["eagle"], paths["target"], **sessions)
+    if kind == "draft-lm":
+        from drafter.draft_lm import DraftLmDrafter
+        from specdec.model.loading import ModelSpec
+
+        return DraftLmDrafter(ModelSpec(str(paths["draft-lm"])), **sessions)
+    if kind == "oracle":        # the target itself as draft LM: its greedy drafts are always accepted
+        from drafter.draft_lm import DraftLmDrafter
+        from specdec.model.loading import ModelSpec
+
+        return DraftLmDrafter(ModelSpec(str(oracle_dir(paths))), **sessions)
+    if kind == "medusa":      # the family's paths must hold "medusa" (tests/drafter/test_medusa.py writes one)
+        from drafter.medusa import load_medusa_drafter
+
+        return load_medusa_drafter(paths["medusa"], paths["target"], **sessions)
+    if kind == "ngram":
+        from drafter.ngram import NgramDrafter
+        from specdec.model.loading import read_config
+
+        return NgramDrafter(int(read_config(paths["target"])["vocab_size"]), **sessions)
+    raise ValueError(f"unknown drafter kind {kind!r}")
 
 
 async def start_verifier(paths, warm: bool = True, **cfg) -> tuple[RunningServer, object]:
     from verifier.service import VerifierService, VerifierServiceConfig
 
-    server_cfg, max_sessions, ttl, rest = _split(dict(cfg))
+    server_cfg, engine, rest = _split(dict(cfg))
     servicer = VerifierService(VerifierServiceConfig(**rest))
     server = await start_server(server_cfg, [servicer.registration()], "verifier")
     if warm:
-        await load_verifier(server, servicer, paths, max_sessions=max_sessions, session_ttl=ttl)
+        await load_verifier(server, servicer, paths, **engine)
     return server, servicer
 
 
@@ -127,11 +135,11 @@ async def load_verifier(server, servicer, paths, **kw) -> None:
 async def start_drafter(paths, kind: str = "eagle", warm: bool = True, **cfg) -> tuple[RunningServer, object]:
     from drafter.service import DrafterService, DrafterServiceConfig
 
-    server_cfg, max_sessions, ttl, rest = _split(dict(cfg))
+    server_cfg, engine, rest = _split(dict(cfg))
     servicer = DrafterService(DrafterServiceConfig(**rest))
     server = await start_server(server_cfg, [servicer.registration()], "drafter")
     if warm:
-        await load_drafter(server, servicer, paths, kind, max_sessions=max_sessions, session_ttl=ttl)
+        await load_drafter(server, servicer, paths, kind, **engine)
     return server, servicer
 
 
