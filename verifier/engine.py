@@ -59,13 +59,13 @@ class VerifierEngine:
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
                  kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed",
                  grammar_tokenizer=None, prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
-        self.target = target
-        self.grammar_tokenizer = grammar_tokenizer
-        self.prefix = TargetPrefixCache(target, prefix_cache_tokens, prefix_cache_exact)
         try:
             self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         except ValueError as exc:
             raise ValueError(f"tree_sizing {exc}") from None
+        self.target = target
+        self.grammar_tokenizer = grammar_tokenizer
+        self.prefix = TargetPrefixCache(target, prefix_cache_tokens, prefix_cache_exact)
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
         self.kv_budget_bytes = kv_budget_bytes
         self.max_tree_tokens = max_tree_tokens

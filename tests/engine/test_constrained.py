@@ -186,7 +186,7 @@ class Oracle:
     def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
         self.outputs, self.seqs = outputs, {}
 
-    def prefill(self, sid, tokens, features=None, sampling=None):
+    def prefill(self, sid, tokens, features=None, sampling=None, cache_salt=""):
         prompt = tuple(tokens[:-1])
         self.seqs[sid] = (list(prompt) + self.outputs[prompt], list(tokens))
 
