@@ -68,7 +68,7 @@ def heads_for(target) -> HydraHeads:
 class SiblingQDrafter(HydraDrafter):
     """Broken on purpose: below the root every node ships, for the children
     it drew from its own path, the probabilities head d gives another path
-    of its level (its path with the last token replaced)."""
+    of its level (its path with its last token shifted by two)."""
 
     shift = 2
 
