@@ -81,3 +81,14 @@ def test_bench_hydra_methods_match_vanilla(tiny_family, heads, tmp_path):
     for name in ("hydra", "hydra-static"):
         assert record["methods"][name]["matches_vanilla"] is True and record["methods"][name]["tau"] >= 1.0, name
     assert record["models"]["hydra"] == str(heads / "good")
+
+
+def test_hydra_without_a_directory_loads_the_bundled_demo_heads():
+    from drafter.hydra import load_hydra_drafter
+    from specdec.cli.options import hydra_dir
+    from specdec.local import default_paths
+
+    paths = default_paths()
+    assert hydra_dir(None) == hydra_dir("") == str(paths["hydra"])
+    drafter = load_hydra_drafter(hydra_dir(None), paths["target"])
+    assert drafter.num_heads == 4 and drafter.heads.hydra_lm_head[0].weight.dtype.is_floating_point
