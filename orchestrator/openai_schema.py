@@ -22,7 +22,8 @@ Parameter mapping:
   every tree node, greedy decoding included);
 - ``method`` (specdec's extra): the request's tree method, as through gRPC
   (``specdec.request.params.REQUEST_METHODS``, e.g. "static" for a Medusa
-  drafter's mc_sim_7b_63 tree, "vanilla"; unset: the orchestrator's default);
+  or Hydra drafter's mc_sim_7b_63 tree, "vanilla"; unset: the orchestrator's
+  default);
 - ``n``: n independent choices of one request; with a seed, choice i samples
   with ``specdec.request.params.choice_seed(seed, i)`` (choice 0 with the seed
   itself), as through gRPC, so every choice reproduces;

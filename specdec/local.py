@@ -28,9 +28,9 @@ from specdec.tree.sizing import restore
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    kind: str                     # "none" | "eagle" | "medusa" | "draft-lm" | "ngram"
+    kind: str                     # "none" | "eagle" | "medusa" | "hydra" | "draft-lm" | "ngram"
     path: str | None = None
-    static_shape: tuple | None = None   # medusa: the static tree's rank paths (None: mc_sim_7b_63)
+    static_shape: tuple | None = None   # medusa, hydra: the static tree's rank paths (None: mc_sim_7b_63)
 
 
 @dataclass
@@ -61,6 +61,11 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
 
         drafter = load_medusa_drafter(choice.path, target.path, device=target.device,
                                       static_shape=choice.static_shape)
+    elif choice.kind == "hydra":
+        from drafter.hydra import load_hydra_drafter
+
+        drafter = load_hydra_drafter(choice.path, target.path, device=target.device,
+                                     static_shape=choice.static_shape)
     elif choice.kind == "draft-lm":
         from drafter.draft_lm import DraftLmDrafter
 
@@ -196,4 +201,4 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
 
 
 def default_paths() -> dict[str, Path]:
-    return {name: demo_path(name) for name in ("target", "eagle", "medusa", "draft-lm", "tokenizer")}
+    return {name: demo_path(name) for name in ("target", "eagle", "medusa", "hydra", "draft-lm", "tokenizer")}

@@ -69,3 +69,27 @@ def tiny_medusa(target, seed: int, num_heads: int = 3, num_layers: int = 1, scal
         for lm in heads.lm_heads:
             lm.weight.copy_(target.lm_head.weight + 0.1 * scale * torch.randn_like(lm.weight))
     return heads.eval()
+
+
+def tiny_hydra(target, seed: int, num_heads: int = 3, num_layers: int = 1, scale: float = 3.0,
+               path_scale: float = 1.0):
+    """Random Hydra heads for ``target`` (a loaded tiny Llama): each first block
+    passes the hidden state through and mixes in the path embeddings with
+    random weights (``path_scale``: 0 gives heads that ignore the path),
+    vocabulary projections the target's lm_head plus noise, so the heads'
+    guesses are sharp, path-dependent and sometimes right."""
+    from drafter.hydra_heads import HydraHeads
+
+    torch.manual_seed(seed)
+    cfg = target.config
+    h = cfg.hidden_size
+    heads = HydraHeads(h, cfg.vocab_size, num_heads, num_layers)
+    with torch.no_grad():
+        for i, mlp in enumerate(heads.hydra_mlp):
+            first = mlp[0]
+            first.res_connection.weight.copy_(torch.cat(
+                [torch.eye(h), path_scale * torch.randn(h, h * (i + 1)) / 0.15 / (h * (i + 1)) ** 0.5], dim=1))
+            first.linear.weight.mul_(path_scale)
+        for lm in heads.hydra_lm_head:
+            lm.weight.copy_(target.lm_head.weight + 0.1 * scale * torch.randn_like(lm.weight))
+    return heads.eval()

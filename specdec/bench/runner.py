@@ -47,13 +47,16 @@ SPECULATIVE = {
     "eagle3": ("eagle3", "eagle2"),        # EAGLE-2 dynamic trees drafted by an EAGLE-3 head (opt-in: --eagle3)
     "medusa": ("medusa", "eagle2"),        # EAGLE-2 dynamic trees over Medusa heads' log-probs (opt-in: --medusa)
     "medusa-static": ("medusa", "static"),  # Medusa's static tree, mc_sim_7b_63 cut to the budget (opt-in)
+    "hydra": ("hydra", "eagle2"),          # EAGLE-2 dynamic trees over Hydra heads, path by path (opt-in: --hydra)
+    "hydra-static": ("hydra", "static"),   # Hydra heads in Medusa's static tree (opt-in)
 }
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")   # opt-in: the llama.cpp peer (bench.llamacpp_peer)
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
-ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3", "medusa", "medusa-static") + LLAMACPP_METHODS
+ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3", "medusa", "medusa-static", "hydra",
+                                 "hydra-static") + LLAMACPP_METHODS
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
@@ -319,6 +322,7 @@ class BenchConfig:
     draft_lm: str | None = None
     eagle3: str | None = None       # EAGLE-3 head directory (method eagle3)
     medusa: str | None = None       # Medusa heads directory (methods medusa, medusa-static)
+    hydra: str | None = None        # Hydra heads directory (methods hydra, hydra-static)
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_new_tokens: int = 128
     temperature: float = 0.0

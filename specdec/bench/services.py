@@ -77,6 +77,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
                 "--compile", cfg.compile, *limits, *budget]     # (its default tree: the one drafted whole)
     if kind == "medusa":
         return ["--medusa", cfg.medusa, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
+    if kind == "hydra":
+        return ["--hydra", cfg.hydra, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":

@@ -91,6 +91,11 @@ class Models:
 
                 self._drafters[kind] = load_medusa_drafter(self._need(self.cfg.medusa, "Medusa heads"),
                                                            self.cfg.target, device=self.cfg.device)
+            elif kind == "hydra":
+                from drafter.hydra import load_hydra_drafter
+
+                self._drafters[kind] = load_hydra_drafter(self._need(self.cfg.hydra, "Hydra heads"),
+                                                          self.cfg.target, device=self.cfg.device)
             elif kind == "ngram":
                 from drafter.ngram import NgramDrafter
 
@@ -190,7 +195,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "tree_sizing": {"mode": cfg.tree_sizing, "compared": cfg.compare_tree_sizing,
                         **({} if sizer is None else sizer.snapshot())},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3,
-                   "medusa": cfg.medusa},
+                   "medusa": cfg.medusa, "hydra": cfg.hydra},
         "repeats": cfg.repeats,
         "openai_url": cfg.openai_url,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},

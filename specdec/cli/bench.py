@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.cli.options import (PREFIX_CACHE_TOKENS, add_compile_flag, add_tree_flags, add_tree_sizing_flag,
-                                 medusa_dir, model_dir, prefix_cache_tokens, read_prompts, resolved_min_tau)
+                                 hydra_dir, medusa_dir, model_dir, prefix_cache_tokens, read_prompts, resolved_min_tau)
 from specdec.procs import pinned_cores
 from specdec.request.errors import UsageError
 
@@ -54,6 +54,7 @@ def add_parser(sub) -> None:
     g.add_argument("--eagle", help="EAGLE-1/2 head directory (chain, static, eagle2, no-value, no-rerank)")
     g.add_argument("--eagle3", help="EAGLE-3 head directory (eagle3; default: the bundled demo's)")
     g.add_argument("--medusa", help="Medusa heads directory (medusa, medusa-static; default: the bundled demo's)")
+    g.add_argument("--hydra", help="Hydra heads directory (hydra, hydra-static; default: the bundled demo's)")
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
@@ -212,9 +213,11 @@ def config_from(args, sweep: bool):
     eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle") if "eagle" in kinds else args.eagle
     eagle3 = model_dir(args.eagle3, "eagle3", "EAGLE-3 head", "--eagle3") if "eagle3" in kinds else args.eagle3
     medusa = medusa_dir(args.medusa) if "medusa" in kinds else args.medusa
+    hydra = hydra_dir(args.hydra) if "hydra" in kinds else args.hydra
     needs_lm = "draft-lm" in kinds or "hf-assisted" in methods
     draft_lm = model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm") if needs_lm else args.draft_lm
-    return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, eagle3=eagle3, medusa=medusa, methods=methods,
+    return BenchConfig(target=target, eagle=eagle, draft_lm=draft_lm, eagle3=eagle3, medusa=medusa, hydra=hydra,
+                       methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
                        device=args.device, compile=args.compile, verify_token_budget=args.verify_token_budget,

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, medusa_choices, medusa_dir,
-                                 model_dir, print_logprobs, prompt_text, read_prompts, resolved_min_tau,
+from specdec.cli.options import (add_model_flags, add_tree_flags, add_tree_sizing_flag, hydra_dir, medusa_choices,
+                                 medusa_dir, model_dir, print_logprobs, prompt_text, read_prompts, resolved_min_tau,
                                  result_record)
 from specdec.cli.remote import run_remote
 from specdec.request import knobs
@@ -117,8 +117,8 @@ def resolve_models(args):
     from specdec.model.loading import ModelSpec
 
     demo = default_paths()
-    if args.medusa_choices and args.medusa is None:
-        raise UsageError("--medusa-choices needs --medusa")
+    if args.medusa_choices and args.medusa is None and getattr(args, "hydra", None) is None:
+        raise UsageError("--medusa-choices needs --medusa or --hydra")
     target = model_dir(args.target, "target", "target model", "--target")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
                      attn_implementation=getattr(args, "attn_implementation", "auto"),
@@ -129,6 +129,8 @@ def resolve_models(args):
         return spec, DrafterChoice("ngram")
     if args.medusa is not None:
         return spec, DrafterChoice("medusa", medusa_dir(args.medusa), medusa_choices(args.medusa_choices))
+    if getattr(args, "hydra", None) is not None:
+        return spec, DrafterChoice("hydra", hydra_dir(args.hydra), medusa_choices(args.medusa_choices))
     if args.draft_lm:
         return spec, DrafterChoice("draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"))
     eagle = args.eagle or str(demo["eagle"])

@@ -107,8 +107,11 @@ def add_medusa_flags(kind, group) -> None:
     kind.add_argument("--medusa", nargs="?", const="", metavar="DIR",
                       help="Medusa heads directory, original (medusa_lm_head.*) or vLLM layout; "
                            "no DIR: the bundled demo heads")
+    kind.add_argument("--hydra", nargs="?", const="", metavar="DIR",
+                      help="Hydra heads directory (hydra_lm_head.*, hydra_head_arch mlp); "
+                           "no DIR: the bundled demo heads")
     group.add_argument("--medusa-choices", metavar="FILE",
-                       help="with --medusa: the static tree (--method static) as a JSON list of rank paths "
+                       help="with --medusa or --hydra: the static tree (--method static) as a JSON list of rank paths "
                             "(default: Medusa's mc_sim_7b_63)")
 
 
@@ -123,9 +126,23 @@ def medusa_dir(path: str | None) -> str:
     return chosen
 
 
+def hydra_dir(path: str | None) -> str:
+    """``--hydra``'s directory (empty or None: the bundled demo heads); a one-line
+    error when it is not a directory."""
+    chosen = path or str(demo_path("hydra"))
+    if not Path(chosen).is_dir():
+        hint = "" if path else " (the bundled demo Hydra heads are missing: pass --hydra DIR or run " \
+                               "`specdec train hydra`)"
+        raise UsageError(f"Hydra heads directory {chosen} does not exist{hint}")
+    return chosen
+
+
 def medusa_drafter_argv(args, target: str) -> list[str]:
-    """`serve drafter` flags for ``--medusa`` (and ``--medusa-choices``) as parsed in ``args``."""
-    argv = ["--medusa", medusa_dir(args.medusa), "--target", target, "--dtype", args.dtype]
+    """`serve drafter` flags for ``--medusa`` or ``--hydra`` (and ``--medusa-choices``) as parsed in ``args``."""
+    if getattr(args, "hydra", None) is not None:
+        argv = ["--hydra", hydra_dir(args.hydra), "--target", target, "--dtype", args.dtype]
+    else:
+        argv = ["--medusa", medusa_dir(args.medusa), "--target", target, "--dtype", args.dtype]
     return argv + (["--medusa-choices", args.medusa_choices] if args.medusa_choices else [])
 
 

@@ -21,7 +21,7 @@ import argparse
 import asyncio
 
 from specdec.cli.options import (add_compile_flag, add_medusa_flags, add_prefix_cache_flag, add_tree_sizing_flag,
-                                 env, medusa_choices, medusa_dir, model_dir)
+                                 env, hydra_dir, medusa_choices, medusa_dir, model_dir)
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
@@ -152,7 +152,7 @@ def add_parsers(sub) -> None:
     kind.add_argument("--draft-lm", help="small causal LM (directory or GGUF file) sharing the target's tokenizer")
     kind.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     add_medusa_flags(kind, p)
-    p.add_argument("--target", help="target model directory (EAGLE: embeddings and lm_head; Medusa: its hidden size "
+    p.add_argument("--target", help="target model directory (EAGLE, Hydra: embeddings and lm_head; Medusa: its hidden size "
                                     "and vocabulary; n-gram: vocab size)")
     p.add_argument("--vocab-size", type=int, help="n-gram: vocabulary size (instead of --target)")
     p.add_argument("--tokenizer", help="tokenizer directory: drafts of constrained requests follow the grammar "
@@ -280,8 +280,17 @@ def _drafter_builder(args, default: TreeParams):
                                       dtype=torch_dtype(args.dtype), device=args.device,
                                       static_shape=medusa_choices(args.medusa_choices), **sessions)
         return lambda: drafter
+    if args.hydra is not None:
+        from drafter.hydra import load_hydra_drafter
+
+        # loaded now: heads that do not fit the target stop the service before it starts
+        drafter = load_hydra_drafter(hydra_dir(args.hydra), model_dir(args.target, "target", "target model",
+                                                                      "--target"),
+                                     dtype=torch_dtype(args.dtype), device=args.device,
+                                     static_shape=medusa_choices(args.medusa_choices), **sessions)
+        return lambda: drafter
     if args.medusa_choices:
-        raise UsageError("--medusa-choices needs --medusa")
+        raise UsageError("--medusa-choices needs --medusa or --hydra")
     if args.draft_lm:
         spec = ModelSpec(path=model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
                          device=args.device, compile=args.compile)

@@ -70,7 +70,7 @@ def _models(args) -> Models:
     verifier = ("--target", target, "--dtype", args.dtype, "--compile", args.compile)
     if args.ngram:
         drafter = ("--ngram", "--target", target)
-    elif args.medusa is not None:
+    elif args.medusa is not None or getattr(args, "hydra", None) is not None:
         drafter = tuple(medusa_drafter_argv(args, target))
     elif args.draft_lm:
         drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,

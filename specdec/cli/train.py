@@ -1,4 +1,4 @@
-"""``specdec train tokenizer|target|draft-lm|eagle [--version 3]|medusa|calibrate|card``.
+"""``specdec train tokenizer|target|draft-lm|eagle [--version 3]|medusa|hydra|calibrate|card``.
 
 Each command is resumable: it checkpoints into ``--workdir`` every
 ``--ckpt-every`` steps and on SIGTERM/Ctrl-C, and a rerun with the same flags
@@ -122,6 +122,14 @@ def add_parser(sub) -> None:
     _common(t, steps=300, batch=8, lr=1e-3)
     t.set_defaults(run=run_medusa, name="medusa")
 
+    t = tsub.add_parser("hydra", help="Hydra heads (path-dependent) on a frozen local causal-LM target")
+    t.add_argument("--target", default=str(demo_path("target")))
+    t.add_argument("--out", help="heads directory (default: the bundled hydra/)")
+    t.add_argument("--heads", type=int, default=4, help="Hydra heads (head i predicts depth i + 1 below the root)")
+    t.add_argument("--layers", type=int, default=1, help="residual blocks per head (>= 1)")
+    _common(t, steps=300, batch=8, lr=1e-3)
+    t.set_defaults(run=run_hydra, name="hydra")
+
 
 def _config(args):
     from specdec.train.loop import TrainConfig
@@ -196,6 +204,21 @@ def run_medusa(args) -> int:
     train_texts, heldout = _corpus(args)
     log = train_medusa(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
                        MedusaOptions(args.heads, args.layers, args.layout), progress=not args.no_progress)
+    _report(log, out)
+    return 0
+
+
+def run_hydra(args) -> int:
+    from specdec.cli.options import model_dir
+    from specdec.train.hydra import HydraOptions, train_hydra
+
+    args.target = model_dir(args.target, "target", "target model", "--target")
+    if args.heads < 1 or args.layers < 1:
+        raise UsageError(f"--heads and --layers must be >= 1, got {args.heads} and {args.layers}")
+    out = args.out or str(demo_path("hydra"))
+    train_texts, heldout = _corpus(args)
+    log = train_hydra(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
+                      HydraOptions(args.heads, args.layers), progress=not args.no_progress)
     _report(log, out)
     return 0
 

@@ -119,7 +119,7 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         drafter = None
     elif args.ngram:
         drafter = ["--ngram", "--target", target]
-    elif args.medusa is not None:
+    elif args.medusa is not None or getattr(args, "hydra", None) is not None:
         drafter = medusa_drafter_argv(args, target)
     elif args.draft_lm:
         drafter = ["--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,

@@ -4,7 +4,8 @@ Collects each model's training log (steps, tokens, time, held-out loss vs the
 unigram baseline), sizes, and measures on this machine the cost of one target
 forward of one token against one EAGLE-head draft step (one node, and a
 frontier of expand_k nodes), both over a 200-token prefix. Each bundled head
-(EAGLE-2 ``eagle/``, EAGLE-3 ``eagle3/``, the Medusa heads ``medusa/``) gets
+(EAGLE-2 ``eagle/``, EAGLE-3 ``eagle3/``, the Medusa heads ``medusa/``, the
+Hydra heads ``hydra/``) gets
 its held-out tau at the same trees (EAGLE-2 dynamic trees) and its
 calibration table and plot (EAGLE-2 §3.2, Figure 6), which come from
 ``specdec.bench``.
@@ -25,7 +26,7 @@ from specdec.request.params import TreeParams
 
 # the bundled heads: directory -> (bench method name, calibration plot)
 HEADS = {"eagle": ("eagle2", "calibration.png"), "eagle3": ("eagle3", "calibration-eagle3.png"),
-         "medusa": ("medusa", "calibration-medusa.png")}
+         "medusa": ("medusa", "calibration-medusa.png"), "hydra": ("hydra", "calibration-hydra.png")}
 TREES = (TreeParams(), TreeParams(total_tokens=32, depth=6, expand_k=6), TreeParams(total_tokens=16, depth=10))
 
 
@@ -155,7 +156,7 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     from specdec.model.loading import ModelSpec
     from specdec.request.params import SamplingParams, TreeParams
 
-    kind = "medusa" if head == "medusa" else "eagle"
+    kind = head if head in ("medusa", "hydra") else "eagle"
     stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice(kind, str(demo / head)))
     recorder = TreeRecorder(stack.verifier)
     stop = StopCriteria(max_new_tokens=max_new_tokens)
@@ -201,6 +202,7 @@ def render(card: dict) -> str:
              _command("eagle", m, "head on the target's features"),
              *([_command("eagle", m, "the EAGLE-3 head", "eagle3", " --version 3")] if "eagle3" in m else []),
              *([_command("medusa", m, "the Medusa heads")] if "medusa" in m else []),
+             *([_command("hydra", m, "the Hydra heads")] if "hydra" in m else []),
              "specdec train card                       # this file", "```", "",
              "## Models", "",
              "| model | params | on disk (fp16) | steps × batch × seq | train time | held-out loss | unigram loss |",
@@ -238,6 +240,12 @@ def render(card: dict) -> str:
         lines += ["", "Medusa heads on held-out text, top-1 agreement with the target's next tokens (head k "
                       "predicts the token k + 2 ahead of the feature it reads): "
                       + ", ".join(f"{k}: {_num(medusa[f'heldout_top1_{k}'])}" for k in heads) + "."]
+    hydra = (m.get("hydra") or {}).get("last_eval") or {}
+    if hydra:
+        heads = sorted(int(k.rsplit("_", 1)[1]) for k in hydra if k.startswith("heldout_top1_"))
+        lines += ["", "Hydra heads on held-out text, top-1 agreement with the target's next tokens (head k "
+                      "predicts the token k + 2 ahead of the feature it reads, fed the true path before it): "
+                      + ", ".join(f"{k}: {_num(hydra[f'heldout_top1_{k}'])}" for k in heads) + "."]
     runs = {head: card[heldout_key(head)] for head in HEADS if heldout_key(head) in card}
     if runs:
         first = next(iter(runs.values()))

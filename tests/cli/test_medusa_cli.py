@@ -71,8 +71,9 @@ def test_up_hands_the_heads_to_its_drafter_service(tiny_family, heads):
     args = build_parser().parse_args(["up", "--target", str(tiny_family["target"]), "--medusa", str(heads / "good"),
                                       "--medusa-choices", choices])
     verifier, drafter, _ = _model_argv(args)
-    assert drafter == ["--medusa", str(heads / "good"), "--target", str(tiny_family["target"]), "--dtype", "float32",
-                       "--medusa-choices", choices]
+    assert drafter[:8] == ["--medusa", str(heads / "good"), "--target", str(tiny_family["target"]), "--dtype",
+                           "float32", "--medusa-choices", choices]
+    assert drafter[8:10] == ["--tokenizer", str(tiny_family["target"])]     # constrained drafts follow the grammar
     assert "--compile-feature-layers" not in verifier        # the final hidden state, as for EAGLE-1/2
     served = build_parser().parse_args(["drafter", "serve", *drafter])
     assert served.medusa == str(heads / "good") and served.medusa_choices == choices

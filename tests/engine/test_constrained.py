@@ -17,6 +17,7 @@ import llguidance.hf
 import pytest
 import torch
 
+from drafter.hydra_heads import save_heads as save_hydra_heads
 from drafter.medusa_heads import save_heads
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
@@ -28,7 +29,7 @@ from specdec.tree.build import tree_from_lists
 from specdec.tree.grammar import GrammarState, token_mask
 from specdec.tree.sampling import History, target_probs
 from stats import chi2_sf
-from tiny import tiny_medusa
+from tiny import tiny_hydra, tiny_medusa
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -55,11 +56,14 @@ def stacks(tiny_family, model, tmp_path_factory):
     spec = ModelSpec(str(tiny_family["target"]))
     medusa_heads = tmp_path_factory.mktemp("medusa")
     save_heads(tiny_medusa(model, seed=3, num_heads=4), medusa_heads, "original")
+    hydra_heads = tmp_path_factory.mktemp("hydra")
+    save_hydra_heads(tiny_hydra(model, seed=3, num_heads=4), hydra_heads)
     return {
         "eagle": build_local(spec, DrafterChoice("eagle", str(tiny_family["eagle"]))),
         "draft-lm": build_local(spec, DrafterChoice("draft-lm", str(tiny_family["draft-lm"]))),
         "ngram": build_local(spec, DrafterChoice("ngram")),
         "medusa": build_local(spec, DrafterChoice("medusa", str(medusa_heads))),
+        "hydra": build_local(spec, DrafterChoice("hydra", str(hydra_heads))),
     }
 
 
@@ -133,7 +137,7 @@ def test_reference_outputs_are_complete_and_valid(stacks, reference):
 
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
-@pytest.mark.parametrize("drafter", ["eagle", "draft-lm", "ngram", "medusa"])
+@pytest.mark.parametrize("drafter", ["eagle", "draft-lm", "ngram", "medusa", "hydra"])
 def test_greedy_constrained_identical_to_plain(stacks, reference, drafter, kind):
     params = SamplingParams(constraint=CONSTRAINTS[kind])
     assert [d.tokens for d in run(stacks[drafter], params, drafter=False)] == reference[kind]
