@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from specdec.request.errors import InvalidArgument
+from drafter.medusa_heads import read_state
 
 FILES = ("hydra_lm_head.safetensors", "hydra_lm_head.pt")
 ARCHS = ("mlp",)
@@ -100,17 +101,6 @@ class HydraHeads(nn.Module):
         return out
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise HydraLoadError(f"{path} holds a {type(state).__name__}, not a state dict")
-    return state
-
-
 def _config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():
@@ -146,7 +136,7 @@ def load_heads(directory: str | Path, dtype=torch.float32) -> HydraHeads:
     path = next((directory / n for n in FILES if (directory / n).is_file()), None)
     if path is None:
         raise HydraLoadError(f"{directory} is not a Hydra heads directory (no {' nor '.join(FILES)})")
-    state = {k.removeprefix("hydra_head."): v for k, v in _read(path).items()}
+    state = {k.removeprefix("hydra_head."): v for k, v in read_state(path, HydraLoadError).items()}
     unknown = sorted(k for k in state if not _KEY.fullmatch(k))
     if unknown:
         raise HydraLoadError(f"{path}: unexpected keys for the Hydra mlp layout: {', '.join(unknown[:4])}")

@@ -93,14 +93,16 @@ class MedusaHeads(nn.Module):
         return full.index_copy_(-1, self.token_map.to(logp.device), logp)
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
+def read_state(path: Path, error: type[InvalidArgument] = MedusaLoadError) -> dict[str, torch.Tensor]:
+    """The tensors of a heads file (``.safetensors`` or a torch-saved state
+    dict); ``error`` (one line) when the file holds something else."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(path)
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
-        raise MedusaLoadError(f"{path} holds a {type(state).__name__}, not a state dict")
+        raise error(f"{path} holds a {type(state).__name__}, not a state dict")
     return state
 
 
@@ -218,10 +220,10 @@ def load_heads(directory: str | Path, dtype=torch.float32) -> MedusaHeads:
         path = _first(directory, VLLM_FILES)
         if path is None:
             raise MedusaLoadError(f"{directory}: vLLM Medusa layout without {' or '.join(VLLM_FILES)}")
-        state, heads, layers, bias = _vllm_state(dict(_read(path)), path)
+        state, heads, layers, bias = _vllm_state(dict(read_state(path)), path)
     else:
         path = _first(directory, ORIGINAL_FILES)
-        state, heads, layers, bias = _original_state(_read(path), path)
+        state, heads, layers, bias = _original_state(read_state(path), path)
     lm = state["lm_heads.0.weight"]
     if lm.ndim != 2:
         raise MedusaLoadError(f"{path}: head 0's vocabulary projection has shape {tuple(lm.shape)}, not [V, H]")
