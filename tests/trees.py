@@ -3,6 +3,7 @@ verifier tree sizing that cuts every tree the same way."""
 
 import torch
 
+from specdec.tree.build import tree_from_lists
 from specdec.tree.sizing import TreeSizer
 
 
@@ -47,3 +48,29 @@ def assert_drafts_plain_greedy(drafter, target_dir, tree):
         want = generate(verifier, None, prompt, SamplingParams(), stop, None).tokens
         got = generate(verifier, drafter, prompt, SamplingParams(), stop, tree)
         assert got.tokens == want and got.finish().drafted > 0       # a random drafter: few accepted
+
+
+class ChainOracle:
+    """A drafter that proposes the next ``depth`` tokens of known outputs (keyed
+    by prompt) as a chain: drafting exactly what a correct verifier must accept,
+    it makes every path token's processing (a penalty, a grammar mask) matter."""
+
+    needs_features = False
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
+        self.outputs, self.seqs = outputs, {}
+
+    def prefill(self, sid, tokens, features=None, sampling=None, cache_salt=""):
+        prompt = tuple(tokens[:-1])
+        self.seqs[sid] = (list(prompt) + self.outputs[prompt], list(tokens))
+
+    def commit(self, sid, tokens, features=None):
+        self.seqs[sid][1].extend(tokens)
+
+    def draft(self, sid, cfg, ahead=False):
+        full, done = self.seqs[sid]
+        chain = full[len(done):len(done) + cfg.depth]
+        return tree_from_lists([done[-1]] + chain, list(range(-1, len(chain))))
+
+    def release(self, sid):
+        return self.seqs.pop(sid, None) is not None

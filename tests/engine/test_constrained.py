@@ -25,10 +25,10 @@ from specdec.request.constraints import Constraint
 from specdec.request.decoding import StopCriteria
 from specdec.request.errors import FailedPrecondition
 from specdec.request.params import METHODS, SamplingParams, TreeParams
-from specdec.tree.build import tree_from_lists
 from specdec.tree.grammar import GrammarState, token_mask
 from specdec.tree.sampling import History, target_probs
 from stats import chi2_sf
+from trees import ChainOracle
 from tiny import tiny_hydra, tiny_medusa
 
 SCHEMA = {"type": "object", "properties": {
@@ -181,35 +181,12 @@ def committed_state_only(self, tokens, parents):
     return self.mask().expand(len(tokens), -1).clone()
 
 
-class Oracle:
-    """Proposes the next ``depth`` tokens of known outputs as a chain: with the
-    right mask the verifier accepts all of them, so every node's mask matters."""
-
-    needs_features = False
-
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
-        self.outputs, self.seqs = outputs, {}
-
-    def prefill(self, sid, tokens, features=None, sampling=None, cache_salt=""):
-        prompt = tuple(tokens[:-1])
-        self.seqs[sid] = (list(prompt) + self.outputs[prompt], list(tokens))
-
-    def commit(self, sid, tokens, features=None):
-        self.seqs[sid][1].extend(tokens)
-
-    def draft(self, sid, cfg, ahead=False):
-        full, done = self.seqs[sid]
-        chain = full[len(done):len(done) + cfg.depth]
-        return tree_from_lists([done[-1]] + chain, list(range(-1, len(chain))))
-
-    def release(self, sid):
-        return self.seqs.pop(sid, None) is not None
 
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
 def test_masking_with_the_committed_state_only_is_caught(stacks, reference, kind, monkeypatch):
     stack = stacks["eagle"]
-    oracle = Oracle({tuple(p): out for p, out in zip(prompt_ids(stack), reference[kind])})
+    oracle = ChainOracle({tuple(p): out for p, out in zip(prompt_ids(stack), reference[kind])})
     cfg = replace(CFG, method="chain", depth=8)
     params = SamplingParams(constraint=CONSTRAINTS[kind])
     right = [generate(stack.verifier, oracle, p, params, stop_for(stack), cfg) for p in prompt_ids(stack)]

@@ -23,6 +23,7 @@ from specdec.tree.sampling import History, TokenCounts, target_probs
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
 from stats import chi2_sf
+from trees import ChainOracle
 
 N_PROMPTS, NEW_TOKENS = 6, 32
 PENALTIES = {
@@ -105,36 +106,12 @@ def committed_prefix_only(self, tokens, ancestors):
     return TokenCounts(self.generated.expand(n, -1), self.seen.expand(n, -1))
 
 
-class Oracle:
-    """A drafter that proposes the next ``depth`` tokens of known sequences as a
-    chain: with the penalised vanilla output it drafts exactly what the target
-    must accept, so every path token's penalty matters."""
-
-    needs_features = False
-
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
-        self.outputs, self.seqs = outputs, {}
-
-    def prefill(self, sid, tokens, features=None, sampling=None, cache_salt=""):
-        prompt = tuple(tokens[:-1])
-        self.seqs[sid] = (list(prompt) + self.outputs[prompt], list(tokens))
-
-    def commit(self, sid, tokens, features=None):
-        self.seqs[sid][1].extend(tokens)
-
-    def draft(self, sid, cfg, ahead=False):
-        full, done = self.seqs[sid]
-        chain = full[len(done):len(done) + cfg.depth]
-        return tree_from_lists([done[-1]] + chain, list(range(-1, len(chain))))
-
-    def release(self, sid):
-        return self.seqs.pop(sid, None) is not None
 
 
 @pytest.mark.parametrize("penalty", list(PENALTIES))
 def test_penalising_with_the_committed_prefix_only_is_caught(stacks, vanilla, penalty, monkeypatch):
     stack = stacks["eagle"]
-    oracle = Oracle({tuple(p): out for p, out in zip(prompts(stack.verifier.target.vocab_size), vanilla[penalty])})
+    oracle = ChainOracle({tuple(p): out for p, out in zip(prompts(stack.verifier.target.vocab_size), vanilla[penalty])})
     cfg = replace(CFG, method="chain", depth=8)
     stop = StopCriteria(max_new_tokens=NEW_TOKENS)
     right = [generate(stack.verifier, oracle, p, PENALTIES[penalty], stop, cfg)
