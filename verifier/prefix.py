@@ -21,7 +21,7 @@ from specdec.model import prefix_cache as pc
 class TargetPrefixCache:
     """Prefix blocks of one ``verifier.target.TargetModel``."""
 
-    def __init__(self, target, max_tokens: int, exact: bool = False, block: int = pc.BLOCK_TOKENS):
+    def __init__(self, target, max_tokens: int, exact: bool = False, block: int | None = None):
         self.target = target
         self.blocks = pc.PrefixCache(max_tokens, block, exact)
         spec = target.spec

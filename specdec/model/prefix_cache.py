@@ -1,11 +1,12 @@
 """Prefix caching: the committed KV of prompt prefixes, kept across sessions.
 
-A prompt is cut into blocks of ``BLOCK_TOKENS`` model inputs; block j's key
+A prompt is cut into blocks of ``block_tokens(exact)`` model inputs; block j's key
 is a hash chained over the keys before it, so a key names the whole prefix
 that ends with its block (the same idea as vLLM's block hashes; a radix tree
-over token ids would find the same prefixes, but blocks of a fixed size are
-also the unit the prefill runs in, see below, and a flat table of them needs
-no tree surgery on eviction). The chain starts from a *namespace*: the
+over token ids would find the same prefixes, but blocks of a fixed size can
+also be the unit the prefill runs in, see below, and a flat table of them
+needs no tree surgery on eviction). Blocks are 16 inputs by default and 64,
+the prefill's chunk, with ``exact``. The chain starts from a *namespace*: the
 model's identity, the tenant's salt and whatever else decides what a block
 holds (the verifier's feature layers), so a block is never served to a
 session of another model or another tenant.
@@ -48,8 +49,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-BLOCK_TOKENS = 64           # the compiled prefill's chunk width (``specdec.compile.forwards.PREFILL_WIDTH``)
+BLOCK_TOKENS = 16           # a block's inputs: a hit loads the shared prefix but for its last < 16 inputs
+EXACT_BLOCK_TOKENS = 64     # ``exact``: the compiled prefill's chunk width (``specdec.compile.forwards.PREFILL_WIDTH``)
 DEFAULT_TOKENS = 8192       # the serving default of ``--prefix-cache-tokens``
+
+
+def block_tokens(exact: bool) -> int:
+    """A block's inputs: small by default (a hit leaves less of its prefix to
+    run, measured in docs/benchmarks.md), the prefill's chunk with ``exact``
+    (one forward per block, so fewer and wider forwards on a miss)."""
+    return EXACT_BLOCK_TOKENS if exact else BLOCK_TOKENS
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -117,14 +126,17 @@ class _Block:
 
 @dataclass
 class PrefixCache:
-    """LRU blocks under ``max_tokens`` (0: off); ``exact``: see ``spans``. Thread-safe."""
+    """LRU blocks under ``max_tokens`` (0: off) of ``block`` inputs each (None:
+    ``block_tokens(exact)``); ``exact``: see ``spans``. Thread-safe."""
 
     max_tokens: int
-    block: int = BLOCK_TOKENS
+    block: int | None = None
     exact: bool = False         # prefills in block-aligned chunks: a hit gives a miss's bits (module doc)
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self):
+        if self.block is None:
+            self.block = block_tokens(self.exact)
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise ValueError(f"prefix cache tokens must be an integer >= 0, got {self.max_tokens!r}")
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()     # oldest first

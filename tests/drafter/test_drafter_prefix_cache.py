@@ -9,7 +9,7 @@ import torch
 
 from serving.helpers import drafter_builder
 from specdec.model.loading import ModelSpec
-from specdec.model.prefix_cache import BLOCK_TOKENS as B
+from specdec.model.prefix_cache import EXACT_BLOCK_TOKENS as B
 from specdec.request.params import SamplingParams, TreeParams
 from verifier.engine import TargetModel, VerifierEngine
 

@@ -6,7 +6,7 @@ import torch
 
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
-from specdec.model.prefix_cache import BLOCK_TOKENS as B
+from specdec.model.prefix_cache import EXACT_BLOCK_TOKENS as B
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 

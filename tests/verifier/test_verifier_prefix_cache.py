@@ -11,7 +11,7 @@ import torch
 from specdec.compile import startup
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
-from specdec.model.prefix_cache import BLOCK_TOKENS as B
+from specdec.model.prefix_cache import EXACT_BLOCK_TOKENS as B
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree.build import tree_from_lists
