@@ -37,8 +37,14 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
+# the chi-square sampling checks of `make test`, with 4x their seeds
+CHI2_TESTS = tests/tree/test_proposals.py tests/engine/test_sampling_lossless.py tests/engine/test_penalties.py \
+	tests/engine/test_medusa_lossless.py tests/engine/test_hydra_lossless.py tests/engine/test_constrained.py \
+	tests/eagle3/test_eagle3_sampling.py tests/model/test_sampling_families.py
+
 bench: setup
 	$(PY) -m pytest -q -m slow
+	SPECDEC_CHI2_SCALE=4 $(PY) -m pytest -q -n 2 --dist loadfile $(CHI2_TESTS)
 	$(VENV)/bin/specdec bench --prompts specdec/bench/prompts.jsonl --json bench-results.json --report bench-report
 	$(VENV)/bin/specdec bench --grpc --prompts specdec/bench/prompts.jsonl --json bench-grpc.json --report bench-report/grpc
 	# the bundled EAGLE-3 head beside the EAGLE-2 one, in-process and through gRPC

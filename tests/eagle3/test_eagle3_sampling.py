@@ -15,10 +15,10 @@ from specdec.tree.sampling import target_probs
 from drafter.eagle import eagle3_layouts as layouts
 from drafter.eagle.eagle3 import Eagle3Drafter
 from drafter.eagle.eagle3_head import Eagle3Head, head3_config, head3_config_for
-from stats import chi2_sf
+from stats import chi2_runs, chi2_sf
 from verifier.engine import TargetModel, VerifierEngine
 
-V, NEW, RUNS = 5, 3, 2500
+V, NEW, RUNS = 5, 3, chi2_runs(1000)
 PROMPT = [1, 3, 2]
 DRAFT_IDS = [0, 2, 4]          # target ids of the draft vocabulary (d2t = [0, 1, 2])
 

@@ -27,7 +27,7 @@ from specdec.request.errors import FailedPrecondition
 from specdec.request.params import METHODS, SamplingParams, TreeParams
 from specdec.tree.grammar import GrammarState, token_mask
 from specdec.tree.sampling import History, target_probs
-from stats import chi2_sf
+from stats import chi2_runs, chi2_sf
 from trees import ChainOracle
 from tiny import tiny_hydra, tiny_medusa
 
@@ -201,7 +201,7 @@ def test_masking_with_the_committed_state_only_is_caught(stacks, reference, kind
 
 
 # -- sampling: the exact constrained joint -----------------------------------------------------
-NEW, RUNS, PLANTED_RUNS = 3, 400, 200
+NEW, RUNS, PLANTED_RUNS = 3, chi2_runs(400), chi2_runs(400)
 SAMPLED = SamplingParams(temperature=1.0, frequency_penalty=0.7, repetition_penalty=1.2,
                          constraint=Constraint("regex", r"(x[yz]|y[xz]|z[xy]|xx|yy)(x[yz]|y[xz]|z[xy]|zz)"))
 

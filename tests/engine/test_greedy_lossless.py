@@ -14,7 +14,7 @@ from specdec.request.params import SamplingParams
 from specdec.request.params import METHODS, TreeParams
 from specdec.tree.sizing import TreeSizer, sizes_up_to
 
-N_PROMPTS, NEW_TOKENS = 20, 64
+N_PROMPTS, NEW_TOKENS = 8, 64
 GREEDY = SamplingParams()
 
 

@@ -22,10 +22,11 @@ from specdec.tree.proposals import Proposal
 from verifier.engine import TargetModel, VerifierEngine
 from specdec.tree.sampling import History, target_probs
 from test_medusa_lossless import PENALISED, PROMPT, V, chi2_pvalue
+from stats import chi2_runs
 
 # four new tokens: the prefill's bonus, then a tree whose depth-2 nodes (head 1, the
 # path-dependent one) can still be accepted within the budget
-HIDDEN, NEW, RUNS = 32, 4, 600
+HIDDEN, NEW, RUNS = 32, 4, chi2_runs(600)
 
 
 def exact_joint(model, params) -> torch.Tensor:

@@ -21,9 +21,9 @@ from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree import acceptance
 from specdec.tree.sampling import History, sample, target_probs
 from verifier.engine import TargetModel, VerifierEngine
-from stats import chi2_sf
+from stats import chi2_runs, chi2_sf
 
-V, HIDDEN, NEW, RUNS = 5, 32, 3, 600
+V, HIDDEN, NEW, RUNS = 5, 32, 3, chi2_runs(600)
 PROMPT = [0, 4, 1]
 PENALISED = SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.3)
 

@@ -22,7 +22,7 @@ from specdec.tree.build import tree_from_lists
 from specdec.tree.sampling import History, TokenCounts, target_probs
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
-from stats import chi2_sf
+from stats import chi2_runs, chi2_sf
 from trees import ChainOracle
 
 N_PROMPTS, NEW_TOKENS = 6, 32
@@ -209,7 +209,7 @@ def test_no_logprobs_unless_asked(stacks):
 
 
 # -- sampling: the exact penalised joint ----------------------------------------------------------
-V, NEW, RUNS = 5, 3, 2000
+V, NEW, RUNS = 5, 3, chi2_runs(800)
 PROMPT = [0, 4, 1]
 
 

@@ -15,9 +15,9 @@ from specdec.tree.sampling import target_probs
 import specdec.tree.acceptance as acceptance
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
-from stats import chi2_sf
+from stats import chi2_runs, chi2_sf
 
-V, NEW, RUNS = 5, 3, 3000
+V, NEW, RUNS = 5, 3, chi2_runs(1500)
 PROMPT = [1, 3, 2]
 
 

@@ -7,7 +7,7 @@ that skipped it is caught by the same check."""
 import pytest
 import torch
 from families import BY_NAME, build_model
-from stats import chi2_sf
+from stats import chi2_runs, chi2_sf
 
 from specdec.local import generate
 from specdec.model import causal_lm
@@ -18,7 +18,7 @@ from specdec.tree.sampling import target_probs
 from drafter.draft_lm import DraftLmDrafter
 from verifier.engine import TargetModel, VerifierEngine
 
-V, NEW, RUNS = 5, 3, 1500
+V, NEW, RUNS = 5, 3, chi2_runs(600)
 PROMPT = [1, 3, 2]
 PARAMS = SamplingParams(temperature=1.0)
 

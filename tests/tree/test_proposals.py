@@ -18,9 +18,9 @@ from specdec.tree.build import build_tree, sampled_level_budget
 from specdec.tree.proposals import Proposal, ProposalError, ProposalSampler, check_proposals
 from specdec.tree.sampling import make_generator, target_probs
 import specdec.tree.acceptance as acceptance
-from stats import chi2_pvalue
+from stats import chi2_pvalue, chi2_runs
 
-V, NEW, RUNS = 5, 3, 6000
+V, NEW, RUNS = 5, 3, chi2_runs(2000)
 ROOT = 0
 
 
