@@ -26,9 +26,11 @@ from specdec.request.params import SamplingParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
+from specdec.tree.lookahead import LookaheadParams
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
+from verifier.lookahead import lookahead_step
 from verifier.prefix import TargetPrefixCache
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 
@@ -54,11 +56,15 @@ class VerifierEngine:
 
     ``grammar_tokenizer``: llguidance's tokenizer of the target
     (``specdec.model.loading.default_grammar_tokenizer``), which constrained
-    sessions' grammars need; None: constrained requests are refused."""
+    sessions' grammars need; None: constrained requests are refused.
+
+    ``lookahead``: W, N, G of the sessions that verify by lookahead decoding
+    (``verify_lookahead``; ``specdec.tree.lookahead``)."""
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
                  kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed",
-                 grammar_tokenizer=None, prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
+                 grammar_tokenizer=None, prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False,
+                 lookahead: LookaheadParams = LookaheadParams()):
         try:
             self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         except ValueError as exc:
@@ -69,6 +75,7 @@ class VerifierEngine:
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
         self.kv_budget_bytes = kv_budget_bytes
         self.max_tree_tokens = max_tree_tokens
+        self.lookahead = lookahead
         self._admission = threading.Lock()
 
     def reserved_bytes(self) -> int:
@@ -110,7 +117,7 @@ class VerifierEngine:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.target.max_positions} tokens")
-        slots = len(prompt) + max(max_new_tokens, 1) + self.max_tree_tokens
+        slots = len(prompt) + max(max_new_tokens, 1) + max(self.max_tree_tokens, self.lookahead.width)
         need = slots * self.target.kv_bytes_per_token
         with self._admission:          # reserve before computing, so concurrent prefills can't overshoot
             self.sessions.evict_idle()
@@ -209,12 +216,17 @@ class VerifierEngine:
             mask = None if tree.size == 1 else self.target.tree_masks(tree, prefix)
             hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask,
                                                  sess.feature_layers)
-            result, logprobs = sess.decide(tree, logits)
-            path = [0] + result.accepted
-            kv.keep_path(sess.cache, prefix, path)
-            committed = result.tokens(tree)
-            sess.commit(committed)
-            return VerifyResult(result.accepted, committed, hidden[path], logprobs)
+            return sess.settle(tree, prefix, hidden, logits)
+
+    def verify_lookahead(self, sid: str, depth: int) -> VerifyResult:
+        """A step of lookahead decoding (``verifier.lookahead``): the tree is
+        the pool's guesses for the session's root, at most ``depth`` deep,
+        verified in the forward that runs the window (``VerifyResult.nodes``: its size)."""
+        if depth < 1:
+            raise InvalidArgument(f"lookahead_depth must be >= 1, got {depth}")
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            return lookahead_step(self.target, sess, self.lookahead, depth)
 
     def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list:
         """Several sessions' trees in one forward (``verifier.batch``)."""
