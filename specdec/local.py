@@ -23,7 +23,7 @@ from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 from specdec.request.speculative import Committed, Draft, Request, SelfDraft, speculative_generate
 from specdec.tree.build import tree_from_lists
-from specdec.tree.lookahead import LookaheadParams
+from specdec.request.lookahead import LookaheadParams
 from specdec.tree.sizing import restore
 
 

@@ -26,7 +26,7 @@ from specdec.request.params import SamplingParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
-from specdec.tree.lookahead import LookaheadParams
+from specdec.request.lookahead import LookaheadParams
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch

@@ -23,7 +23,8 @@ import torch
 
 from specdec.model.masks import tree_allowed
 from specdec.tree.build import DraftTree
-from specdec.tree.lookahead import LookaheadParams, LookaheadState, lookahead_allowed, window_layout, window_offsets
+from specdec.request.lookahead import LookaheadParams
+from specdec.tree.lookahead import LookaheadState, lookahead_allowed, window_layout, window_offsets
 from verifier.target import TargetModel, TargetSession, VerifyResult, check_tree
 
 

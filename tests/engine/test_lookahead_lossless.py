@@ -20,7 +20,8 @@ from specdec.model.loading import ModelSpec
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
 from specdec.tree import acceptance
-from specdec.tree.lookahead import LookaheadParams, guess_tree, window_layout
+from specdec.request.lookahead import LookaheadParams
+from specdec.tree.lookahead import guess_tree, window_layout
 from verifier.engine import TargetModel, VerifierEngine
 from verifier.lookahead import lookahead_inputs
 from test_medusa_lossless import NEW, PENALISED, PROMPT, V, chi2_pvalue, exact_joint, typical_acceptance

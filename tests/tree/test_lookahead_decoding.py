@@ -4,8 +4,9 @@ trie, the window's layout and mask, its update and slide."""
 import pytest
 import torch
 
-from specdec.tree.lookahead import (JacobiWindow, LookaheadParams, LookaheadState, NgramPool, guess_tree,
-                                    lookahead_allowed, parse_lookahead, window_layout, window_offsets)
+from specdec.request.lookahead import LookaheadParams, parse_lookahead
+from specdec.tree.lookahead import (JacobiWindow, LookaheadState, NgramPool, guess_tree, lookahead_allowed,
+                                    window_layout, window_offsets)
 
 
 def test_parse_and_bounds():
