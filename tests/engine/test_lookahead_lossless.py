@@ -79,6 +79,17 @@ def test_greedy_equals_plain_decoding(tiny_family, params):
     assert len(verifier.sessions) == 0    # the sessions (and their pools) went with the requests
 
 
+def test_greedy_under_the_speculation_gate(tiny_family):
+    """A gate that pauses lookahead (root-only cycles, the window left as it
+    was) and lets it resume: still plain decoding's tokens."""
+    verifier = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
+    stop = StopCriteria(max_new_tokens=40)
+    for prompt in PROMPTS:
+        plain = generate(verifier, None, prompt, SamplingParams(), stop, None)
+        gated = generate(verifier, None, prompt, SamplingParams(), stop, LOOKAHEAD, min_tau=3.0)
+        assert gated.tokens == plain.tokens
+
+
 def test_greedy_with_max_new_tokens_inside_a_guess(tiny_family):
     verifier = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
     for n in (1, 2, 3, 5):

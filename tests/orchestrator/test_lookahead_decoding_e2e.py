@@ -1,0 +1,80 @@
+"""Lookahead decoding through the services: no drafter service; the
+orchestrator asks the verifier to draft each tree itself
+(``VerifyRequest.lookahead_depth``) and the verifier keeps each session's
+pool and window. Greedy output is token-identical to vanilla, per request
+(gRPC and the OpenAI API), with concurrent sessions on a verifier that
+batches the other sessions' verifies; the pools go with the sessions."""
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from running_stack import Stack
+from specdec.client import SpecdecClient
+from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+PROMPTS = ["def add(a, b):", "for i in range(3):\n", "class Point:", "import os\n"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    s = Stack(tiny_family)
+    s.add_verifier("verifier", batch_window_ms=20.0)
+    s.add_orchestrator("none")
+    yield s
+    s.close()
+
+
+def test_greedy_matches_vanilla_through_the_services(stack):
+    with SpecdecClient(stack.address("none")) as client:
+        want = [client.complete(p, max_new_tokens=N, method="vanilla").token_ids for p in PROMPTS]
+        with ThreadPoolExecutor(2 * len(PROMPTS)) as pool:      # beside vanilla sessions, batched
+            looked = [pool.submit(client.complete, p, max_new_tokens=N, method="lookahead") for p in PROMPTS]
+            plain = [pool.submit(client.complete, p, max_new_tokens=N, method="vanilla") for p in PROMPTS]
+            got, again = [f.result() for f in looked], [f.result().token_ids for f in plain]
+    assert [c.token_ids for c in got] == want and again == want
+    assert sum(c.stats.draft_tokens for c in got) > 0 and sum(c.stats.accepted_tokens for c in got) > 0
+    engine = stack.servicer("verifier").engine
+    assert stack.wait_sessions_closed("verifier") == {"verifier": 0} and len(engine.sessions) == 0
+
+
+def test_a_verify_request_says_lookahead(stack):
+    """The wire: lookahead_depth > 0 makes the verifier draft; a negative one is refused naming the field."""
+    with grpc.insecure_channel(stack.address("verifier")) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        first = stub.Prefill(verifier_pb2.VerifierPrefillRequest(session_id="s", prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6],
+                                                                  sampling=common_pb2.SamplingParams()))
+        root = common_pb2.DraftTree(tokens=[first.token], parents=[-1])
+        step = stub.Verify(verifier_pb2.VerifyRequest(session_id="s", tree=root, lookahead_depth=2))
+        assert step.verified_nodes >= 1 and len(step.tokens) == len(step.accepted_nodes) + 1
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Verify(verifier_pb2.VerifyRequest(session_id="s", lookahead_depth=-1))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lookahead_depth" in err.value.details()
+        stub.Release(verifier_pb2.VerifierReleaseRequest(session_id="s"))
+
+
+def test_the_openai_api_takes_method_lookahead(stack):
+    from orchestrator.http import HttpConfig
+    from orchestrator.http_server import start_http
+
+    http = stack.loop.run(start_http(stack.servicer("none"), HttpConfig()))
+
+    def post(**body):
+        req = urllib.request.Request(f"{http.url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())["choices"][0]
+
+    try:
+        common = dict(prompt=PROMPTS[1], max_tokens=N, temperature=0, return_token_ids=True)
+        plain = post(**common, method="vanilla")
+        got = post(**common, method="lookahead")
+        assert got["token_ids"] == plain["token_ids"] and got["specdec"]["draft_tokens"] > 0
+        assert plain["specdec"]["draft_tokens"] == 0
+    finally:
+        stack.loop.run(http.stop())
