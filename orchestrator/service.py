@@ -35,7 +35,8 @@ from typing import Awaitable, Callable, Sequence
 from specdec.request import wire
 from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.errors import InvalidArgument, Unavailable
-from specdec.request.params import LOOKAHEAD, VANILLA, ChatMessage, GenerationRequest, TreeParams, backend_salt, choice_seed
+from specdec.request.params import (LOOKAHEAD, VANILLA, ChatMessage, GenerationRequest, TreeParams, backend_salt,
+                                    choice_seed)
 from specdec.serving import metrics
 from specdec.serving.logs import request_id_var
 from specdec.serving.server import ClientTls, Lifecycle, status_code_of

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec.cli.options import (add_compile_flag, add_lookahead_flag, add_medusa_flags, add_prefix_cache_flag, add_tree_sizing_flag,
-                                 env, hydra_dir, medusa_choices, medusa_dir, model_dir)
+from specdec.cli.options import (add_compile_flag, add_lookahead_flag, add_medusa_flags, add_prefix_cache_flag,
+                                 add_tree_sizing_flag, env, hydra_dir, medusa_choices, medusa_dir, model_dir)
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
