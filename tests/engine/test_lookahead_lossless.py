@@ -98,6 +98,20 @@ def test_greedy_with_max_new_tokens_inside_a_guess(tiny_family):
         assert generate(verifier, None, PROMPTS[2], SamplingParams(), stop, LOOKAHEAD).tokens == plain.tokens
 
 
+def test_greedy_up_to_the_end_of_the_context():
+    """Near the end of the context the window would run past it: those cycles
+    verify the guesses alone, and the output is still plain decoding's."""
+    from tiny import tiny_llama
+
+    verifier = VerifierEngine(TargetModel(ModelSpec("unused"), model=tiny_llama(40, seed=2, max_positions=48)),
+                              lookahead=LookaheadParams(6, 4, 3))
+    prompt = [3, 4, 5, 6] * 5
+    stop = StopCriteria(max_new_tokens=48 - len(prompt))
+    plain = generate(verifier, None, prompt, SamplingParams(), stop, None)
+    assert generate(verifier, None, prompt, SamplingParams(), stop, LOOKAHEAD).tokens == plain.tokens
+    assert len(plain.tokens) == 28
+
+
 # -- sampling ----------------------------------------------------------------------
 RUNS = 600
 
