@@ -86,7 +86,7 @@ def add_orchestrator_parser(sub) -> None:
     t.add_argument("--min-tau", type=_min_tau, metavar="TAU", default=env("SPECDEC_MIN_TAU", "auto"),
                    help="pause a session's drafting while its recent cycles commit fewer tokens than this on "
                         f"average (0 = always draft; auto, the default: {knobs.DEFAULT_MIN_TAU:g}, "
-                        f"{knobs.NGRAM_MIN_TAU:g} with an n-gram drafter; env SPECDEC_MIN_TAU)")
+                        f"{knobs.NGRAM_MIN_TAU:g} with an n-gram drafter or method lookahead; env SPECDEC_MIN_TAU)")
     t.add_argument("--lookahead", type=int, metavar="N", default=env("SPECDEC_LOOKAHEAD", knobs.DEFAULT_LOOKAHEAD),
                    help="greedy sessions: while the verifier checks a tree, the drafter drafts the next round "
                         "for the N likeliest accepted paths, and a hit skips the next Draft round trip "
