@@ -20,10 +20,10 @@ import torch
 
 from specdec.model.loading import ModelSpec, demo_path, load_tokenizer
 from specdec.request.decoding import Decoding, StopCriteria
+from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 from specdec.request.speculative import Committed, Draft, Request, SelfDraft, speculative_generate
 from specdec.tree.build import tree_from_lists
-from specdec.request.lookahead import LookaheadParams
 from specdec.tree.sizing import restore
 
 
@@ -187,8 +187,8 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     """Run one request to completion through the speculative loop
     (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla; ``tree_cfg.method`` "lookahead" is
-    lookahead decoding on the verifier, with or without a drafter. ``min_tau``: pause drafting while recent
-    cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
+    lookahead decoding on the verifier (``drafter`` unused). ``min_tau``:
+    pause drafting while recent cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
     drafted one round ahead per cycle (``Drafter.draft_ahead``, greedy
     sessions); in-process they are drafted before the verify, where the
     services draft them during it, so both use the same trees. ``logprobs``:
@@ -199,7 +199,6 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     sid = uuid.uuid4().hex
     self_drafted = tree_cfg is not None and tree_cfg.method == LOOKAHEAD     # the verifier drafts (lookahead)
     request = Request(prompt, params, tree_cfg if drafter is not None or self_drafted else None, lookahead)
-
     local_drafter = LocalDrafter(drafter, sid, cache_salt) if drafter is not None and not self_drafted else None
 
     async def run() -> Decoding:

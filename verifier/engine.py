@@ -10,7 +10,9 @@ One verify step (DESIGN.md §3):
 The session's last committed token (the *root*) is always pending: its KV is
 computed by the next verify, as node 0 of the next tree. Vanilla decoding is a
 verify of a root-only tree, so baseline and speculative runs share every line
-of model code.
+of model code. Lookahead decoding (``verify_lookahead``, ``verifier.lookahead``)
+drafts the tree here, from the session's own n-gram pool, and verifies it
+the same way.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import torch
 from specdec.model import kv
 from specdec.request.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.request.knobs import check_tree_sizing
+from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import SamplingParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
-from specdec.request.lookahead import LookaheadParams
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch

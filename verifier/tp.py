@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from specdec.model.loading import ModelSpec, load_causal_lm, read_config
 from specdec.request.errors import SpecdecError
-from specdec.request.params import SamplingParams
 from specdec.request.lookahead import LookaheadParams
+from specdec.request.params import SamplingParams
 from verifier.engine import TargetModel, VerifierEngine
 
 log = logging.getLogger("specdec.verifier.tp")
