@@ -3,7 +3,9 @@ orchestrator asks the verifier to draft each tree itself
 (``VerifyRequest.lookahead_depth``) and the verifier keeps each session's
 pool and window. Greedy output is token-identical to vanilla, per request
 (gRPC and the OpenAI API), with concurrent sessions on a verifier that
-batches the other sessions' verifies; the pools go with the sessions."""
+batches the other sessions' verifies, and when the verifier is lost
+mid-request (the session resumes on another, its pool rebuilt from the
+committed tokens); the pools go with the sessions."""
 
 import json
 import urllib.error
@@ -13,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from running_stack import Stack
+from running_stack import Stack, Tap
+from test_routing import Background, add_orchestrator, sample, wait_for
 from specdec.client import SpecdecClient
 from specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -78,3 +81,35 @@ def test_the_openai_api_takes_method_lookahead(stack):
         assert plain["specdec"]["draft_tokens"] == 0
     finally:
         stack.loop.run(http.stop())
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_verifier_moves_the_session_and_nothing_changes(stack):
+    with SpecdecClient(stack.address("none")) as client:
+        want = client.complete(PROMPTS[2], max_new_tokens=40, method="vanilla").token_ids
+    names = ["lv1", "lv2"]
+    for name in names:
+        stack.add_verifier(name)
+    add_orchestrator(stack, "lo", names)
+    taps = {n: Tap(stack.servicer(n).engine, "verify_lookahead") for n in names}
+    moved = sample("specdec_failovers_total", role="verifier")
+    try:
+        for tap in taps.values():
+            tap.close(after=3)                    # a few lookahead cycles first
+        with SpecdecClient(stack.address("lo"), timeout=60) as client:
+            gen = Background(client, PROMPTS[2], max_new_tokens=40, method="lookahead")
+            wait_for(lambda: any(t.held for t in taps.values()), what="a lookahead verify held")
+            victim = next(n for n in names if taps[n].held)
+            stack.stop(victim)
+            for tap in taps.values():
+                tap.open()
+            stream = gen.result()
+        assert stream.token_ids == want
+        assert sample("specdec_failovers_total", role="verifier") == moved + 1
+        assert taps[next(n for n in names if n != victim)].sessions     # lookahead cycles went on there
+    finally:
+        for tap in taps.values():
+            tap.restore()
+        for name in ["lo", *names]:
+            if name in stack.servers:
+                stack.stop(name)
