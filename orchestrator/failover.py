@@ -150,6 +150,7 @@ class RemoteVerifier(Backend):
         self.max_new_tokens = 0
         self.sampling = common_pb2.SamplingParams()
         self.feature_layers: list[int] = []       # the pinned drafter's (DrafterGetInfoResponse), kept on a move
+        self.self_drafts = 0                      # cycles whose tree the verifier drafted (lookahead decoding)
 
     @property
     def sessions(self) -> int:
@@ -177,6 +178,7 @@ class RemoteVerifier(Backend):
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
         """Verify ``draft``; a ``SelfDraft`` (lookahead decoding) asks the verifier to draft the tree itself."""
         depth = draft.tree.depth if draft is not None and isinstance(draft.tree, SelfDraft) else 0
+        self.self_drafts += depth > 0
         tree = draft.tree if draft is not None and not depth else \
             common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
         start = time.perf_counter()

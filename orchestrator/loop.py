@@ -154,8 +154,8 @@ class Generation:
 
     @property
     def drafts(self) -> int:
-        """Cycles that asked the drafter for a tree."""
-        return self.remote_drafter.drafts if self.remote_drafter is not None else 0
+        """Cycles that asked the drafter for a tree (lookahead decoding: the verifier)."""
+        return self.remote_drafter.drafts if self.remote_drafter is not None else self.remote_verifier.self_drafts
 
     @property
     def wire_bytes(self) -> int:
