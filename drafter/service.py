@@ -34,7 +34,7 @@ import torch
 from specdec.model import kv
 from specdec.request import wire
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import (TreeParams, check_cache_salt, check_count, check_owner, check_session_id,
+from specdec.request.params import (LOOKAHEAD, TreeParams, check_cache_salt, check_count, check_owner, check_session_id,
                                     check_token_ids)
 from specdec.serving import metrics, tensor_wire
 from specdec.serving.engine_servicer import EngineServicer
@@ -137,7 +137,11 @@ class DrafterService(EngineServicer, drafter_pb2_grpc.DrafterServiceServicer):
         return tokens, self._feature_tensor(request.commit_features, "commit_features", len(tokens))
 
     def _tree_config(self, msg) -> TreeParams | None:
-        return wire.tree_config_from_proto(msg, self.config.default_tree, self.config.limits)
+        cfg = wire.tree_config_from_proto(msg, self.config.default_tree, self.config.limits)
+        if cfg is not None and cfg.method == LOOKAHEAD:
+            raise InvalidArgument("tree.method lookahead is drafted by the verifier (VerifyRequest.lookahead_depth), "
+                                  "not by a drafter")
+        return cfg
 
     def _commit_and_draft(self, sid: str, tokens: list[int], feats, cfg: TreeParams | None, ahead: bool = False):
         if tokens:

@@ -50,7 +50,7 @@ from prometheus_client import Counter
 from specdec.request import wire
 from specdec.request.errors import ResourceExhausted, Unavailable
 from specdec.request.params import TREE_KNOBS, SamplingParams, TreeParams
-from specdec.request.speculative import Committed, Draft
+from specdec.request.speculative import Committed, Draft, SelfDraft
 from specdec.request.wire import TENSOR_DTYPES
 from specdec.serving.metrics import REGISTRY
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -150,6 +150,7 @@ class RemoteVerifier(Backend):
         self.max_new_tokens = 0
         self.sampling = common_pb2.SamplingParams()
         self.feature_layers: list[int] = []       # the pinned drafter's (DrafterGetInfoResponse), kept on a move
+        self.self_drafts = 0                      # cycles whose tree the verifier drafted (lookahead decoding)
 
     @property
     def sessions(self) -> int:
@@ -175,10 +176,14 @@ class RemoteVerifier(Backend):
                          prompt_logprobs=scored)
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
-        tree = draft.tree if draft is not None else common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
+        """Verify ``draft``; a ``SelfDraft`` (lookahead decoding) asks the verifier to draft the tree itself."""
+        depth = draft.tree.depth if draft is not None and isinstance(draft.tree, SelfDraft) else 0
+        self.self_drafts += depth > 0
+        tree = draft.tree if draft is not None and not depth else \
+            common_pb2.DraftTree(tokens=[self.committed[-1]], parents=[-1])
         start = time.perf_counter()
         result = await self.on_verifier("Verify", verifier_pb2.VerifyRequest(
-            session_id=self.session_id, tree=tree, return_features=features))
+            session_id=self.session_id, tree=tree, return_features=features, lookahead_depth=depth))
         self.verify_wall_s = time.perf_counter() - start
         self.committed.extend(result.tokens)
         return Committed(list(result.tokens), list(result.accepted_nodes), result.features,

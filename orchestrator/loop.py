@@ -38,7 +38,7 @@ from typing import Awaitable, Callable
 
 from specdec.request import knobs
 from specdec.request.decoding import Decoding
-from specdec.request.params import SamplingParams, TreeParams
+from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 from specdec.request.speculative import Request, speculative_generate
 from specdec.serving import metrics
 from orchestrator.backend import Deadline
@@ -82,9 +82,10 @@ class Generation:
                                lookahead=lookahead, verify_token_budget=verify_token_budget)
         self.remote_verifier = RemoteVerifier(router.verifiers, job.session_id, deadline, router.leases,
                                               job.logprobs, streams, job.prompt_logprobs, job.cache_salt)
+        # lookahead decoding drafts on the verifier: no drafter is pinned (the loop's ``SelfDrafter``)
         self.remote_drafter = (RemoteDrafter(router.drafters, job.session_id, deadline, router.leases, streams,
                                              job.cache_salt)
-                               if job.tree is not None
+                               if job.tree is not None and job.tree.method != LOOKAHEAD
                                else None)
         if self.remote_drafter is not None and ahead_budget:
             # drafting ahead fits in about the last verify's time (0: the first cycle, no limit)
@@ -103,6 +104,8 @@ class Generation:
         """Pin the session to a verifier and a drafter; None: no drafting (plain decoding)."""
         try:
             await self.remote_verifier.pin()
+            if self.gate_by_kind and self.job.tree is not None and self.job.tree.method == LOOKAHEAD:
+                self.dec.gate.min_tau = knobs.default_min_tau(LOOKAHEAD)
             if self.remote_drafter is None or not await self.remote_drafter.pin(first=True):
                 return None
             # the verifier returns the features from the layers this drafter reads
@@ -151,8 +154,8 @@ class Generation:
 
     @property
     def drafts(self) -> int:
-        """Cycles that asked the drafter for a tree."""
-        return self.remote_drafter.drafts if self.remote_drafter is not None else 0
+        """Cycles that asked the drafter for a tree (lookahead decoding: the verifier)."""
+        return self.remote_drafter.drafts if self.remote_drafter is not None else self.remote_verifier.self_drafts
 
     @property
     def wire_bytes(self) -> int:

@@ -35,7 +35,8 @@ from typing import Awaitable, Callable, Sequence
 from specdec.request import wire
 from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.errors import InvalidArgument, Unavailable
-from specdec.request.params import VANILLA, ChatMessage, GenerationRequest, TreeParams, backend_salt, choice_seed
+from specdec.request.params import (LOOKAHEAD, VANILLA, ChatMessage, GenerationRequest, TreeParams, backend_salt,
+                                    choice_seed)
 from specdec.serving import metrics
 from specdec.serving.logs import request_id_var
 from specdec.serving.server import ClientTls, Lifecycle, status_code_of
@@ -302,9 +303,11 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         sampling = request.sampling.check_vocabulary(self.verifier_info.vocab_size, "sampling")
         if sampling.seed is None:          # drawn here so that the verifier and the logs share it
             sampling = replace(sampling, seed=secrets.randbits(63))
-        # explicit knobs for a drafter (the loop clamps them to the one it pins), or None for root-only trees
-        drafting = self.config.drafters.configured and not request.prompt_only
-        tree = request.tree.resolve(self.config.tree) if drafting else None
+        # explicit knobs for a drafter (the loop clamps them to the one it pins), or None for root-only trees;
+        # lookahead decoding needs no drafter (the verifier drafts from the target)
+        tree = None if request.prompt_only else request.tree.resolve(self.config.tree)
+        if tree is not None and tree.method != LOOKAHEAD and not self.config.drafters.configured:
+            tree = None
         prompt_ids = self._prompt_ids(request)
         context = self.verifier_info.max_positions
         if len(prompt_ids) + max_new > context:

@@ -20,8 +20,9 @@ import torch
 
 from specdec.model.loading import ModelSpec, demo_path, load_tokenizer
 from specdec.request.decoding import Decoding, StopCriteria
-from specdec.request.params import SamplingParams, TreeParams
-from specdec.request.speculative import Committed, Draft, Request, speculative_generate
+from specdec.request.lookahead import LookaheadParams
+from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
+from specdec.request.speculative import Committed, Draft, Request, SelfDraft, speculative_generate
 from specdec.tree.build import tree_from_lists
 from specdec.tree.sizing import restore
 
@@ -41,14 +42,17 @@ class LocalStack:
 
 
 def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | None = None,
-                tree_sizing: str = "fixed", prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False) -> LocalStack:
-    """``prefix_cache_tokens``, ``prefix_cache_exact``: both engines' prefix caches (0: off)."""
+                tree_sizing: str = "fixed", prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False,
+                lookahead: LookaheadParams = LookaheadParams()) -> LocalStack:
+    """``prefix_cache_tokens``, ``prefix_cache_exact``: both engines' prefix caches (0: off);
+    ``lookahead``: W, N, G of method "lookahead" (the verifier's; no drafter: ``choice`` "none")."""
     from verifier.engine import TargetModel, VerifierEngine
 
     tok = load_tokenizer(tokenizer_dir or target.path)
     grammar_tok = llguidance.hf.from_tokenizer(tok)       # structured output (specdec.tree.grammar)
     verifier = VerifierEngine(TargetModel(target), tree_sizing=tree_sizing, grammar_tokenizer=grammar_tok,
-                              prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact)
+                              prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact,
+                              lookahead=lookahead)
     drafter = None
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle.eagle3 import load_eagle_drafter
@@ -110,6 +114,10 @@ class LocalVerifier:
         return Committed([first.token], [], first.features, first.logprobs, prompt_logprobs=first.prompt_logprobs)
 
     async def verify(self, draft: Draft | None, features: bool) -> Committed:
+        if draft is not None and isinstance(draft.tree, SelfDraft):      # lookahead decoding: the engine drafts
+            result = self.engine.verify_lookahead(self.sid, draft.tree.depth)
+            self.root = result.tokens[-1]
+            return Committed(result.tokens, result.accepted, result.features, result.logprobs, result.nodes)
         tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
         sizer = getattr(self.engine, "sizer", None)        # the engine's tree sizing (specdec.tree.sizing)
         if sizer is None:
@@ -178,8 +186,9 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
              logprobs: int | None = None, prompt_logprobs: int | None = None, cache_salt: str = "") -> Decoding:
     """Run one request to completion through the speculative loop
     (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
-    ``tree_cfg=None`` is vanilla. ``min_tau``: pause drafting while recent
-    cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
+    ``tree_cfg=None`` is vanilla; ``tree_cfg.method`` "lookahead" is
+    lookahead decoding on the verifier (``drafter`` unused). ``min_tau``:
+    pause drafting while recent cycles commit fewer tokens (``SpeculationGate``). ``lookahead``: trees
     drafted one round ahead per cycle (``Drafter.draft_ahead``, greedy
     sessions); in-process they are drafted before the verify, where the
     services draft them during it, so both use the same trees. ``logprobs``:
@@ -188,13 +197,14 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only.
     ``cache_salt``: the engines' prefix caches share blocks within one salt only."""
     sid = uuid.uuid4().hex
-    request = Request(prompt, params, tree_cfg if drafter is not None else None, lookahead)
+    self_drafted = tree_cfg is not None and tree_cfg.method == LOOKAHEAD     # the verifier drafts (lookahead)
+    request = Request(prompt, params, tree_cfg if drafter is not None or self_drafted else None, lookahead)
+    local_drafter = LocalDrafter(drafter, sid, cache_salt) if drafter is not None and not self_drafted else None
 
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))
         return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs, cache_salt),
-                                          LocalDrafter(drafter, sid, cache_salt) if drafter is not None else None,
-                                          request, Decoding(stop, min_tau))
+                                          local_drafter, request, Decoding(stop, min_tau))
 
     # the engines are synchronous: the loop never waits on I/O, asyncio only sequences it
     return asyncio.run(run())

@@ -10,7 +10,9 @@ One verify step (DESIGN.md §3):
 The session's last committed token (the *root*) is always pending: its KV is
 computed by the next verify, as node 0 of the next tree. Vanilla decoding is a
 verify of a root-only tree, so baseline and speculative runs share every line
-of model code.
+of model code. Lookahead decoding (``verify_lookahead``, ``verifier.lookahead``)
+drafts the tree here, from the session's own n-gram pool, and verifies it
+the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from specdec.model import kv
 from specdec.request.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.request.knobs import check_tree_sizing
+from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import SamplingParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
@@ -29,6 +32,7 @@ from specdec.tree.grammar import GrammarState
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
+from verifier.lookahead import lookahead_step
 from verifier.prefix import TargetPrefixCache
 from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
 
@@ -54,11 +58,15 @@ class VerifierEngine:
 
     ``grammar_tokenizer``: llguidance's tokenizer of the target
     (``specdec.model.loading.default_grammar_tokenizer``), which constrained
-    sessions' grammars need; None: constrained requests are refused."""
+    sessions' grammars need; None: constrained requests are refused.
+
+    ``lookahead``: W, N, G of the sessions that verify by lookahead decoding
+    (``verify_lookahead``; ``specdec.tree.lookahead``)."""
 
     def __init__(self, target: TargetModel, max_sessions: int = 64, ttl_s: float = 600.0,
                  kv_budget_bytes: int | None = None, max_tree_tokens: int = 64, tree_sizing: str = "fixed",
-                 grammar_tokenizer=None, prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False):
+                 grammar_tokenizer=None, prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False,
+                 lookahead: LookaheadParams = LookaheadParams()):
         try:
             self.sizer = TreeSizer() if check_tree_sizing(tree_sizing) == "cost" else None
         except ValueError as exc:
@@ -69,6 +77,7 @@ class VerifierEngine:
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, ttl_s)
         self.kv_budget_bytes = kv_budget_bytes
         self.max_tree_tokens = max_tree_tokens
+        self.lookahead = lookahead
         self._admission = threading.Lock()
 
     def reserved_bytes(self) -> int:
@@ -110,7 +119,7 @@ class VerifierEngine:
             raise InvalidArgument(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.target.max_positions} tokens")
-        slots = len(prompt) + max(max_new_tokens, 1) + self.max_tree_tokens
+        slots = len(prompt) + max(max_new_tokens, 1) + max(self.max_tree_tokens, self.lookahead.width)
         need = slots * self.target.kv_bytes_per_token
         with self._admission:          # reserve before computing, so concurrent prefills can't overshoot
             self.sessions.evict_idle()
@@ -209,12 +218,17 @@ class VerifierEngine:
             mask = None if tree.size == 1 else self.target.tree_masks(tree, prefix)
             hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask,
                                                  sess.feature_layers)
-            result, logprobs = sess.decide(tree, logits)
-            path = [0] + result.accepted
-            kv.keep_path(sess.cache, prefix, path)
-            committed = result.tokens(tree)
-            sess.commit(committed)
-            return VerifyResult(result.accepted, committed, hidden[path], logprobs)
+            return sess.settle(tree, prefix, hidden, logits)
+
+    def verify_lookahead(self, sid: str, depth: int) -> VerifyResult:
+        """A step of lookahead decoding (``verifier.lookahead``): the tree is
+        the pool's guesses for the session's root, at most ``depth`` deep,
+        verified in the forward that runs the window (``VerifyResult.nodes``: its size)."""
+        if depth < 1:
+            raise InvalidArgument(f"lookahead_depth must be >= 1, got {depth}")
+        sess = self.sessions.get(sid)
+        with sess.lock:
+            return lookahead_step(self.target, sess, self.lookahead, depth)
 
     def verify_batch(self, items: list[tuple[str, DraftTree]]) -> list:
         """Several sessions' trees in one forward (``verifier.batch``)."""

@@ -152,6 +152,9 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     async def Verify(self, request, context):
         self.check()
         sid = check_session_id(request.session_id)
+        if request.lookahead_depth:
+            return await self.verify_lookahead(sid, check_count(request.lookahead_depth, "lookahead_depth"),
+                                               request.return_features)
         tree = tensor_wire.tree_from_proto(request.tree, self.engine.target.vocab_size)
         # cut here, before a tensor-parallel engine broadcasts the tree to its ranks (``specdec.tree.sizing``)
         sizer, keep = getattr(self.engine, "sizer", None), None
@@ -164,11 +167,22 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
             result, seconds = await self.run(self.engine.verify, sid, tree)
         if sizer is not None:
             sizer.verified(sid, tree.size, seconds, len(result.tokens))
+        return self.verify_response(result, seconds, restore(result.accepted, keep), tree.size,
+                                    request.return_features)
+
+    async def verify_lookahead(self, sid: str, depth: int, features: bool):
+        """A lookahead decoding step (``VerifierEngine.verify_lookahead``). It
+        runs on its own, never in a batch (its forward holds the window beside
+        the tree), and is not cut to the verifier's cost (its tree is the pool's)."""
+        result, seconds = await self.run(self.engine.verify_lookahead, sid, depth)
+        return self.verify_response(result, seconds, result.accepted, result.nodes, features)
+
+    def verify_response(self, result, seconds: float, accepted: list[int], nodes: int, features: bool):
         metrics.VERIFY_DURATION.observe(seconds)
-        response = verifier_pb2.VerifyResponse(accepted_nodes=restore(result.accepted, keep), tokens=result.tokens,
-                                               compute_s=seconds, verified_nodes=tree.size,
+        response = verifier_pb2.VerifyResponse(accepted_nodes=accepted, tokens=result.tokens, compute_s=seconds,
+                                               verified_nodes=nodes,
                                                logprobs=wire.logprobs_to_proto(result.logprobs or ()))
-        if request.return_features:
+        if features:
             response.features.CopyFrom(self._features(result.features))
         return response
 

@@ -26,6 +26,7 @@ from specdec.request.params import SamplingParams, TokenLogprob
 from specdec.tree.acceptance import Acceptance, accept
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
+from specdec.tree.lookahead import LookaheadState
 from specdec.tree.sampling import History, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class TargetSession:
     logprobs: int | None = None     # top alternatives per committed token's logprob; None: no logprobs
     feature_layers: tuple[int, ...] = ()   # what its features are (``TargetModel.run``)
     grammar: GrammarState | None = None    # a constrained session's matcher at the committed tokens
+    lookahead: LookaheadState | None = None  # its pool and window, once it verified by lookahead decoding
 
     @property
     def prefix_len(self) -> int:
@@ -61,6 +63,18 @@ class TargetSession:
             return result, None
         path = [0] + result.accepted
         return result, token_logprobs(logits[path], result.tokens(tree), self.logprobs)
+
+    def settle(self, tree: DraftTree, prefix: int, hidden: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
+        """After ``tree``'s forward at ``prefix`` (its nodes' features [n, F] and
+        logits [n, V], the first n slots appended): acceptance, then the cache
+        keeps the prefix, the root and the accepted path (anything after the
+        tree's slots goes too) and the session commits the tokens."""
+        result, logprobs = self.decide(tree, logits)
+        path = [0] + result.accepted
+        kv.keep_path(self.cache, prefix, path)
+        committed = result.tokens(tree)
+        self.commit(committed)
+        return VerifyResult(result.accepted, committed, hidden[path], logprobs)
 
     def commit(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
@@ -92,6 +106,7 @@ class VerifyResult:
     tokens: list[int]             # committed this cycle: accepted tokens + bonus
     features: torch.Tensor        # [len(accepted) + 1, F] at root + accepted nodes
     logprobs: list[TokenLogprob] | None = None   # one per committed token, when the session asked for them
+    nodes: int = 0                # nodes of the tree the verifier drafted itself (lookahead); 0: the tree sent
 
 
 class TargetModel:

@@ -23,12 +23,13 @@ import torch.distributed as dist
 
 from specdec.model.loading import ModelSpec, load_causal_lm, read_config
 from specdec.request.errors import SpecdecError
+from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import SamplingParams
 from verifier.engine import TargetModel, VerifierEngine
 
 log = logging.getLogger("specdec.verifier.tp")
 
-BROADCAST = ("prefill", "verify", "verify_batch", "rollback", "release")
+BROADCAST = ("prefill", "verify", "verify_lookahead", "verify_batch", "rollback", "release")
 _STOP = "__stop__"
 
 
@@ -86,6 +87,9 @@ class ReplicatedVerifier:
     def verify(self, sid, tree):
         return self._call("verify", sid, tree)
 
+    def verify_lookahead(self, sid, depth):
+        return self._call("verify_lookahead", sid, depth)
+
     def verify_batch(self, items):
         return self._call("verify_batch", items)
 
@@ -141,39 +145,42 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, spec: ModelSpec, max_sessions: int,
             kv_budget_bytes: int | None, threads: int, prefix_cache_tokens: int = 0,
-            prefix_cache_exact: bool = False) -> None:
+            prefix_cache_exact: bool = False, lookahead: LookaheadParams = LookaheadParams()) -> None:
     if threads:
         torch.set_num_threads(threads)
     init_process_group(rank, world, port)
     try:
         follow(VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
                               kv_budget_bytes=kv_budget_bytes, prefix_cache_tokens=prefix_cache_tokens,
-                              prefix_cache_exact=prefix_cache_exact))
+                              prefix_cache_exact=prefix_cache_exact, lookahead=lookahead))
     finally:
         dist.destroy_process_group()
 
 
 def start_ranks(tp: int, spec: ModelSpec, max_sessions: int = 64, ttl_s: float = 600.0,
                 kv_budget_bytes: int | None = None, threads: int = 0, tree_sizing: str = "fixed",
-                prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False) -> ReplicatedVerifier:
+                prefix_cache_tokens: int = 0, prefix_cache_exact: bool = False,
+                lookahead: LookaheadParams = LookaheadParams()) -> ReplicatedVerifier:
     """Start ranks 1..tp-1 as processes, become rank 0, load this rank's shard.
     ``ReplicatedVerifier.shutdown()`` stops them again. ``tree_sizing``: rank
     0's (it cuts trees before they are broadcast: ``VerifierEngine``);
-    ``prefix_cache_tokens``, ``prefix_cache_exact``: every rank's (they look up and evict in lockstep)."""
+    ``prefix_cache_tokens``, ``prefix_cache_exact``: every rank's (they look up and evict in lockstep);
+    ``lookahead``: every rank's (lookahead decoding steps run on each, from the same state)."""
     import torch.multiprocessing as mp
 
     check_tp_degree(spec.path, tp)
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, tp, port, spec, max_sessions, kv_budget_bytes, threads,
-                                               prefix_cache_tokens, prefix_cache_exact), daemon=True)
+                                               prefix_cache_tokens, prefix_cache_exact, lookahead), daemon=True)
              for r in range(1, tp)]
     for p in procs:
         p.start()
     init_process_group(0, tp, port)
     engine = VerifierEngine(load_sharded_target(spec), max_sessions, ttl_s=float("inf"),
                             kv_budget_bytes=kv_budget_bytes, tree_sizing=tree_sizing,
-                            prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact)
+                            prefix_cache_tokens=prefix_cache_tokens, prefix_cache_exact=prefix_cache_exact,
+                            lookahead=lookahead)
     verifier = ReplicatedVerifier(engine, ttl_s)
     verifier._procs = procs
     return verifier

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from specdec.request.decoding import StopCriteria
+from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
 
@@ -49,14 +50,16 @@ SPECULATIVE = {
     "medusa-static": ("medusa", "static"),  # Medusa's static tree, mc_sim_7b_63 cut to the budget (opt-in)
     "hydra": ("hydra", "eagle2"),          # EAGLE-2 dynamic trees over Hydra heads, path by path (opt-in: --hydra)
     "hydra-static": ("hydra", "static"),   # Hydra heads in Medusa's static tree (opt-in)
+    "lookahead": ("lookahead", "lookahead"),  # lookahead decoding: the verifier drafts, no drafter (opt-in)
 }
+SELF_DRAFTED = ("lookahead",)              # drafter kinds with no drafter: the verifier drafts the trees
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")   # opt-in: the llama.cpp peer (bench.llamacpp_peer)
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")
 ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3", "medusa", "medusa-static", "hydra",
-                                 "hydra-static") + LLAMACPP_METHODS
+                                 "hydra-static", "lookahead") + LLAMACPP_METHODS
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
@@ -323,6 +326,7 @@ class BenchConfig:
     eagle3: str | None = None       # EAGLE-3 head directory (method eagle3)
     medusa: str | None = None       # Medusa heads directory (methods medusa, medusa-static)
     hydra: str | None = None        # Hydra heads directory (methods hydra, hydra-static)
+    lookahead_wng: LookaheadParams = LookaheadParams()   # W, N, G of method lookahead (the verifiers')
     methods: tuple[str, ...] = DEFAULT_METHODS
     max_new_tokens: int = 128
     temperature: float = 0.0

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from specdec import procs
-from specdec.bench.runner import (AHEAD_SUFFIX, GRPC_SUFFIX, SPECULATIVE, UNARY_SUFFIX, BenchConfig, Prompt, Sample,
-                                  method_tree)
+from specdec.bench.runner import (AHEAD_SUFFIX, GRPC_SUFFIX, SELF_DRAFTED, SPECULATIVE, UNARY_SUFFIX, BenchConfig,
+                                  Prompt, Sample, method_tree)
 from specdec.client import SpecdecClient, SpecdecClientError
 from specdec.request.errors import UsageError
 
@@ -129,8 +129,10 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
     # verifier takes the whole budget while one session is open, when the two
     # alternate (procs.solo_threads), unless an orchestrator drafts ahead:
     # then the drafter computes during verifies. Pinned: one core each.
+    # (lookahead decoding has no drafter process: the verifier drafts, on the whole budget)
     budget = torch.get_num_threads()
-    share = 1 if cfg.pin else max(1, budget // 2)
+    drafted = kind not in SELF_DRAFTED
+    share = 1 if cfg.pin else max(1, budget // 2) if drafted else budget
     solo = ["--solo-threads", str(budget)] if share < budget and not cfg.lookahead and not cfg.pin else []
     verifier_core, drafter_core = procs.pinned_cores() if cfg.pin else (None, None)
     with _threads_env(share):
@@ -138,19 +140,22 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
                                                      "--dtype", cfg.dtype, "--device", cfg.device,
                                                      "--compile", cfg.compile, "--tree-sizing", cfg.tree_sizing,
                                                      "--compile-tree-tokens", str(cfg.tree.total_tokens),
+                                                     "--lookahead-wng", str(cfg.lookahead_wng),
                                                      *solo, *internal,
                                                      *procs.feature_layer_flags(eagle_head(cfg, kind), cfg.compile)],
                                 env_defaults=procs.solo_env() if solo else None,
                                 cores=None if verifier_core is None else frozenset([verifier_core])))
-        mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal],
-                                cores=None if drafter_core is None else frozenset([drafter_core])))
+        if drafted:
+            mine.append(procs.spawn(f"{kind} drafter", ["drafter", "serve", *drafter_argv(cfg, kind), *internal],
+                                    cores=None if drafter_core is None else frozenset([drafter_core])))
         children.extend(mine)
         procs.wait_listening(mine, deadline)
-        verifier, drafter = mine
+        verifier = mine[0]
+        drafter = ["--drafter", mine[1].address] if drafted else []
         orchestrators = {}
         for suffix, flags in orchestrator_variants(cfg).items():
             orchestrators[suffix] = procs.spawn(f"{kind} orchestrator", [
-                "orchestrator", "serve", "--verifier", verifier.address, "--drafter", drafter.address,
+                "orchestrator", "serve", "--verifier", verifier.address, *drafter,
                 "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
                 "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.gate(kind)),
                 *flags, *internal])
@@ -195,8 +200,8 @@ def grpc_methods(cfg: BenchConfig, names: Sequence[str],
             kind = SPECULATIVE[name][0]
             tree = method_tree(name, cfg.tree)
             for suffix in orchestrator_variants(cfg):
-                # the n-gram drafter has no model to draft ahead with
-                if not (kind == "ngram" and suffix.startswith(AHEAD_SUFFIX)):
+                # the n-gram drafter has no model to draft ahead with; lookahead decoding no drafter
+                if not (kind in ("ngram", *SELF_DRAFTED) and suffix.startswith(AHEAD_SUFFIX)):
                     methods[name + GRPC_SUFFIX + suffix] = GrpcMethod(clients[kind, suffix], tree.method, cfg,
                                                                       tree.proposals)
         yield methods

@@ -19,7 +19,8 @@ from specdec.bench.calibration import TreeRecorder, calibration_bins
 from specdec.bench.llamacpp_peer import identical_fraction, llamacpp_methods
 from specdec.bench.peers import PROMPT_LOOKUP_TOKENS, HfPeer
 from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, PEER_METHODS, SPECULATIVE, BenchConfig,
-                                  LocalMethod, Method, PinnedMethod, Prompt, device_name, measure, method_tree,
+                                  SELF_DRAFTED, LocalMethod, Method, PinnedMethod, Prompt, device_name, measure,
+                                  method_tree,
                                   other_sizing, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
 from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
@@ -43,7 +44,7 @@ class Models:
         self.target = TargetModel(self.spec)
         self.verifier = VerifierEngine(self.target, tree_sizing=cfg.tree_sizing,
                                        prefix_cache_tokens=cfg.prefix_cache_tokens,
-                                       prefix_cache_exact=cfg.prefix_cache_exact)
+                                       prefix_cache_exact=cfg.prefix_cache_exact, lookahead=cfg.lookahead_wng)
         eos = self.tokenizer.eos_token_id
         self.eos_ids = frozenset() if eos is None else frozenset([int(eos)])
         self._drafters: dict[str, object] = {}
@@ -76,6 +77,9 @@ class Models:
         return list(self._drafters.values())
 
     def drafter(self, kind: str):
+        """The drafter of ``kind``, loaded on first use; None for lookahead decoding (the verifier drafts)."""
+        if kind in SELF_DRAFTED:
+            return None
         if kind not in self._drafters:
             if kind == "eagle":
                 from drafter.eagle.eagle2 import EagleDrafter
@@ -155,7 +159,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
     engines = [models.verifier]
     if cfg.compare_tree_sizing:            # the same target under a verifier that sizes trees the other way
         other = other_sizing(cfg.tree_sizing)
-        twin = VerifierEngine(models.target, tree_sizing=other)
+        twin = VerifierEngine(models.target, tree_sizing=other, lookahead=cfg.lookahead_wng)
         engines.append(twin)
         for name in [n for n in names if n in SPECULATIVE]:
             methods[f"{name}@{other}"] = models.local(name, verifier=twin)
@@ -196,6 +200,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                         **({} if sizer is None else sizer.snapshot())},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3,
                    "medusa": cfg.medusa, "hydra": cfg.hydra},
+        "lookahead_wng": str(cfg.lookahead_wng),
         "repeats": cfg.repeats,
         "openai_url": cfg.openai_url,
         "generated_tokens": {name: tot.tokens for name, tot in totals.items()},

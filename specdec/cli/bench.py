@@ -17,8 +17,9 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from specdec.cli.options import (PREFIX_CACHE_TOKENS, add_compile_flag, add_tree_flags, add_tree_sizing_flag,
-                                 hydra_dir, medusa_dir, model_dir, prefix_cache_tokens, read_prompts, resolved_min_tau)
+from specdec.cli.options import (PREFIX_CACHE_TOKENS, add_compile_flag, add_lookahead_flag, add_tree_flags,
+                                 add_tree_sizing_flag, hydra_dir, medusa_dir, model_dir, prefix_cache_tokens,
+                                 read_prompts, resolved_min_tau)
 from specdec.procs import pinned_cores
 from specdec.request.errors import UsageError
 
@@ -56,6 +57,7 @@ def add_parser(sub) -> None:
     g.add_argument("--medusa", help="Medusa heads directory (medusa, medusa-static; default: the bundled demo's)")
     g.add_argument("--hydra", help="Hydra heads directory (hydra, hydra-static; default: the bundled demo's)")
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
+    add_lookahead_flag(g)
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
     add_compile_flag(g)
@@ -227,7 +229,8 @@ def config_from(args, sweep: bool):
                        lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
                        pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,
                        openai_model=args.openai_model, openai_key=args.openai_key,
-                       prefix_cache_tokens=args.prefix_cache_tokens or 0, prefix_cache_exact=args.prefix_cache_exact)
+                       prefix_cache_tokens=args.prefix_cache_tokens or 0, prefix_cache_exact=args.prefix_cache_exact,
+                       lookahead_wng=args.lookahead_wng)
 
 
 def concurrency_plan(args):

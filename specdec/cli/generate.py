@@ -15,7 +15,7 @@ from specdec.request import knobs
 from specdec.request.constraints import Constraint, constraint_from
 from specdec.request.decoding import StopCriteria
 from specdec.request.errors import UsageError
-from specdec.request.params import MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
+from specdec.request.params import LOOKAHEAD, MAX_LOGPROBS, REQUEST_METHODS, VANILLA, SamplingParams, TreeParams
 
 # torch-free at import: `specdec --help` and the service subcommands that
 # don't need torch must not pay for (or require) it; specdec.local (torch) is
@@ -123,7 +123,7 @@ def resolve_models(args):
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
                      attn_implementation=getattr(args, "attn_implementation", "auto"),
                      compile=getattr(args, "compile", "off"))
-    if args.method == VANILLA:
+    if args.method in (VANILLA, LOOKAHEAD):             # no drafter (lookahead: the verifier drafts)
         return spec, DrafterChoice("none")
     if args.ngram:
         return spec, DrafterChoice("ngram")
@@ -154,9 +154,10 @@ def run(args) -> int:
 
     min_tau = resolved_min_tau(args.min_tau)
     spec, choice = resolve_models(args)
-    min_tau = min_tau if min_tau is not None else knobs.default_min_tau(choice.kind)
+    kind = LOOKAHEAD if args.method == LOOKAHEAD else choice.kind
+    min_tau = min_tau if min_tau is not None else knobs.default_min_tau(kind)
     stack = build_local(spec, choice, tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens,
-                        prefix_cache_exact=args.prefix_cache_exact)
+                        prefix_cache_exact=args.prefix_cache_exact, lookahead=args.lookahead_wng)
     if tree_cfg is not None and stack.drafter is not None:
         stack.verifier.target.compile_trees(tree_cfg.total_tokens)     # a tree past the start-up widths
         from drafter.compiled.whole_draft import use_budget

@@ -19,7 +19,10 @@ from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, ATTN_IMPLEMENTATIONS,
 from specdec.model.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from specdec.request import knobs
 from specdec.request.errors import SpecdecError, UsageError
+from specdec.request.lookahead import DEFAULT_GUESSES, DEFAULT_NGRAM, DEFAULT_WINDOW, parse_lookahead
 from specdec.request.params import PROPOSALS
+
+DEFAULT_LOOKAHEAD_WNG = f"{DEFAULT_WINDOW},{DEFAULT_NGRAM},{DEFAULT_GUESSES}"
 
 
 def env(name: str, default=None):
@@ -75,6 +78,24 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="attention of the target with --local: auto (default), sdpa or eager")
     add_compile_flag(g)
     add_prefix_cache_flag(g)
+    add_lookahead_flag(g)
+
+
+def add_lookahead_flag(p) -> None:
+    """``--lookahead-wng W,N,G``: lookahead decoding's parameters (method lookahead, the verifier's)."""
+    p.add_argument("--lookahead-wng", type=lookahead_wng, metavar="W,N,G",
+                   default=env("SPECDEC_LOOKAHEAD_WNG", DEFAULT_LOOKAHEAD_WNG),
+                   help="method lookahead (lookahead decoding, no drafter): Jacobi window W, n-gram size N, "
+                        f"guesses G per cycle; one forward holds (W + G)(N - 1) tokens (default "
+                        f"{DEFAULT_LOOKAHEAD_WNG}; env SPECDEC_LOOKAHEAD_WNG)")
+
+
+def lookahead_wng(text):
+    """--lookahead-wng's value: ``W,N,G`` as ``LookaheadParams``."""
+    try:
+        return parse_lookahead(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_prefix_cache_flag(p) -> None:
@@ -216,7 +237,7 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tau", default="auto", metavar="TAU",
                    help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
                         "(root-only cycles until drafting pays again; output unchanged; 0 = always draft; "
-                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter)")
+                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter and lookahead)")
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")

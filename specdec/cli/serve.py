@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from specdec.cli.options import (add_compile_flag, add_medusa_flags, add_prefix_cache_flag, add_tree_sizing_flag,
-                                 env, hydra_dir, medusa_choices, medusa_dir, model_dir)
+from specdec.cli.options import (add_compile_flag, add_lookahead_flag, add_medusa_flags, add_prefix_cache_flag,
+                                 add_tree_sizing_flag, env, hydra_dir, medusa_choices, medusa_dir, model_dir)
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
@@ -140,6 +140,7 @@ def add_parsers(sub) -> None:
                         "forward (0 = off; a lone session never waits)")
     p.add_argument("--max-batch", type=int, default=16, help="sessions per batched verify at most")
     add_tree_sizing_flag(p)
+    add_lookahead_flag(p)
     _add_session_flags(p)
     add_server_flags(p, *VERIFIER_PORTS)
     p.set_defaults(run=run_verifier)
@@ -236,7 +237,7 @@ def run_verifier(args) -> int:
 
             verifier = start_ranks(args.tp, spec, args.max_sessions, args.session_ttl, args.kv_budget_bytes,
                                    tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens,
-                                   prefix_cache_exact=args.prefix_cache_exact)
+                                   prefix_cache_exact=args.prefix_cache_exact, lookahead=args.lookahead_wng)
             atexit.register(verifier.shutdown)
             return verifier
         from specdec.model.loading import default_grammar_tokenizer
@@ -246,7 +247,8 @@ def run_verifier(args) -> int:
         return VerifierEngine(target, max_sessions=args.max_sessions, ttl_s=args.session_ttl,
                               kv_budget_bytes=args.kv_budget_bytes, tree_sizing=args.tree_sizing,
                               grammar_tokenizer=default_grammar_tokenizer(args.tokenizer, spec.path),
-                              prefix_cache_tokens=args.prefix_cache_tokens, prefix_cache_exact=args.prefix_cache_exact)
+                              prefix_cache_tokens=args.prefix_cache_tokens, prefix_cache_exact=args.prefix_cache_exact,
+                              lookahead=args.lookahead_wng)
 
     return _serve(cfg, servicer, "verifier", build, args)
 

@@ -33,7 +33,7 @@ from specdec.model.loading import demo_path
 from specdec.model.gguf_import import converted_dir, is_gguf
 from specdec.request import knobs
 from specdec.request.errors import UsageError
-from specdec.request.params import METHODS, TreeParams
+from specdec.request.params import TREE_METHODS, TreeParams
 from specdec.serving.server import ClientTls, configure_logging, install_signal_drain, start_server
 from orchestrator.chat_template import MessageRenderer
 from orchestrator.http_server import start_http
@@ -77,7 +77,8 @@ def add_orchestrator_parser(sub) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json, or a GGUF file the verifier "
                    "has converted (default: the demo target)")
     t = p.add_argument_group("defaults of a request's 0 / unset knobs (clamped to the drafter's limits)")
-    t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=METHODS)
+    t.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=TREE_METHODS,
+                   help="requests' default (lookahead: lookahead decoding on the verifiers, no drafter needed)")
     t.add_argument("--total-tokens", type=int, default=knobs.DEFAULT_TOTAL_TOKENS)
     t.add_argument("--depth", type=int, default=knobs.DEFAULT_DEPTH)
     t.add_argument("--expand-k", type=int, default=knobs.DEFAULT_EXPAND_K)
@@ -85,7 +86,7 @@ def add_orchestrator_parser(sub) -> None:
     t.add_argument("--min-tau", type=_min_tau, metavar="TAU", default=env("SPECDEC_MIN_TAU", "auto"),
                    help="pause a session's drafting while its recent cycles commit fewer tokens than this on "
                         f"average (0 = always draft; auto, the default: {knobs.DEFAULT_MIN_TAU:g}, "
-                        f"{knobs.NGRAM_MIN_TAU:g} with an n-gram drafter; env SPECDEC_MIN_TAU)")
+                        f"{knobs.NGRAM_MIN_TAU:g} with an n-gram drafter or method lookahead; env SPECDEC_MIN_TAU)")
     t.add_argument("--lookahead", type=int, metavar="N", default=env("SPECDEC_LOOKAHEAD", knobs.DEFAULT_LOOKAHEAD),
                    help="greedy sessions: while the verifier checks a tree, the drafter drafts the next round "
                         "for the N likeliest accepted paths, and a hit skips the next Draft round trip "

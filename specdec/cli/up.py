@@ -32,7 +32,7 @@ from specdec.procs import (Child, ChildDied, check_alive, feature_layer_flags, i
                            solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
 from specdec.request import knobs
 from specdec.request.errors import UsageError
-from specdec.request.params import REQUEST_METHODS, VANILLA
+from specdec.request.params import LOOKAHEAD, REQUEST_METHODS, VANILLA
 
 DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
@@ -49,7 +49,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     add_up_http_flag(p)
     add_model_flags(p)
     p.add_argument("--method", default=knobs.DEFAULT_METHOD, choices=REQUEST_METHODS,
-                   help="default tree method (vanilla: no drafter process)")
+                   help="default tree method (vanilla: no drafter process; lookahead: lookahead decoding on the "
+                        "verifier, no drafter process, W,N,G from --lookahead-wng)")
     add_tree_sizing_flag(p)
     p.add_argument("--demo-generation", action="store_true",
                    help="once ready, stream one generation of a built-in prompt with its stats")
@@ -115,7 +116,8 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     verifier = ["--target", target, "--dtype", args.dtype, "--compile", args.compile]
     if getattr(args, "tree_sizing", None):       # `up`'s flag; `soak` leaves it to SPECDEC_TREE_SIZING
         verifier += ["--tree-sizing", args.tree_sizing]
-    if args.method == VANILLA:
+    verifier += ["--lookahead-wng", str(args.lookahead_wng)]
+    if args.method in (VANILLA, LOOKAHEAD):         # lookahead: the verifier drafts, no drafter process
         drafter = None
     elif args.ngram:
         drafter = ["--ngram", "--target", target]
@@ -188,6 +190,8 @@ def run_up(args) -> int:
             orch_argv += ["--http-port", str(http_port)]
         if drafters:
             orch_argv += ["--drafter", ",".join(c.address for c in drafters), "--method", args.method]
+        elif args.method == LOOKAHEAD:
+            orch_argv += ["--method", LOOKAHEAD]
         orchestrator = spawn("orchestrator", orch_argv, module="specdec.cli.stack")
         children.append(orchestrator)
         wait_listening(children, deadline)

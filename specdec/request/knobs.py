@@ -38,12 +38,14 @@ def check_tree_sizing(mode: str) -> str:
     return mode
 # An n-gram drafter costs next to nothing, so drafting pays as soon as the
 # committed tokens cover the larger tree forward: its break-even is lower.
+# Lookahead decoding drafts inside the verify (no drafter call) with a forward
+# as wide as a default tree ((W + G)(N - 1) = 16 tokens): the same break-even.
 NGRAM_MIN_TAU = 1.3
 
 
 def default_min_tau(drafter_kind: str | None) -> float:
-    """The speculation gate's threshold for a drafter kind ("eagle", "draft-lm", "ngram")."""
-    return NGRAM_MIN_TAU if drafter_kind == "ngram" else DEFAULT_MIN_TAU
+    """The speculation gate's threshold for a drafter kind ("eagle", "draft-lm", "ngram", "lookahead")."""
+    return NGRAM_MIN_TAU if drafter_kind in ("ngram", "lookahead") else DEFAULT_MIN_TAU
 
 
 def parse_min_tau(text: str) -> float | None:

@@ -25,7 +25,7 @@ sampling.constraint         unset, or a ``Constraint`` (``specdec.request.constr
                             kind one of ``CONSTRAINT_KINDS``, value at most
                             ``MAX_CONSTRAINT_CHARS`` characters, compiling within
                             llguidance's parser limits
-tree.method                 one of ``METHODS``; a request may also say "vanilla"
+tree.method                 one of ``METHODS`` or "lookahead"; a request may also say "vanilla"
 tree.total_tokens, depth,   integer >= 1 (a request: >= 0, 0 = server default;
 tree.expand_k               larger values are clamped to the drafter's limits)
 tree.value_temperature      finite, >= ``MIN_TEMPERATURE`` (a request: also 0 = the
@@ -86,10 +86,14 @@ from specdec.request.knobs import (DEFAULT_DEPTH, DEFAULT_EXPAND_K, DEFAULT_METH
 from specdec.request.tree_shapes import Shape, check_shape
 
 # The tree methods a drafter implements (specdec.tree.build). A request may also ask
-# for VANILLA: no drafting, every cycle verifies the root alone.
+# for VANILLA: no drafting, every cycle verifies the root alone; or for LOOKAHEAD:
+# lookahead decoding, the verifier drafts each tree from the target itself
+# (specdec.tree.lookahead), no drafter involved.
 METHODS = ("eagle2", "static", "chain", "no-value", "no-rerank")
 VANILLA = "vanilla"
-REQUEST_METHODS = METHODS + (VANILLA,)
+LOOKAHEAD = "lookahead"
+TREE_METHODS = METHODS + (LOOKAHEAD,)      # what resolved knobs (TreeParams) may say
+REQUEST_METHODS = TREE_METHODS + (VANILLA,)
 # How draft tokens are proposed: "top" (the draft's most likely tokens, one-hot
 # proposals), "sampled" (drawn from the draft distribution and shipped with the
 # tree; sessions at temperature > 0 only), "auto" (sampled when the session
@@ -255,7 +259,7 @@ class TreeParams:
     proposals: str = DEFAULT_PROPOSALS  # one of PROPOSALS; the drafter resolves "auto"
 
     def __post_init__(self):
-        check_choice(self.method, METHODS, "method")
+        check_choice(self.method, TREE_METHODS, "method")
         check_choice(self.proposals, PROPOSALS, "proposals")
         for name in TREE_KNOBS:
             check_count(getattr(self, name), name, low=1)

@@ -28,7 +28,9 @@ indices, features as an opaque payload for the drafter, the tokens' logprobs
 when the session asked for them) and the decoding
 state. ``Verifier`` and ``Drafter`` are the two interfaces it is written
 against: ``specdec.local`` implements them over the in-process engines,
-``orchestrator.failover`` over gRPC stubs, with failover inside.
+``orchestrator.failover`` over gRPC stubs, with failover inside. Method
+LOOKAHEAD (lookahead decoding) has no drafter: the loop's ``SelfDrafter``
+hands the verifier a ``SelfDraft`` and the verifier drafts the tree itself.
 
 Time split (``DecodeStats.time_s``): prefill (the verifier's prefill), commit
 (the drafter's prefill), draft, verify, network (what a backend spent in
@@ -44,7 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Protocol
 
 from specdec.request.decoding import Decoding
-from specdec.request.params import SamplingParams, TreeParams
+from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 
 MIN_SHARED_TREE = 4     # a tree cut for load keeps at least this many nodes (root included)
 
@@ -75,6 +77,37 @@ class Committed:
 class Draft:
     tree: object                        # the drafter's tree, opaque here; node 0 is the last committed token
     size: int                           # nodes, root included
+
+
+@dataclass(frozen=True)
+class SelfDraft:
+    """The tree of a ``Draft`` the verifier drafts itself from the target
+    (lookahead decoding, ``specdec.tree.lookahead``), at most ``depth`` levels deep."""
+
+    depth: int
+
+
+class SelfDrafter:
+    """The loop's drafter for method LOOKAHEAD: nothing to prefill or commit;
+    each draft tells the verifier to draft the cycle's tree itself
+    (``SelfDraft``). The loop plans, gates and counts its cycles as any drafter's."""
+
+    network_s = 0.0
+    needs_features = False
+    drafts_ahead = False
+
+    async def prefill(self, tokens: list[int], features: object, sampling: SamplingParams) -> None:
+        return None
+
+    async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft:
+        return Draft(SelfDraft(tree.depth), 1)       # its size is the verifier's to tell (``Committed.nodes``)
+
+    async def draft_ahead(self, commits: list[Committed], tree: TreeParams, count: int,
+                          tokens_left: int) -> dict[tuple[int, ...], Draft]:
+        return {}
+
+    async def release(self) -> None:
+        return None
 
 
 class Verifier(Protocol):
@@ -163,6 +196,8 @@ class SpeculativeLoop:
     def __init__(self, verifier: Verifier, drafter: Drafter | None, request: Request, decoding: Decoding,
                  listener: Listener | None = None):
         self.verifier = verifier
+        if request.tree is not None and request.tree.method == LOOKAHEAD:
+            drafter = SelfDrafter()                          # the verifier drafts from the target itself
         self.drafter = drafter if request.tree is not None else None
         self.backends = [b for b in (verifier, drafter) if b is not None]   # released at the end
         self.request = request

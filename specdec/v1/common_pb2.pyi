@@ -24,6 +24,7 @@ class TreeMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TREE_METHOD_NO_VALUE: _ClassVar[TreeMethod]
     TREE_METHOD_NO_RERANK: _ClassVar[TreeMethod]
     TREE_METHOD_VANILLA: _ClassVar[TreeMethod]
+    TREE_METHOD_LOOKAHEAD: _ClassVar[TreeMethod]
 
 class Proposals(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ TREE_METHOD_CHAIN: TreeMethod
 TREE_METHOD_NO_VALUE: TreeMethod
 TREE_METHOD_NO_RERANK: TreeMethod
 TREE_METHOD_VANILLA: TreeMethod
+TREE_METHOD_LOOKAHEAD: TreeMethod
 PROPOSALS_AUTO: Proposals
 PROPOSALS_TOP: Proposals
 PROPOSALS_SAMPLED: Proposals

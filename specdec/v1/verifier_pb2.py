@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xd7\x02\n\x16VerifierPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc0\x01\n\x17VerifierPrefillResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12$\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"a\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\"\xb5\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x16\n\x0everified_nodes\x18\x06 \x01(\x05\"=\n\x17VerifierRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x1a\n\x18VerifierRollbackResponse\",\n\x16VerifierReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x17VerifierReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x18\n\x16VerifierGetInfoRequest\"\xbd\x01\n\x17VerifierGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\":\n\x14VerifierRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\"9\n\x15VerifierRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\x84\x01\n\x16VerifierSessionRequest\x12\x35\n\x07prefill\x18\x01 \x01(\x0b\x32\".specdec.v1.VerifierPrefillRequestH\x00\x12+\n\x06verify\x18\x02 \x01(\x0b\x32\x19.specdec.v1.VerifyRequestH\x00\x42\x06\n\x04step\"\x87\x01\n\x17VerifierSessionResponse\x12\x36\n\x07prefill\x18\x01 \x01(\x0b\x32#.specdec.v1.VerifierPrefillResponseH\x00\x12,\n\x06verify\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponseH\x00\x42\x06\n\x04step2\xcb\x04\n\x0fVerifierService\x12R\n\x07Prefill\x12\".specdec.v1.VerifierPrefillRequest\x1a#.specdec.v1.VerifierPrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12U\n\x08Rollback\x12#.specdec.v1.VerifierRollbackRequest\x1a$.specdec.v1.VerifierRollbackResponse\x12R\n\x07Release\x12\".specdec.v1.VerifierReleaseRequest\x1a#.specdec.v1.VerifierReleaseResponse\x12R\n\x07GetInfo\x12\".specdec.v1.VerifierGetInfoRequest\x1a#.specdec.v1.VerifierGetInfoResponse\x12L\n\x05Renew\x12 .specdec.v1.VerifierRenewRequest\x1a!.specdec.v1.VerifierRenewResponse\x12V\n\x07Session\x12\".specdec.v1.VerifierSessionRequest\x1a#.specdec.v1.VerifierSessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xd7\x02\n\x16VerifierPrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\n \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc0\x01\n\x17VerifierPrefillResponse\x12\r\n\x05token\x18\x01 \x01(\x05\x12$\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"z\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x04tree\x18\x02 \x01(\x0b\x32\x15.specdec.v1.DraftTree\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\x12\x17\n\x0flookahead_depth\x18\x04 \x01(\x05\"\xb5\x01\n\x0eVerifyResponse\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12$\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x16\n\x0everified_nodes\x18\x06 \x01(\x05\"=\n\x17VerifierRollbackRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x05\"\x1a\n\x18VerifierRollbackResponse\",\n\x16VerifierReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"+\n\x17VerifierReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x18\n\x16VerifierGetInfoRequest\"\xbd\x01\n\x17VerifierGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x15\n\rmax_positions\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x05 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x07 \x01(\x03\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\":\n\x14VerifierRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\"9\n\x15VerifierRenewResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x05\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"\x84\x01\n\x16VerifierSessionRequest\x12\x35\n\x07prefill\x18\x01 \x01(\x0b\x32\".specdec.v1.VerifierPrefillRequestH\x00\x12+\n\x06verify\x18\x02 \x01(\x0b\x32\x19.specdec.v1.VerifyRequestH\x00\x42\x06\n\x04step\"\x87\x01\n\x17VerifierSessionResponse\x12\x36\n\x07prefill\x18\x01 \x01(\x0b\x32#.specdec.v1.VerifierPrefillResponseH\x00\x12,\n\x06verify\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponseH\x00\x42\x06\n\x04step2\xcb\x04\n\x0fVerifierService\x12R\n\x07Prefill\x12\".specdec.v1.VerifierPrefillRequest\x1a#.specdec.v1.VerifierPrefillResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12U\n\x08Rollback\x12#.specdec.v1.VerifierRollbackRequest\x1a$.specdec.v1.VerifierRollbackResponse\x12R\n\x07Release\x12\".specdec.v1.VerifierReleaseRequest\x1a#.specdec.v1.VerifierReleaseResponse\x12R\n\x07GetInfo\x12\".specdec.v1.VerifierGetInfoRequest\x1a#.specdec.v1.VerifierGetInfoResponse\x12L\n\x05Renew\x12 .specdec.v1.VerifierRenewRequest\x1a!.specdec.v1.VerifierRenewResponse\x12V\n\x07Session\x12\".specdec.v1.VerifierSessionRequest\x1a#.specdec.v1.VerifierSessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERPREFILLRESPONSE']._serialized_start=413
   _globals['_VERIFIERPREFILLRESPONSE']._serialized_end=605
   _globals['_VERIFYREQUEST']._serialized_start=607
-  _globals['_VERIFYREQUEST']._serialized_end=704
-  _globals['_VERIFYRESPONSE']._serialized_start=707
-  _globals['_VERIFYRESPONSE']._serialized_end=888
-  _globals['_VERIFIERROLLBACKREQUEST']._serialized_start=890
-  _globals['_VERIFIERROLLBACKREQUEST']._serialized_end=951
-  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_start=953
-  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_end=979
-  _globals['_VERIFIERRELEASEREQUEST']._serialized_start=981
-  _globals['_VERIFIERRELEASEREQUEST']._serialized_end=1025
-  _globals['_VERIFIERRELEASERESPONSE']._serialized_start=1027
-  _globals['_VERIFIERRELEASERESPONSE']._serialized_end=1070
-  _globals['_VERIFIERGETINFOREQUEST']._serialized_start=1072
-  _globals['_VERIFIERGETINFOREQUEST']._serialized_end=1096
-  _globals['_VERIFIERGETINFORESPONSE']._serialized_start=1099
-  _globals['_VERIFIERGETINFORESPONSE']._serialized_end=1288
-  _globals['_VERIFIERRENEWREQUEST']._serialized_start=1290
-  _globals['_VERIFIERRENEWREQUEST']._serialized_end=1348
-  _globals['_VERIFIERRENEWRESPONSE']._serialized_start=1350
-  _globals['_VERIFIERRENEWRESPONSE']._serialized_end=1407
-  _globals['_VERIFIERSESSIONREQUEST']._serialized_start=1410
-  _globals['_VERIFIERSESSIONREQUEST']._serialized_end=1542
-  _globals['_VERIFIERSESSIONRESPONSE']._serialized_start=1545
-  _globals['_VERIFIERSESSIONRESPONSE']._serialized_end=1680
-  _globals['_VERIFIERSERVICE']._serialized_start=1683
-  _globals['_VERIFIERSERVICE']._serialized_end=2270
+  _globals['_VERIFYREQUEST']._serialized_end=729
+  _globals['_VERIFYRESPONSE']._serialized_start=732
+  _globals['_VERIFYRESPONSE']._serialized_end=913
+  _globals['_VERIFIERROLLBACKREQUEST']._serialized_start=915
+  _globals['_VERIFIERROLLBACKREQUEST']._serialized_end=976
+  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_start=978
+  _globals['_VERIFIERROLLBACKRESPONSE']._serialized_end=1004
+  _globals['_VERIFIERRELEASEREQUEST']._serialized_start=1006
+  _globals['_VERIFIERRELEASEREQUEST']._serialized_end=1050
+  _globals['_VERIFIERRELEASERESPONSE']._serialized_start=1052
+  _globals['_VERIFIERRELEASERESPONSE']._serialized_end=1095
+  _globals['_VERIFIERGETINFOREQUEST']._serialized_start=1097
+  _globals['_VERIFIERGETINFOREQUEST']._serialized_end=1121
+  _globals['_VERIFIERGETINFORESPONSE']._serialized_start=1124
+  _globals['_VERIFIERGETINFORESPONSE']._serialized_end=1313
+  _globals['_VERIFIERRENEWREQUEST']._serialized_start=1315
+  _globals['_VERIFIERRENEWREQUEST']._serialized_end=1373
+  _globals['_VERIFIERRENEWRESPONSE']._serialized_start=1375
+  _globals['_VERIFIERRENEWRESPONSE']._serialized_end=1432
+  _globals['_VERIFIERSESSIONREQUEST']._serialized_start=1435
+  _globals['_VERIFIERSESSIONREQUEST']._serialized_end=1567
+  _globals['_VERIFIERSESSIONRESPONSE']._serialized_start=1570
+  _globals['_VERIFIERSESSIONRESPONSE']._serialized_end=1705
+  _globals['_VERIFIERSERVICE']._serialized_start=1708
+  _globals['_VERIFIERSERVICE']._serialized_end=2295
 # @@protoc_insertion_point(module_scope)

@@ -50,14 +50,16 @@ class VerifierPrefillResponse(_message.Message):
     def __init__(self, token: _Optional[int] = ..., features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tree", "return_features")
+    __slots__ = ("session_id", "tree", "return_features", "lookahead_depth")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_DEPTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tree: _common_pb2.DraftTree
     return_features: bool
-    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    lookahead_depth: int
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ..., lookahead_depth: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted_nodes", "tokens", "features", "compute_s", "logprobs", "verified_nodes")

@@ -123,7 +123,7 @@ def test_sweep(tiny_family, prompt_file, tmp_path):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--target", "/nonexistent/target"], "target model directory /nonexistent/target has no config.json"),
-    (["--methods", "eagle2,lookahead"], "unknown method 'lookahead'"),
+    (["--methods", "eagle2,typical"], "unknown method 'typical'"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--prompts", "/nonexistent.jsonl"], "prompt file not found"),
 ])

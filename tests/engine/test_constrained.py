@@ -1,7 +1,7 @@
 """Structured output stays exact under speculation: greedy constrained output is
 token-identical to plain constrained greedy decoding (an independent loop: the
 model's logits masked by an llguidance matcher) for a JSON schema, a regex, a
-Lark grammar and a tool's parameters, with every drafter and tree method;
+Lark grammar and a tool's parameters, with every drafter and tree method and with lookahead decoding;
 sampled constrained output follows the exact masked, penalised target joint
 (chi-square); a verifier that masks every node with the committed state's
 grammar mask instead of its own path's is caught by both checks."""
@@ -145,6 +145,16 @@ def test_greedy_constrained_identical_to_plain(stacks, reference, drafter, kind)
     assert [d.tokens for d in speculative] == reference[kind]
     if drafter != "ngram":          # masked drafts: most drafted tokens are the grammar's and accepted
         assert sum(d.stats.accepted for d in speculative) > 0
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_greedy_constrained_lookahead_identical_to_plain(stacks, reference, kind):
+    """Lookahead decoding (no drafter): the pool's guesses are masked along their
+    own paths by the verifier's acceptance like any drafter's nodes."""
+    stack, params = stacks["ngram"], SamplingParams(constraint=CONSTRAINTS[kind])
+    looked = [generate(stack.verifier, None, p, params, stop_for(stack), TreeParams(method="lookahead"))
+              for p in prompt_ids(stack)]
+    assert [d.tokens for d in looked] == reference[kind]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -44,13 +44,13 @@ def engines():
     return target, verifier, MedusaDrafter("unused", heads=heads, target=(HIDDEN, V))
 
 
-def exact_joint(model, params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2, t3 | PROMPT) under the penalised target, [V, V, V]."""
-    joint, seqs = torch.ones(()), [list(PROMPT)]
+def exact_joint(model, params: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) under the penalised target, [V, V, V]."""
+    joint, seqs = torch.ones(()), [list(prompt)]
     for _ in range(NEW):
         with torch.no_grad():
             logits = model(torch.tensor(seqs)).logits[:, -1]
-        rows = [target_probs(row, params, History(V, seq, len(PROMPT)).counts()) for seq, row in zip(seqs, logits)]
+        rows = [target_probs(row, params, History(V, seq, len(prompt)).counts()) for seq, row in zip(seqs, logits)]
         joint = (joint.reshape(-1, 1) * torch.stack(rows)).reshape(-1)
         seqs = [seq + [t] for seq in seqs for t in range(V)]
     return joint.reshape([V] * NEW)

@@ -77,12 +77,14 @@ def test_prefill(targets, witness, field_named):
 
 def test_verify(targets, witness):
     @examples(60)
-    @given(choice=session_choices, tree=draft_trees(), root_ok=st.booleans(), return_features=st.booleans())
-    def fuzz(choice, tree, root_ok, return_features):
+    @given(choice=session_choices, tree=draft_trees(), root_ok=st.booleans(), return_features=st.booleans(),
+           lookahead=st.one_of(st.just(0), int32s))
+    def fuzz(choice, tree, root_ok, return_features, lookahead):
         live, root = open_session(targets)
         if root_ok and tree.tokens:
             tree.tokens[0] = root            # reaches acceptance, not only the root check
-        request = VerifyRequest(session_id=resolve(choice, live), tree=tree, return_features=return_features)
+        request = VerifyRequest(session_id=resolve(choice, live), tree=tree, return_features=return_features,
+                                lookahead_depth=lookahead)     # > 0: the verifier drafts (lookahead decoding)
         answer = answer_of(targets.verifier.Verify, request)
         release(targets, live)
         assert_documented(answer, request)

@@ -12,7 +12,7 @@ import pytest
 
 from specdec.request import knobs
 from specdec.request.errors import InvalidArgument
-from specdec.request.params import (MAX_ID_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPT_CHARS, MAX_STOP_CHARS,
+from specdec.request.params import (LOOKAHEAD, MAX_ID_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPT_CHARS, MAX_STOP_CHARS,
                                     MAX_STOP_STRINGS, METHODS, PROPOSALS, REQUEST_METHODS, VANILLA, GenerationRequest,
                                     SamplingParams, TreeParams, TreeRequest, check_count, check_session_id,
                                     is_request_id)
@@ -170,7 +170,7 @@ def test_one_method_list_everywhere():
     from specdec.client import sdk
     from specdec.v1 import common_pb2
 
-    assert REQUEST_METHODS == METHODS + (VANILLA,) and knobs.DEFAULT_METHOD in METHODS
+    assert REQUEST_METHODS == METHODS + (LOOKAHEAD, VANILLA) and knobs.DEFAULT_METHOD in METHODS
     assert sdk.METHODS == REQUEST_METHODS and sdk.PROPOSALS == PROPOSALS
     assert tuple(wire.METHOD_TO_PROTO) == REQUEST_METHODS and tuple(wire.PROPOSALS_TO_PROTO) == PROPOSALS
     # the proto has no method or mode the list lacks

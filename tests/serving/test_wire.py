@@ -148,7 +148,7 @@ LIMITS = TreeParams(total_tokens=20, depth=5, expand_k=4)
 
 
 def test_method_maps_cover_every_method():
-    assert set(wire.METHOD_TO_PROTO) == set(METHODS) | {"vanilla"}
+    assert set(wire.METHOD_TO_PROTO) == set(METHODS) | {"lookahead", "vanilla"}
     assert all(wire.METHOD_FROM_PROTO[v] == k for k, v in wire.METHOD_TO_PROTO.items())
     assert common_pb2.TREE_METHOD_UNSPECIFIED not in wire.METHOD_FROM_PROTO
 
