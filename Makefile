@@ -39,7 +39,8 @@ test: setup
 
 # the chi-square sampling checks of `make test`, with 4x their seeds
 CHI2_TESTS = tests/tree/test_proposals.py tests/engine/test_sampling_lossless.py tests/engine/test_penalties.py \
-	tests/engine/test_medusa_lossless.py tests/engine/test_hydra_lossless.py tests/engine/test_constrained.py \
+	tests/engine/test_medusa_lossless.py tests/engine/test_hydra_lossless.py tests/engine/test_lookahead_lossless.py \
+	tests/engine/test_constrained.py \
 	tests/eagle3/test_eagle3_sampling.py tests/model/test_sampling_families.py
 
 bench: setup

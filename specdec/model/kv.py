@@ -145,12 +145,11 @@ class SlabLayer(DynamicLayer):
         end = self._len + sum(k.shape[-2] for k in keys)
         if self._k is None or end > self.capacity:
             self._grow(keys[0], values[0], end)
-        for k, v in zip(keys, values):
-            n = k.shape[-2]
-            self._k[:, :, self._len:self._len + n] = k
-            self._v[:, :, self._len:self._len + n] = v
-            self._len += n
-        self._vlen = self._len
+        # one copy per buffer: a slice write costs microseconds of dispatch
+        # whatever its size, which dozens of small blocks a layer add up to
+        self._k[:, :, self._len:end] = torch.cat(keys, dim=-2) if len(keys) > 1 else keys[0]
+        self._v[:, :, self._len:end] = torch.cat(values, dim=-2) if len(values) > 1 else values[0]
+        self._len = self._vlen = end
 
     @_in_inference_mode
     def _grow(self, k: torch.Tensor, v: torch.Tensor, need: int) -> None:

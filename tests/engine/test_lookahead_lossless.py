@@ -25,6 +25,7 @@ from specdec.tree.lookahead import guess_tree, window_layout
 from verifier.engine import TargetModel, VerifierEngine
 from verifier.lookahead import lookahead_inputs
 from test_medusa_lossless import NEW, PENALISED, PROMPT, V, chi2_pvalue, exact_joint, typical_acceptance
+from stats import chi2_runs
 
 LOOKAHEAD = TreeParams(method="lookahead")
 
@@ -113,7 +114,7 @@ def test_greedy_up_to_the_end_of_the_context():
 
 
 # -- sampling ----------------------------------------------------------------------
-RUNS = 600
+RUNS = chi2_runs(600)
 
 
 @pytest.fixture(scope="module")
