@@ -93,3 +93,17 @@ def tiny_hydra(target, seed: int, num_heads: int = 3, num_layers: int = 1, scale
         for lm in heads.hydra_lm_head:
             lm.weight.copy_(target.lm_head.weight + 0.1 * scale * torch.randn_like(lm.weight))
     return heads.eval()
+
+
+def save_tiny_heads(target_dir, root, medusa_layout: str = "original") -> dict:
+    """``tiny_medusa`` and ``tiny_hydra`` heads for the model in ``target_dir``,
+    saved under ``root``; their directories by kind."""
+    from transformers import AutoModelForCausalLM
+
+    from drafter.hydra_heads import save_heads as save_hydra
+    from drafter.medusa_heads import save_heads as save_medusa
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    save_medusa(tiny_medusa(target, seed=4, num_heads=3), root / "medusa", medusa_layout)
+    save_hydra(tiny_hydra(target, seed=5), root / "hydra")
+    return {"medusa": root / "medusa", "hydra": root / "hydra"}

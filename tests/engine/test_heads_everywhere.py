@@ -11,7 +11,7 @@ from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
-from tiny import tiny_hydra, tiny_medusa
+from tiny import save_tiny_heads
 
 GREEDY = SamplingParams()
 TREE = TreeParams(total_tokens=8, depth=3, expand_k=4)      # the compiled tests' widths: their packages serve
@@ -30,16 +30,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def heads(tiny_family, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from drafter.hydra_heads import save_heads as save_hydra
-    from drafter.medusa_heads import save_heads as save_medusa
-
-    root = tmp_path_factory.mktemp("heads-everywhere")
-    target = AutoModelForCausalLM.from_pretrained(tiny_family["target"])
-    save_medusa(tiny_medusa(target, seed=4, num_heads=3), root / "medusa", "original")
-    save_hydra(tiny_hydra(target, seed=5), root / "hydra")
-    return root
+    return save_tiny_heads(tiny_family["target"], tmp_path_factory.mktemp("heads-everywhere"))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +42,7 @@ def reference(tiny_family):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_identical_with_drafting_paused_by_the_gate(tiny_family, heads, reference, kind):
-    stack = build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice(kind, str(heads / kind)))
+    stack = build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice(kind, str(heads[kind])))
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
         gated = generate(stack.verifier, stack.drafter, prompt, GREEDY, STOP, TREE, min_tau=100.0)
         free = generate(stack.verifier, stack.drafter, prompt, GREEDY, STOP, TREE)
@@ -62,7 +53,7 @@ def test_greedy_identical_with_drafting_paused_by_the_gate(tiny_family, heads, r
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_identical_on_the_compiled_target(tiny_family, heads, reference, kind):
-    stack = build_local(ModelSpec(str(tiny_family["target"]), compile="on"), DrafterChoice(kind, str(heads / kind)))
+    stack = build_local(ModelSpec(str(tiny_family["target"]), compile="on"), DrafterChoice(kind, str(heads[kind])))
     assert stack.verifier.target.compiled is not None
     accepted = 0
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):

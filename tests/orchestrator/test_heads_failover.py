@@ -10,23 +10,15 @@ from running_stack import Stack, Tap
 from specdec.client import SpecdecClient
 from test_failover import N, PROMPT, held_in, sample
 from test_routing import Background, add_orchestrator, wait_for
-from tiny import tiny_hydra, tiny_medusa
+from tiny import save_tiny_heads
 
 FALLBACKS = ("drafter_error", "drafters_unavailable")
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_family, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from drafter.hydra_heads import save_heads as save_hydra
-    from drafter.medusa_heads import save_heads as save_medusa
-
-    root = tmp_path_factory.mktemp("heads-failover")
-    target = AutoModelForCausalLM.from_pretrained(tiny_family["target"])
-    save_medusa(tiny_medusa(target, seed=4, num_heads=3), root / "medusa", "vllm")
-    save_hydra(tiny_hydra(target, seed=5), root / "hydra")
-    s = Stack({**tiny_family, "medusa": root / "medusa", "hydra": root / "hydra"})
+    heads = save_tiny_heads(tiny_family["target"], tmp_path_factory.mktemp("heads-failover"), "vllm")
+    s = Stack({**tiny_family, **heads})
     s.add_verifier("verifier")
     yield s
     s.close()
