@@ -20,12 +20,19 @@ generation, no Dynamo guards on the call, and a C++ wrapper around the kernels.
 - K/V writes: the step writes the new slots into its stacked cache input in
   place, as the ``torch.compile`` graph does (the export records the mutation
   and the package replays it on the caller's buffer);
-- the key: a package is reused only for the same model files (their bytes;
-  for a large model their names, sizes and modification times; the weights'
-  bytes for a model that is not a directory), step code (its module's
-  source, the transformers version), torch version, dtype, device, CPU
-  (machine and feature flags), width and capacity. Packages live in ``specdec-aot/`` under the inductor cache
-  directory (``TORCHINDUCTOR_CACHE_DIR``);
+- the key: a shared package holds no weights, so it is reused for any model
+  of the same architecture (``layout_fingerprint``: its config but for its
+  name, and its parameters' and buffers' names, shapes, dtypes and strides);
+  a packed one only for the same model files (``model_fingerprint``: their
+  bytes; for a large model their names, sizes and modification times; the
+  weights' bytes for a model that is not a directory); both also key on the
+  step code (its module's source, the transformers version), torch version,
+  dtype, device, CPU (machine and feature flags), width and capacity.
+  Packages live in ``specdec-aot/`` under the inductor cache directory
+  (``TORCHINDUCTOR_CACHE_DIR``);
+- building: one process builds a package while any other start that needs
+  it waits on the package's lock file and then loads it (replicas sharing a
+  cache, or test workers, build each package once);
 - loading: a package's compiled library is unzipped once in its place
   (``kept_library``) and loaded directly, the output structure read once
   (``LoadedStep``): opening one of the demo target's took ~50 ms through the
@@ -41,6 +48,7 @@ generation, no Dynamo guards on the call, and a C++ wrapper around the kernels.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import inspect
 import json
@@ -116,6 +124,29 @@ def _fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:20]
 
 
+def layout_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of what a shared package is traced from besides the weights'
+    values: the model's config (but for where it was loaded from) and its
+    parameters' and buffers' names, shapes, dtypes and strides; two models
+    that differ only in their weights' values share it (a shared package
+    takes every parameter and buffer as an input: ``shared_weights``)."""
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+    for module in model.modules():             # the model's config, and a head's inside a key module
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        settings = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        settings = {k: v for k, v in settings.items() if k not in ("_name_or_path", "transformers_version")}
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    for name, t in named.items():
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{tuple(t.stride())};".encode())
+    return digest.hexdigest()[:20]
+
+
 def code_fingerprint(step: torch.nn.Module, sources: tuple[str, ...] = ()) -> str:
     """A digest of the code a package was traced from: the step's own module
     source, the transformers version (the model's forward) and ``sources``
@@ -128,11 +159,13 @@ def code_fingerprint(step: torch.nn.Module, sources: tuple[str, ...] = ()) -> st
 
 
 def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
-                sources: tuple[str, ...] = (), variant: str = "") -> Path:
+                sources: tuple[str, ...] = (), variant: str = "", packed: bool = False) -> Path:
     """Where the packages of ``step`` over ``model`` at ``dtype`` on ``device``
-    live; ``variant`` tells apart steps of one class that return different things."""
+    live, ``packed`` (keyed by the model's files) or shared (by its layout);
+    ``variant`` tells apart steps of one class that return different things."""
     machine = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8]
-    key = (f"{model_fingerprint(model)}-{code_fingerprint(step, sources)}-torch{torch.__version__}-"
+    model_key = model_fingerprint(model) if packed else "layout-" + layout_fingerprint(model)
+    key = (f"{model_key}-{code_fingerprint(step, sources)}-torch{torch.__version__}-"
            f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}" + (f"-{variant}" if variant else ""))
     return Path(cache_dir()) / "specdec-aot" / key
 
@@ -293,9 +326,14 @@ def ensure_package(step: torch.nn.Module, example: Callable[[], tuple], root: Pa
     absent (at the shapes of ``example()``); with ``batch_dims``, one whose
     batch dimension is free (``batch_dims(example)``: the dynamic shapes)."""
     path = package_path(root, width, capacity, packed, batch_dims is not None)
-    if not package_built(path):
-        inputs = example()
-        build_package(step, inputs, path, packed, None if batch_dims is None else batch_dims(inputs))
+    if package_built(path):
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # released on close, or by the kernel if this process dies
+        if not package_built(path):               # (another start may have built it while this one waited)
+            inputs = example()
+            build_package(step, inputs, path, packed, None if batch_dims is None else batch_dims(inputs))
     return path
 
 

@@ -101,15 +101,15 @@ class FixedGraphs:
         self.options = options
         self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
         sources = (*sources, inspect.getfile(FixedLayer))     # every step writes its K/V through it
-        self.packages = (aot.package_dir(module, model, dtype, device, sources, variant)
-                         if ahead_of_time else None)
-        if self.packages is not None:
-            aot.mark_used(self.packages)         # and, once per process, prune unused ones
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         if packed is None:               # one packed copy of the weights per package: small models only
             packed = {"on": True, "off": False}.get(packed_setting(), device.type == "cpu" and weight_bytes * len(
                 WIDTHS) * len(packaged_capacities) <= PACKED_BUDGET)
         self.packed = ahead_of_time and packed
+        self.packages = (aot.package_dir(module, model, dtype, device, sources, variant, self.packed)
+                         if ahead_of_time else None)
+        if self.packages is not None:
+            aot.mark_used(self.packages)         # and, once per process, prune unused ones
         self.weights = aot.shared_weights(module) if ahead_of_time and not self.packed else None
         self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
         self.replayed: dict[tuple[int, int], Replayed] = {}  # the same, as ``get`` hands them out

@@ -3,7 +3,8 @@ to eager vanilla on the demo target and on a tiny non-Llama family, seeded
 sampling reproducible, the padding helpers, the per-model fallback to eager
 forwards with one log line, the stacked K/V buffer the steps write in place,
 and the ahead-of-time packages (reloaded, over the model's own weights, keyed
-by the model files, their libraries unzipped once in their place)."""
+by the model files when packed and by the model's layout when shared, built
+once by concurrent starts, their libraries unzipped once in their place)."""
 
 from __future__ import annotations
 
@@ -293,10 +294,60 @@ def test_a_packages_library_stands_in_for_it_and_a_rebuilt_package_replaces_it(l
     assert torch.allclose(logits_two, 2 * logits_one, rtol=1e-4, atol=1e-4)
 
 
-def test_package_key_follows_the_model_files(family_dir):
+def test_package_key_follows_the_model_files_or_its_layout(family_dir):
+    """Packed packages hold the weights: keyed by the model's files. Shared
+    ones hold none: any model of the same architecture and layout shares them."""
     a = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=0)))).lm
     b = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=1)))).lm
     step = forwards.FixedStep(a)
-    dirs = {aot.package_dir(step, lm.model, lm.dtype, torch.device("cpu")) for lm in (a, a, b)}
-    assert len(dirs) == 2
-    assert aot.package_dir(step, a.model, torch.float16, torch.device("cpu")) not in dirs
+    cpu = torch.device("cpu")
+    packed = {aot.package_dir(step, lm.model, lm.dtype, cpu, packed=True) for lm in (a, a, b)}
+    shared = {aot.package_dir(step, lm.model, lm.dtype, cpu) for lm in (a, a, b)}
+    assert len(packed) == 2 and len(shared) == 1 and not packed & shared
+    assert aot.package_dir(step, a.model, torch.float16, cpu) not in shared
+    eps = a.model.config.rms_norm_eps
+    try:                                                 # a setting the trace reads is part of the layout
+        a.model.config.rms_norm_eps = eps * 2
+        assert aot.package_dir(step, a.model, a.dtype, cpu) not in shared
+    finally:
+        a.model.config.rms_norm_eps = eps
+
+
+def test_a_shared_package_built_over_one_model_serves_another_of_its_layout(llama_step, family_dir, monkeypatch):
+    target, forward = llama_step
+    other = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"], seed=3))))
+
+    def no_build(*args):
+        raise AssertionError("a package of this layout is on disk already")
+
+    monkeypatch.setattr(aot, "build_package", no_build)
+    theirs = forwards.CompiledForward(other.lm, packed=False)
+    assert theirs.packages == forward.packages
+    theirs.warm((1,))
+    got = _one_token_logits(other, theirs.forward, theirs.new_cache(8))
+    want = _one_token_logits(other, functools.partial(forwards.eager_forward, other.lm), other.lm.new_cache())
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, _one_token_logits(target, forward.forward, forward.new_cache(8)), atol=1e-3)
+
+
+def test_starts_needing_one_package_build_it_once(tmp_path, monkeypatch):
+    """A start that finds a package being built waits for it and loads it."""
+    import threading
+    import time
+
+    built = []
+
+    def slow_build(step, example, path, packed, dynamic_shapes=None):
+        built.append(path)
+        time.sleep(0.3)                      # the other start arrives while this one builds
+        path.write_bytes(b"package")
+
+    monkeypatch.setattr(aot, "build_package", slow_build)
+    paths = []
+    starts = [threading.Thread(target=lambda: paths.append(aot.ensure_package(None, tuple, tmp_path, 1, 256, False)))
+              for _ in range(3)]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join()
+    assert len(built) == 1 and len(set(paths)) == 1 and paths[0].read_bytes() == b"package"
