@@ -43,8 +43,7 @@ class ChatTokens:
 
     def loss_mask(self) -> torch.Tensor:
         """bool [n]: position p predicts an assistant token (p + 1); the last predicts nothing."""
-        nxt = torch.tensor(self.assistant[1:] + [False], dtype=torch.bool)
-        return nxt
+        return torch.tensor(self.assistant[1:] + [False], dtype=torch.bool)
 
 
 def check_messages(messages, where: str, need_assistant: bool = True) -> list[dict]:
@@ -96,9 +95,10 @@ def chat_key(messages: list[dict]) -> str:
 
 def split_chats(chats: list[list[dict]]) -> tuple[list[list[dict]], list[list[dict]]]:
     """(train, held-out) by a hash of each conversation; at least one of each when there are two."""
-    held = [c for c in chats if int(chat_key(c)[:12], 16) % HELDOUT_MODULUS == 0] or chats[-1:]
-    train = [c for c in chats if not any(c is h for h in held)] or held
-    return train, held
+    held_at = {i for i, c in enumerate(chats) if int(chat_key(c)[:12], 16) % HELDOUT_MODULUS == 0} \
+        or {len(chats) - 1}
+    held = [c for i, c in enumerate(chats) if i in held_at]
+    return [c for i, c in enumerate(chats) if i not in held_at] or held, held
 
 
 def require_template(tokenizer, target: str) -> None:

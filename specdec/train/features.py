@@ -46,29 +46,39 @@ def _shard_path(directory: Path, index: int) -> Path:
 
 
 @torch.no_grad()
-def _records(target, chats: list[ChatTokens], max_len: int, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """One shard: the chats through the target as one right-padded batch (padding
-    after a sequence does not reach its positions), concatenated."""
+def _records(target, chats: list[ChatTokens], max_len: int, layers: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    """Each chat's record, the chats through the target as one right-padded batch
+    (padding after a sequence does not reach its positions)."""
     ids = [c.ids[:max_len] for c in chats]
-    width = max(len(i) for i in ids)
-    batch = torch.zeros((len(ids), width), dtype=torch.long)
+    batch = torch.zeros((len(ids), max(len(i) for i in ids)), dtype=torch.long)
     for row, i in enumerate(ids):
         batch[row, :len(i)] = torch.tensor(i)
-    out = target(input_ids=batch, output_hidden_states=True)
-    final = out.hidden_states[-1]
+    out = target(input_ids=batch, output_hidden_states=True, logits_to_keep=1)
     feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
-    parts: dict[str, list[torch.Tensor]] = {"tokens": [], "mask": [], "final": [], "layers": []}
+    records = []
     for row, (c, i) in enumerate(zip(chats, ids)):
         n = len(i)
-        parts["tokens"].append(torch.tensor(i, dtype=torch.int32))
-        parts["mask"].append(c.loss_mask()[:n] & (torch.arange(n) < n - 1))
-        parts["final"].append(final[row, :n].to(FEATURE_DTYPE))
+        r = {"tokens": torch.tensor(i, dtype=torch.int32), "mask": c.loss_mask()[:n] & (torch.arange(n) < n - 1),
+             "final": out.hidden_states[-1][row, :n].to(FEATURE_DTYPE)}
         if feats is not None:
-            parts["layers"].append(feats[row, :n].to(FEATURE_DTYPE))
-    lengths = torch.tensor([len(i) for i in ids])
-    record = {k: torch.cat(v) for k, v in parts.items() if v}
-    record["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    return record
+            r["layers"] = feats[row, :n].to(FEATURE_DTYPE)
+        records.append(r)
+    return records
+
+
+def _shard(target, chats: list[ChatTokens], max_len: int, layers: tuple[int, ...], batch: int) -> dict:
+    """The records of ``chats`` concatenated, with ``offsets`` [n + 1]; batches are
+    formed from chats of similar length (less padding), the records kept in order."""
+    order = sorted(range(len(chats)), key=lambda k: len(chats[k].ids))
+    records: list[dict] = [{}] * len(chats)
+    for lo in range(0, len(order), batch):
+        which = order[lo:lo + batch]
+        for k, r in zip(which, _records(target, [chats[k] for k in which], max_len, layers)):
+            records[k] = r
+    shard = {name: torch.cat([r[name] for r in records]) for name in records[0]}
+    lengths = torch.tensor([len(r["tokens"]) for r in records])
+    shard["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    return shard
 
 
 def extract(target, chats: list[ChatTokens], directory: Path, max_len: int, layers: tuple[int, ...] = (),
@@ -85,12 +95,8 @@ def extract(target, chats: list[ChatTokens], directory: Path, max_len: int, laye
                disable=not progress, dynamic_ncols=True, desc="features")
     for s in todo:
         part = chats[s * SHARD:(s + 1) * SHARD]
-        records = [_records(target, part[lo:lo + batch], max_len, layers) for lo in range(0, len(part), batch)]
-        shard = {k: torch.cat([r[k] for r in records]) for k in records[0] if k != "offsets"}
-        lengths = torch.cat([r["offsets"].diff() for r in records])
-        shard["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         tmp = _shard_path(directory, s).with_suffix(".tmp")
-        torch.save(shard, tmp)
+        torch.save(_shard(target, part, max_len, layers, batch), tmp)
         os.replace(tmp, _shard_path(directory, s))
         computed += len(part)
         tokens += sum(min(len(c.ids), max_len) for c in part)
