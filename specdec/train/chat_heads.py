@@ -121,12 +121,13 @@ def calibrate_chat(head, io: TargetHead, b: dict, out_dir: Path, version: int) -
     weight = b["mask"][:, 1:]
     positions = torch.arange(b["tokens"].shape[1] - 1)[None].expand(b["tokens"].shape[0], -1)
     full = io.logits(b["final"][:, 1:])                                               # [B, S, V]
-    embed = io.embed_tokens(b["tokens"][:, 1:]).float()
     if version == 3:
+        embed = head.embed_tokens(b["tokens"][:, 1:])
         logits = head.draft_logits(head(embed, head.project(b["layers"][:, :-1]), positions))
         labels = full[..., head.t2d].argmax(-1)             # a draft id where the argmax is in the draft vocabulary
         keep = weight & head.t2d[full.argmax(-1)]
     else:
+        embed = io.embed_tokens(b["tokens"][:, 1:]).float()
         logits, labels, keep = io.logits(head(embed, b["final"][:, :-1], positions)), full.argmax(-1), weight
     if not keep.any():
         return write_calibration({"greedy_value_temperature": 1.0,
