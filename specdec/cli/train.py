@@ -1,4 +1,5 @@
-"""``specdec train tokenizer|target|draft-lm|eagle [--version 3]|medusa|hydra|calibrate|card``.
+"""``specdec train tokenizer|target|draft-lm|eagle [--version 3] [--chat]|chat-prompts|chat-regenerate|medusa|
+hydra|calibrate|card``.
 
 Each command is resumable: it checkpoints into ``--workdir`` every
 ``--ckpt-every`` steps and on SIGTERM/Ctrl-C, and a rerun with the same flags
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specdec.cli.train_chat import add_chat_flags, add_parsers as add_chat_parsers, run_eagle_chat
 from specdec.model.loading import demo_path
 from specdec.request.errors import UsageError
 
@@ -110,7 +112,9 @@ def add_parser(sub) -> None:
                     help="start from this EAGLE-3 head's weights and draft vocabulary (e.g. to fine-tune it "
                          "on other feature layers) instead of the target's own tensors")
     _common(t, steps=800, batch=16, lr=1e-3)
+    add_chat_flags(t)
     t.set_defaults(run=run_eagle, name="eagle")
+    add_chat_parsers(tsub)
 
     t = tsub.add_parser("medusa", help="Medusa-1 heads on a frozen local causal-LM target")
     t.add_argument("--target", default=str(demo_path("target")))
@@ -177,6 +181,8 @@ def run_eagle(args) -> int:
     given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
     if given:
         raise UsageError(f"{', '.join(given)} do not apply to --version {args.version}")
+    if (args.regenerate or args.heldout_chat) and not args.chat:
+        raise UsageError("--regenerate and --heldout-chat need --chat")
     if args.version == 3:
         return _run_eagle3(args)
     from specdec.train.eagle import EagleLoss, train_eagle
@@ -186,6 +192,9 @@ def run_eagle(args) -> int:
                      w_cls=d.w_cls if args.w_cls is None else args.w_cls,
                      noise=d.noise if args.noise is None else args.noise)
     out = args.out or str(demo_path("eagle"))
+    if args.chat:
+        _report(run_eagle_chat(args, out, _config(args), loss=loss), out)
+        return 0
     train_texts, heldout = _corpus(args)
     log = train_eagle(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
                       loss, progress=not args.no_progress)
@@ -246,6 +255,9 @@ def _run_eagle3(args) -> int:
                          init=args.init)
     args.name = "eagle3"
     out = args.out or str(demo_path("eagle3"))
+    if args.chat:
+        _report(run_eagle_chat(args, out, _config(args), opts=opts), out)
+        return 0
     train_texts, heldout = _corpus(args)
     log = train_eagle3(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args), opts,
                        progress=not args.no_progress)

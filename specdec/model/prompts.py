@@ -18,8 +18,10 @@ def prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     return list(tokenizer(chat_text(tokenizer, prompt), add_special_tokens=False)["input_ids"])
 
 
-def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The chat rendered as the target reads it (its special tokens written out)."""
+def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The chat rendered as the target reads it (its special tokens written out),
+    with the header of the assistant's next turn unless ``add_generation_prompt``
+    is False (a conversation that ends as it is, as in training data)."""
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError("chat prompts need a chat template, and the target's tokenizer has none")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)

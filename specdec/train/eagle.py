@@ -52,11 +52,28 @@ def head_from_target(target) -> EagleHead:
 def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLoss, noise_gen=None):
     """batch: [B, L+1] token windows. Returns (loss, metrics)."""
     tokens = batch[:, :-1]
-    io = TargetHead.of_model(target)
     with torch.no_grad():
         feats = target.get_decoder()(input_ids=tokens).last_hidden_state.float()      # [B, L, H]
+    return feature_losses(head, TargetHead.of_model(target), tokens, feats, loss_cfg, noise_gen)
+
+
+def masked_mean(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """Mean of x [B, T] over the positions ``weight`` [B, T] (bool) keeps (all when None)."""
+    if weight is None:
+        return x.mean()
+    w = weight.float()
+    return (x * w).sum() / w.sum().clamp(min=1.0)
+
+
+def feature_losses(head: EagleHead, io: TargetHead, tokens: torch.Tensor, feats: torch.Tensor,
+                   loss_cfg: EagleLoss, noise_gen=None, mask: torch.Tensor | None = None):
+    """The losses of ``head`` given the target's features ``feats`` [B, L, H] of
+    ``tokens`` [B, L]; ``mask`` [B, L] bool: the target positions whose
+    predictions count (None: all). The head at t stands for position t + 1."""
+    with torch.no_grad():
         target_logp = torch.log_softmax(io.logits(feats), -1)
         embed = io.embed_tokens(tokens[:, 1:]).float()                                # x_{t+1}
+    weight = None if mask is None else mask[:, 1:]
     inp = feats[:, :-1]
     if loss_cfg.noise:
         noise = torch.rand(inp.shape, generator=noise_gen) - 0.5
@@ -64,11 +81,11 @@ def eagle_losses(head: EagleHead, target, batch: torch.Tensor, loss_cfg: EagleLo
     positions = torch.arange(inp.shape[1])[None].expand(inp.shape[0], -1)
     out = head(embed, inp, positions)                                                  # [B, L-1, H]
     want = feats[:, 1:]
-    reg = F.smooth_l1_loss(out, want)
+    reg = masked_mean(F.smooth_l1_loss(out, want, reduction="none").mean(-1), weight)
     logp = torch.log_softmax(io.logits(out), -1)
     p = target_logp[:, 1:].exp()
-    cls = -(p * logp).sum(-1).mean()
-    top1 = (logp.argmax(-1) == target_logp[:, 1:].argmax(-1)).float().mean()
+    cls = masked_mean(-(p * logp).sum(-1), weight)
+    top1 = masked_mean((logp.argmax(-1) == target_logp[:, 1:].argmax(-1)).float(), weight)
     return loss_cfg.w_reg * reg + loss_cfg.w_cls * cls, {"reg": float(reg.detach()), "cls": float(cls.detach()),
                                                          "top1": float(top1)}
 

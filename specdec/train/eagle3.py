@@ -167,6 +167,30 @@ def corpus_draft_vocab(stream: torch.Tensor, vocab_size: int, size: int, eos: in
     return choose_draft_vocab(token_counts(stream, vocab_size), size, keep=() if eos is None else (eos,))
 
 
+def chosen_layers(target, opts: Eagle3Options) -> tuple[int, ...]:
+    """The hidden-state indices the head reads: ``opts.feature_layers`` checked, or the default."""
+    depth = int(target.config.get_text_config(decoder=True).num_hidden_layers)
+    layers = opts.feature_layers or training_feature_layers(depth)
+    if any(not 0 <= i < depth for i in layers):
+        raise InvalidArgument(f"feature layers must be HF hidden-state indices in 0..{depth - 1} "
+                              f"(the inputs of the target's {depth} layers), got {list(layers)}")
+    return tuple(sorted(layers))
+
+
+def build_head(target, opts: Eagle3Options, counts: torch.Tensor, eos: int | None) -> tuple[Eagle3Head, DraftVocab]:
+    """The head to train: from ``opts.init`` or new, its draft vocabulary the most
+    frequent tokens of the training data (``counts`` [V])."""
+    layers = chosen_layers(target, opts)
+    if opts.init:
+        depth = int(target.config.get_text_config(decoder=True).num_hidden_layers)
+        head = head_from(load_head3(opts.init, target_layers=depth), target, layers)
+        ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
+        return head, DraftVocab(ids, counts.numel(), float(counts[ids].sum()) / max(int(counts.sum()), 1))
+    size = opts.draft_vocab or default_draft_vocab(counts.numel())
+    vocab = choose_draft_vocab(counts, size, keep=() if eos is None else (eos,))
+    return new_head(target, vocab, layers), vocab
+
+
 def train_eagle3(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
                  workdir: Path, cfg: TrainConfig, opts: Eagle3Options = Eagle3Options(),
                  progress: bool = True) -> dict:
@@ -179,23 +203,8 @@ def train_eagle3(target_dir: Path, train_texts: list[str], heldout_texts: list[s
     tokenizer = load_tokenizer(target_dir)
     train_stream = tokenize_stream(train_texts, tokenizer, cache=workdir)
     heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
-    text = target.config.get_text_config(decoder=True)
-    vocab_size = int(text.vocab_size)
-    depth = int(text.num_hidden_layers)
-    layers = opts.feature_layers or training_feature_layers(depth)
-    if any(not 0 <= i < depth for i in layers):
-        raise InvalidArgument(f"feature layers must be HF hidden-state indices in 0..{depth - 1} "
-                              f"(the inputs of the target's {depth} layers), got {list(layers)}")
-    layers = tuple(sorted(layers))
-    if opts.init:
-        head = head_from(load_head3(opts.init, target_layers=depth), target, layers)
-        ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
-        counts = token_counts(train_stream, vocab_size)
-        vocab = DraftVocab(ids, vocab_size, float(counts[ids].sum()) / max(int(counts.sum()), 1))
-    else:
-        vocab = corpus_draft_vocab(train_stream, vocab_size, opts.draft_vocab or default_draft_vocab(vocab_size),
-                                   tokenizer.eos_token_id)
-        head = new_head(target, vocab, layers)
+    vocab_size = int(target.config.get_text_config(decoder=True).vocab_size)
+    head, vocab = build_head(target, opts, token_counts(train_stream, vocab_size), tokenizer.eos_token_id)
     heldout = eval_windows(heldout_stream, cfg.seq_len, max_windows=16)
 
     def loss_fn(step: int):

@@ -44,12 +44,19 @@ class TttBatch:
     tokens:   [B, S+1]   the window; the head at t reads x_{t+1+k} at step k
     target:   [B, S, N]  the target's logits at positions 1..S, restricted to the draft vocabulary
     in_draft: [B, S]     bool: the target's argmax at 1..S lies in the draft vocabulary
+    weight:   [B, S]     bool: the positions 1..S whose predictions count (None: all;
+                         chat data trains only where the next token is the assistant's)
     """
 
     features: torch.Tensor
     tokens: torch.Tensor
     target: torch.Tensor
     in_draft: torch.Tensor
+    weight: torch.Tensor | None = None
+
+    def counted(self) -> torch.Tensor:
+        """bool [B, S]: positions with a target in the draft vocabulary that count."""
+        return self.in_draft if self.weight is None else self.in_draft & self.weight
 
 
 def ttt_allowed(seq_len: int, step: int) -> torch.Tensor:
@@ -106,7 +113,7 @@ def unrolled_losses(head, embed_tokens, batch: TttBatch, steps: int) -> tuple[to
         logp = torch.log_softmax(head.draft_logits(hidden).float(), -1)    # [B, S, N]
         # The target at t+1+k: the step-0 targets shifted left by k; none past the window.
         p_k, top_k = shifted(target_p, k), shifted(target_top, k)
-        valid = shifted(batch.in_draft, k, False)                          # [B, S]
+        valid = shifted(batch.counted(), k, False)                          # [B, S]
         loss_k = -(valid.float() * (p_k * logp).sum(-1)).mean()
         total = total + weights[k] * loss_k
         hits = (logp.argmax(-1) == top_k) & valid

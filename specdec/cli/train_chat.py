@@ -1,0 +1,144 @@
+"""Chat data for EAGLE heads: ``specdec train chat-prompts|chat-regenerate`` and
+``specdec train eagle --chat FILE [--regenerate]`` (specdec/train/chat_heads.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from specdec.request.errors import UsageError
+
+
+def add_chat_flags(p: argparse.ArgumentParser) -> None:
+    """The chat-data flags of ``train eagle``."""
+    g = p.add_argument_group("chat data (instead of --data)")
+    g.add_argument("--chat", metavar="JSONL",
+                   help="conversations, one {\"messages\": [{\"role\", \"content\"}, ...]} a line, rendered with "
+                        "the target's chat template; only assistant tokens are trained on")
+    g.add_argument("--heldout-chat", metavar="JSONL",
+                   help="held-out conversations for evals and calibration (default: ~5%% of --chat, by hash)")
+    g.add_argument("--regenerate", action="store_true",
+                   help="replace every assistant turn with the target's own answer (self-distillation; "
+                        "written to <workdir>/regenerated-*.jsonl and reused on rerun)")
+    _generation_flags(g, "regen-", max_new=256, temperature=0.0)
+
+
+def _generation_flags(g, prefix: str, max_new: int, temperature: float) -> None:
+    g.add_argument(f"--{prefix}max-new-tokens", type=int, default=max_new, help="answer length bound")
+    g.add_argument(f"--{prefix}batch", type=int, default=16, help="conversations generated at once")
+    g.add_argument(f"--{prefix}temperature", type=float, default=temperature,
+                   help=f"sampling temperature (0: greedy; default {temperature})")
+
+
+def add_parsers(tsub) -> None:
+    t = tsub.add_parser("chat-prompts", help="user prompts sampled from the target's own user header (Magpie), "
+                                             "de-duplicated, with a held-out split")
+    t.add_argument("--target", required=True, help="chat model: a directory or a GGUF file")
+    t.add_argument("--n", type=int, required=True, help="prompts to keep (train and held-out together)")
+    t.add_argument("--out", required=True, help="training prompts (JSONL of messages)")
+    t.add_argument("--heldout-out", help="held-out prompts (default: OUT with .heldout.jsonl)")
+    t.add_argument("--heldout-frac", type=float, default=0.05, help="share of prompts held out (by hash)")
+    t.add_argument("--max-draws", type=int, default=0, help="samples drawn at most (default 4 * --n)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    _generation_flags(t, "", max_new=128, temperature=1.0)
+    t.set_defaults(run=run_chat_prompts)
+
+    t = tsub.add_parser("chat-regenerate", help="conversations with every assistant turn the target's own answer")
+    t.add_argument("--target", required=True, help="chat model: a directory or a GGUF file")
+    t.add_argument("--chat", required=True, help="conversations (JSONL of messages; a trailing user turn is answered)")
+    t.add_argument("--out", required=True, help="regenerated conversations (JSONL; a rerun completes it)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    _generation_flags(t, "", max_new=256, temperature=0.0)
+    t.set_defaults(run=run_chat_regenerate)
+
+
+def _generation(max_new: int, batch: int, temperature: float, seed: int = 0):
+    from specdec.train.regenerate import GenerateOptions
+
+    if max_new < 1 or batch < 1 or temperature < 0:
+        raise UsageError(f"max new tokens and batch must be >= 1 and temperature >= 0, "
+                         f"got {max_new}, {batch}, {temperature}")
+    return GenerateOptions(max_new_tokens=max_new, batch=batch, temperature=temperature, seed=seed)
+
+
+def _target(args):
+    import torch
+
+    from specdec.cli.options import model_dir
+    from specdec.train.chat_heads import load_frozen
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.target = model_dir(args.target, "target", "target model", "--target")
+    return load_frozen(Path(args.target))
+
+
+def run_chat_prompts(args) -> int:
+    from specdec.train.magpie import MagpieOptions, sample_prompts, write_prompts
+
+    if args.n < 1 or not 0 <= args.heldout_frac < 1:
+        raise UsageError(f"--n must be >= 1 and --heldout-frac in [0, 1), got {args.n}, {args.heldout_frac}")
+    gen = _generation(args.max_new_tokens, args.batch, args.temperature)
+    opts = MagpieOptions(n=args.n, max_new_tokens=gen.max_new_tokens, batch=gen.batch,
+                         temperature=gen.temperature, heldout_frac=args.heldout_frac, max_draws=args.max_draws,
+                         seed=args.seed)
+    target, tokenizer = _target(args)
+    t0 = time.perf_counter()
+    kept = sample_prompts(target, tokenizer, opts)
+    out = Path(args.out)
+    heldout = Path(args.heldout_out) if args.heldout_out else out.with_suffix(".heldout.jsonl")
+    train, held = write_prompts(kept.kept, out, heldout, args.heldout_frac)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"drawn": kept.drawn, "kept": len(kept.kept), "dropped": kept.dropped, "train": train,
+                      "heldout": held, "tokens": kept.tokens, "seconds": round(seconds, 1),
+                      "tokens_per_s": round(kept.tokens / seconds, 1),
+                      "out": str(out), "heldout_out": str(heldout)}))
+    return 0
+
+
+def run_chat_regenerate(args) -> int:
+    from specdec.train.chat import read_chats
+    from specdec.train.regenerate import regenerate
+
+    gen = _generation(args.max_new_tokens, args.batch, args.temperature, args.seed)
+    chats = read_chats(args.chat, need_assistant=False)
+    target, tokenizer = _target(args)
+    t0 = time.perf_counter()
+    _, generated, tokens = regenerate(target, tokenizer, chats, Path(args.out), gen)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"conversations": len(chats), "generated": generated, "tokens": tokens,
+                      "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds, 1), "out": args.out}))
+    return 0
+
+
+def chat_data(args):
+    """The ``ChatData`` of ``train eagle``'s chat flags."""
+    from specdec.train.chat import read_chats
+    from specdec.train.chat_heads import ChatData
+
+    if args.data:
+        raise UsageError("--data (text files) and --chat (conversations) do not go together")
+    if args.heldout_chat and not args.chat:
+        raise UsageError("--heldout-chat needs --chat")
+    need = not args.regenerate
+    regen = _generation(args.regen_max_new_tokens, args.regen_batch, args.regen_temperature, args.seed) \
+        if args.regenerate else None
+    heldout = read_chats(args.heldout_chat, need) if args.heldout_chat else None
+    return ChatData(read_chats(args.chat, need), heldout, regen)
+
+
+def run_eagle_chat(args, out: str, cfg, loss=None, opts=None) -> dict:
+    from specdec.train.chat_heads import train_chat_head
+    from specdec.train.eagle import EagleLoss
+    from specdec.train.eagle3 import Eagle3Options
+
+    data = chat_data(args)
+    return train_chat_head(3 if args.version == 3 else 2, Path(args.target), data, Path(out),
+                           Path(args.workdir) if args.workdir else Path.home() / ".cache" / "specdec" / "train"
+                           / f"{args.name}-chat", cfg, loss or EagleLoss(), opts or Eagle3Options(),
+                           progress=not args.no_progress)
