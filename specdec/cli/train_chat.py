@@ -38,7 +38,8 @@ def add_parsers(tsub) -> None:
                                              "de-duplicated, with a held-out split")
     t.add_argument("--target", required=True, help="chat model: a directory or a GGUF file")
     t.add_argument("--n", type=int, required=True, help="prompts to keep (train and held-out together)")
-    t.add_argument("--out", required=True, help="training prompts (JSONL of messages)")
+    t.add_argument("--out", required=True, help="training prompts (JSONL of messages); every draw is journaled "
+                                                "beside it (OUT.draws.jsonl) and a rerun goes on from there")
     t.add_argument("--heldout-out", help="held-out prompts (default: OUT with .heldout.jsonl)")
     t.add_argument("--heldout-frac", type=float, default=0.05, help="share of prompts held out (by hash)")
     t.add_argument("--max-draws", type=int, default=0, help="samples drawn at most (default 4 * --n)")
@@ -79,7 +80,7 @@ def _target(args):
 
 
 def run_chat_prompts(args) -> int:
-    from specdec.train.magpie import MagpieOptions, sample_prompts, write_prompts
+    from specdec.train.magpie import MagpieOptions, journal_path, sample_prompts, write_prompts
 
     if args.n < 1 or not 0 <= args.heldout_frac < 1:
         raise UsageError(f"--n must be >= 1 and --heldout-frac in [0, 1), got {args.n}, {args.heldout_frac}")
@@ -89,14 +90,16 @@ def run_chat_prompts(args) -> int:
                          seed=args.seed)
     target, tokenizer = _target(args)
     t0 = time.perf_counter()
-    kept = sample_prompts(target, tokenizer, opts)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = sample_prompts(target, tokenizer, opts, journal=journal_path(out))
     heldout = Path(args.heldout_out) if args.heldout_out else out.with_suffix(".heldout.jsonl")
     train, held = write_prompts(kept.kept, out, heldout, args.heldout_frac)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"drawn": kept.drawn, "kept": len(kept.kept), "dropped": kept.dropped, "train": train,
-                      "heldout": held, "tokens": kept.tokens, "seconds": round(seconds, 1),
-                      "tokens_per_s": round(kept.tokens / seconds, 1),
+    new_tokens = kept.tokens - kept.replayed[1]
+    print(json.dumps({"drawn": kept.drawn, "resumed_draws": kept.replayed[0], "kept": len(kept.kept),
+                      "dropped": kept.dropped, "train": train, "heldout": held, "tokens": kept.tokens,
+                      "seconds": round(seconds, 1), "tokens_per_s": round(new_tokens / seconds, 1),
                       "out": str(out), "heldout_out": str(heldout)}))
     return 0
 

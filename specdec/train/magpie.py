@@ -16,6 +16,12 @@ normalised text (lower case, punctuation dropped, whitespace collapsed) was
 not seen before: exact and near-exact repeats count once. The kept prompts
 are split by a hash of that normalised text into a training file and a
 held-out file, never the same prompt in both.
+
+Every sample drawn is appended to a journal (``journal_path``) batch by
+batch; a rerun replays it through the filter and draws on from there, its
+random stream seeded by the draws already made, so a long run stopped
+anywhere goes on without drawing again what it had (each batch is seeded by
+the draws before it, so the prompts are those of an uninterrupted run).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class PromptFilter:
         self.dropped = {"unfinished": 0, "degenerate": 0, "duplicate": 0}
         self.drawn = 0              # samples drawn
         self.tokens = 0             # tokens generated (up to each sample's end-of-turn)
+        self.replayed = (0, 0)      # (draws, tokens) of them read back from a journal
 
     def offer(self, text: str, finished: bool) -> bool:
         text = text.strip()
@@ -97,8 +104,32 @@ class PromptFilter:
         return True
 
 
-def sample_prompts(target, tokenizer, opts: MagpieOptions, progress: bool = True) -> PromptFilter:
-    """Draw user turns from the target's user header until ``opts.n`` are kept."""
+def journal_path(out: Path) -> Path:
+    """Where ``chat-prompts --out OUT`` journals its draws."""
+    return out.with_suffix(".draws.jsonl")
+
+
+def replay(journal: Path, kept: PromptFilter, n: int) -> None:
+    """Offer the journal's draws to ``kept`` again, as first drawn (a torn last line is dropped)."""
+    if not journal.exists():
+        return
+    lines = journal.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+        journal.write_text("".join(lines), encoding="utf-8")
+    for line in lines:
+        draw = json.loads(line)
+        kept.tokens += draw["tokens"]
+        kept.drawn += 1
+        if len(kept.kept) < n:
+            kept.offer(draw["text"], draw["finished"])
+    kept.replayed = (kept.drawn, kept.tokens)
+
+
+def sample_prompts(target, tokenizer, opts: MagpieOptions, progress: bool = True,
+                   journal: Path | None = None) -> PromptFilter:
+    """Draw user turns from the target's user header until ``opts.n`` are kept,
+    going on from ``journal``'s draws and adding to it (module doc)."""
     import torch
     from tqdm import tqdm
 
@@ -106,17 +137,25 @@ def sample_prompts(target, tokenizer, opts: MagpieOptions, progress: bool = True
     header_ids = list(tokenizer(head, add_special_tokens=False)["input_ids"])
     stops = end_of_turn_ids(tokenizer, target, tail)
     gen = GenerateOptions(max_new_tokens=opts.max_new_tokens, batch=opts.batch, temperature=opts.temperature)
-    torch.manual_seed(opts.seed)
     kept = PromptFilter()
+    if journal is not None:
+        replay(journal, kept, opts.n)
     max_draws = opts.max_draws or 4 * opts.n
-    bar = tqdm(total=opts.n, disable=not progress, dynamic_ncols=True, desc="prompts")
+    bar = tqdm(total=opts.n, initial=len(kept.kept), disable=not progress, dynamic_ncols=True, desc="prompts")
     while len(kept.kept) < opts.n and kept.drawn < max_draws:
         rows = min(opts.batch, max_draws - kept.drawn)
+        torch.manual_seed(opts.seed + kept.drawn)     # each batch by its place: a resumed run draws the same
+        draws = []
         for ids, finished in generate_batch(target, [header_ids] * rows, stops, gen, stops[0]):
-            kept.tokens += len(ids) + finished
-            if len(kept.kept) < opts.n and kept.offer(tokenizer.decode(ids, skip_special_tokens=True), finished):
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            draws.append({"text": text, "finished": bool(finished), "tokens": len(ids) + finished})
+            kept.tokens += draws[-1]["tokens"]
+            if len(kept.kept) < opts.n and kept.offer(text, finished):
                 bar.update(1)
         kept.drawn += rows
+        if journal is not None:
+            with journal.open("a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in draws))
     bar.close()
     return kept
 

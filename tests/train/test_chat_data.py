@@ -145,6 +145,28 @@ def test_chat_prompts_command_writes_distinct_finished_prompts(tmp_path, capsys)
     assert len(set(keys)) == len(keys)
 
 
+def test_chat_prompts_go_on_from_their_journal(tmp_path, capsys):
+    """A run stopped early and rerun draws only what it lacked, from where it
+    stopped: the prompts are those of one uninterrupted run, a torn journal line dropped."""
+    target = build_chat_target(tmp_path, "chatml", zero_lm_head=True)
+
+    def run(out, n):
+        args = ["train", "chat-prompts", "--target", str(target), "--n", str(n), "--out", str(out),
+                "--heldout-frac", "0", "--max-new-tokens", "40", "--batch", "8", "--threads", "1"]
+        assert main(args) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    whole = run(tmp_path / "whole" / "p.jsonl", 6)
+    first = run(tmp_path / "cut" / "p.jsonl", 2)
+    journal = tmp_path / "cut" / "p.draws.jsonl"
+    assert first["resumed_draws"] == 0 and len(journal.read_text().splitlines()) == first["drawn"]
+    with journal.open("a") as f:
+        f.write('{"text": "torn')                   # a run killed mid-write
+    rest = run(tmp_path / "cut" / "p.jsonl", 6)
+    assert rest["resumed_draws"] == first["drawn"] and rest["drawn"] == whole["drawn"]
+    assert (tmp_path / "cut" / "p.jsonl").read_text() == (tmp_path / "whole" / "p.jsonl").read_text()
+
+
 @pytest.mark.parametrize("line,message", [
     ({"prompt": "hi"}, "line 2: no \"messages\""),
     ({"messages": [{"role": "bot", "content": "hi"}]}, "line 2: message 0 has unknown role 'bot'"),
