@@ -27,7 +27,8 @@ prefix) and config.json ``hydra_num_heads``, ``hydra_num_layers``,
   target's decoder layer's, so loading these heads needs the target's config.
 
 Everything that does not fit is refused here, in one line naming it
-(``HydraLoadError``): an unknown ``hydra_head_arch``, a head or layer count
+(``HydraLoadError``): an unknown ``hydra_head_arch``, a ``hidden_state_offset``
+other than 0 (heads reading another layer's hidden state), a head or layer count
 the weights do not hold, a missing or unexpected key, a shape that is not the
 one the heads' width, vocabulary or the target's decoder layer implies.
 """
@@ -155,6 +156,10 @@ def load_heads(directory: str | Path, dtype=torch.float32, target_config=None) -
                              f"like the target's)")
     if config.get("grounded_heads") is False:
         raise HydraLoadError(f"{directory}: grounded_heads false (Medusa-style heads): load them with --medusa")
+    offset = config.get("hidden_state_offset") or 0
+    if offset:
+        raise HydraLoadError(f"{directory}: hidden_state_offset {offset} (heads trained on the hidden state {offset} "
+                             f"layers below the last) is not supported: the drafter gets the final-norm hidden state")
     path = next((directory / n for n in FILES if (directory / n).is_file()), None)
     if path is None:
         raise HydraLoadError(f"{directory} is not a Hydra heads directory (no {' nor '.join(FILES)})")

@@ -71,6 +71,7 @@ def _corrupt(src: Path, dst: Path, edit=lambda s: s, config=lambda c: c) -> Path
     ("mlp-as-prefix", None, lambda c: {**c, "hydra_head_arch": "prefix-mlp"},
      "unexpected keys for the Hydra prefix-mlp layout: hydra_lm_head.0.bias"),
     ("unknown-arch", None, lambda c: {**c, "hydra_head_arch": "cross-attn"}, "hydra_head_arch 'cross-attn'"),
+    ("offset", None, lambda c: {**c, "hidden_state_offset": 2}, "hidden_state_offset 2"),
     ("head-count", None, lambda c: {**c, "hydra_num_heads": 3}, "hydra_num_heads 3, the weights hold 4"),
     ("layer-count", None, lambda c: {**c, "hydra_num_layers": 1}, "hydra_num_layers 1, the weights hold 2"),
     ("missing-res", lambda s: {k: v for k, v in s.items() if k != "hydra_mlp.1.0.res_connection.weight"}, None,
