@@ -218,3 +218,28 @@ def test_bad_prefix_layers_are_refused_at_load_in_one_line(tiny_family, heads_di
 def test_prefix_heads_need_the_target_config(heads_dirs):
     with pytest.raises(HydraLoadError, match="prefix-mlp heads need the target's config"):
         load_heads(heads_dirs[0] / "pt")
+
+
+def test_the_prefix_layer_is_the_targets_decoder_layer():
+    """For a target with grouped KV heads, its own head width, MLP width and
+    rope theta, the prefix layer is the reference's one-layer ``LlamaModel`` of
+    that config: same keys and shapes, same output at far positions."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from drafter.hydra_prefix import PrefixLayer, prefix_config
+
+    target = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                         intermediate_size=96, rope_theta=5000.0, rms_norm_eps=1e-5, vocab_size=50)
+    config = deepcopy(target)
+    config.num_hidden_layers = 1
+    torch.manual_seed(0)
+    reference = LlamaModel(config).eval()
+    layer = PrefixLayer(prefix_config(target)).eval()
+    state = {k: v for k, v in reference.state_dict().items() if k != "embed_tokens.weight"}
+    assert {k: v.shape for k, v in layer.state_dict().items()} == {k: v.shape for k, v in state.items()}
+    layer.load_state_dict(state)
+    h = torch.randn(1, 6, 64)
+    positions = torch.arange(300, 306)[None]
+    with torch.no_grad():
+        want = reference(inputs_embeds=h, position_ids=positions).last_hidden_state
+        assert torch.allclose(layer(h, positions), want, atol=1e-5)
