@@ -103,8 +103,9 @@ def tiny_hydra(target, seed: int, num_heads: int = 3, num_layers: int = 1, scale
 
 
 def save_tiny_heads(target_dir, root, medusa_layout: str = "original") -> dict:
-    """``tiny_medusa`` and ``tiny_hydra`` heads for the model in ``target_dir``,
-    saved under ``root``; their directories by kind."""
+    """``tiny_medusa`` and ``tiny_hydra`` heads (mlp, and prefix-mlp as kind
+    "hydra-prefix") for the model in ``target_dir``, saved under ``root``;
+    their directories by kind."""
     from transformers import AutoModelForCausalLM
 
     from drafter.hydra_heads import save_heads as save_hydra
@@ -113,4 +114,5 @@ def save_tiny_heads(target_dir, root, medusa_layout: str = "original") -> dict:
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     save_medusa(tiny_medusa(target, seed=4, num_heads=3), root / "medusa", medusa_layout)
     save_hydra(tiny_hydra(target, seed=5), root / "hydra")
-    return {"medusa": root / "medusa", "hydra": root / "hydra"}
+    save_hydra(tiny_hydra(target, seed=5, prefix=True), root / "hydra-prefix")
+    return {"medusa": root / "medusa", "hydra": root / "hydra", "hydra-prefix": root / "hydra-prefix"}
