@@ -32,7 +32,10 @@ a batch cache (the feature heads, EAGLE-1/2 and EAGLE-3, and ``DraftLmDrafter``,
 with their own step and feed; a head's token embedding and log-probs are its
 drafter's, called as they are); anything else, the n-gram drafter included,
 drafts one by one; Medusa heads (``drafter.medusa``) run one heads forward
-for all the batch's sessions, then build the trees one by one. So does a drafter whose steps are compiled (``--compile``:
+for all the batch's sessions, then build the trees one by one, and so do
+Hydra heads (``drafter.hydra``) for their first level (the prefix layer's
+feed and head 0: nothing of a tree yet), their deeper levels reading each
+session's own paths. So does a drafter whose steps are compiled (``--compile``:
 ``drafter.compiled.head_levels``, a compiled draft LM): one batched forward per
 level would run eagerly, and the compiled steps one session after another
 took half its time (the demo EAGLE head, 2, 4 and 8 sessions of 128 tokens
@@ -60,6 +63,7 @@ from drafter.base import Drafter, DraftSession
 from drafter.cached import CachedTreeDrafter
 from drafter.draft_lm import DraftLmDrafter
 from drafter.eagle.eagle2 import FeatureHeadDrafter
+from drafter.hydra import HydraDrafter
 from drafter.medusa import MedusaDrafter
 
 # (session id, tokens to commit first (may be empty), their features [n, H] or None,
@@ -202,8 +206,8 @@ def draft_batch(drafter: Drafter, items: list[DraftItem]) -> list[DraftTree | Ex
         except Exception as exc:  # noqa: BLE001 - reported per item
             results[i] = exc
     model = _model_for(drafter) if len(todo) > 1 else None
-    if isinstance(drafter, MedusaDrafter) and len(todo) > 1:
-        drafter.prepare([sid for _, sid, _ in todo])      # one heads forward; the trees need no other
+    if isinstance(drafter, (MedusaDrafter, HydraDrafter)) and len(todo) > 1:
+        drafter.prepare([sid for _, sid, _ in todo])      # the first level in one forward (Medusa: all of it)
     if model is None:                    # nothing to share a forward with
         for i, sid, cfg in todo:
             try:

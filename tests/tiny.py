@@ -72,19 +72,26 @@ def tiny_medusa(target, seed: int, num_heads: int = 3, num_layers: int = 1, scal
 
 
 def tiny_hydra(target, seed: int, num_heads: int = 3, num_layers: int = 1, scale: float = 3.0,
-               path_scale: float = 1.0):
+               path_scale: float = 1.0, prefix: bool = False):
     """Random Hydra heads for ``target`` (a loaded tiny Llama): each first block
     passes the hidden state through and mixes in the path embeddings with
     random weights (``path_scale``: 0 gives heads that ignore the path),
     vocabulary projections the target's lm_head plus noise, so the heads'
-    guesses are sharp, path-dependent and sometimes right."""
+    guesses are sharp, path-dependent and sometimes right. ``prefix``: Hydra++
+    (prefix-mlp) heads, their prefix layer random, its attention and MLP
+    outputs halved (the hidden state stays the larger part of what it passes on)."""
     from drafter.hydra_heads import HydraHeads
+    from drafter.hydra_prefix import prefix_config
 
     torch.manual_seed(seed)
     cfg = target.config
     h = cfg.hidden_size
-    heads = HydraHeads(h, cfg.vocab_size, num_heads, num_layers)
+    heads = HydraHeads(h, cfg.vocab_size, num_heads, num_layers, prefix_config(cfg) if prefix else None)
     with torch.no_grad():
+        if prefix:
+            layer = heads.prefix.layers[0]
+            layer.self_attn.o_proj.weight.mul_(0.5)
+            layer.mlp.down_proj.weight.mul_(0.5)
         for i, mlp in enumerate(heads.hydra_mlp):
             first = mlp[0]
             first.res_connection.weight.copy_(torch.cat(
@@ -96,8 +103,9 @@ def tiny_hydra(target, seed: int, num_heads: int = 3, num_layers: int = 1, scale
 
 
 def save_tiny_heads(target_dir, root, medusa_layout: str = "original") -> dict:
-    """``tiny_medusa`` and ``tiny_hydra`` heads for the model in ``target_dir``,
-    saved under ``root``; their directories by kind."""
+    """``tiny_medusa`` and ``tiny_hydra`` heads (mlp, and prefix-mlp as kind
+    "hydra-prefix") for the model in ``target_dir``, saved under ``root``;
+    their directories by kind."""
     from transformers import AutoModelForCausalLM
 
     from drafter.hydra_heads import save_heads as save_hydra
@@ -106,4 +114,5 @@ def save_tiny_heads(target_dir, root, medusa_layout: str = "original") -> dict:
     target = AutoModelForCausalLM.from_pretrained(target_dir)
     save_medusa(tiny_medusa(target, seed=4, num_heads=3), root / "medusa", medusa_layout)
     save_hydra(tiny_hydra(target, seed=5), root / "hydra")
-    return {"medusa": root / "medusa", "hydra": root / "hydra"}
+    save_hydra(tiny_hydra(target, seed=5, prefix=True), root / "hydra-prefix")
+    return {"medusa": root / "medusa", "hydra": root / "hydra", "hydra-prefix": root / "hydra-prefix"}

@@ -139,7 +139,7 @@ def add_medusa_flags(kind, group) -> None:
                       help="Medusa heads directory, original (medusa_lm_head.*) or vLLM layout; "
                            "no DIR: the bundled demo heads")
     kind.add_argument("--hydra", nargs="?", const="", metavar="DIR",
-                      help="Hydra heads directory (hydra_lm_head.*, hydra_head_arch mlp); "
+                      help="Hydra heads directory (hydra_lm_head.*, hydra_head_arch mlp or prefix-mlp); "
                            "no DIR: the bundled demo heads")
     group.add_argument("--medusa-choices", metavar="FILE",
                        help="with --medusa or --hydra: the static tree (--method static) as a JSON list of rank paths "

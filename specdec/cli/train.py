@@ -131,6 +131,9 @@ def add_parser(sub) -> None:
     t.add_argument("--out", help="heads directory (default: the bundled hydra/)")
     t.add_argument("--heads", type=int, default=4, help="Hydra heads (head i predicts depth i + 1 below the root)")
     t.add_argument("--layers", type=int, default=1, help="residual blocks per head (>= 1)")
+    t.add_argument("--arch", choices=("mlp", "prefix-mlp"), default="mlp",
+                   help="hydra_head_arch: mlp, or Hydra++'s prefix-mlp (one decoder layer shaped like the target's "
+                        "over its hidden states, whose output the heads read)")
     _common(t, steps=300, batch=8, lr=1e-3)
     t.set_defaults(run=run_hydra, name="hydra")
 
@@ -227,7 +230,7 @@ def run_hydra(args) -> int:
     out = args.out or str(demo_path("hydra"))
     train_texts, heldout = _corpus(args)
     log = train_hydra(Path(args.target), train_texts, heldout, Path(out), _workdir(args), _config(args),
-                      HydraOptions(args.heads, args.layers), progress=not args.no_progress)
+                      HydraOptions(args.heads, args.layers, args.arch), progress=not args.no_progress)
     _report(log, out)
     return 0
 

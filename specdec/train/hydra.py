@@ -12,6 +12,12 @@ as a residual projection onto the h_t slot (R = [I 0 ...], W = 0) and each
 vocabulary projection as the target's lm_head (bias 0), so an untrained head
 0 already guesses what the root's hidden state predicted.
 
+``arch="prefix-mlp"`` trains Hydra++ heads: a decoder layer shaped like the
+target's (``drafter.hydra_prefix``) runs causally over the hidden states and
+the heads read its output in place of h_t; it is trained with them. Its
+attention and MLP output projections start at zero, so it starts as its
+final norm of h_t (h_t rescaled: the untrained heads' guesses are the same).
+
 Checkpoint/resume through ``specdec.train.loop``; the finished heads are
 written in the reference layout (``hydra_lm_head.safetensors`` +
 config.json, fp16) with a ``calibration.json``.
@@ -32,20 +38,28 @@ from specdec.train.loop import TrainConfig, train
 from specdec.train.medusa import head_weights, target_view
 from drafter.eagle.eagle2_head import TargetHead
 from drafter.hydra_heads import HydraHeads, save_heads
+from drafter.hydra_prefix import prefix_config
 
 
 @dataclass(frozen=True)
 class HydraOptions:
     num_heads: int = 4
     num_layers: int = 1
+    arch: str = "mlp"               # or "prefix-mlp" (Hydra++)
 
 
 def heads_from_target(target, opts: HydraOptions) -> HydraHeads:
-    """Heads whose first block passes h_t through, over copies of the target's lm_head."""
+    """Heads whose first block passes h_t through (prefix-mlp: the prefix
+    layer's output, at first h_t rescaled), over copies of the target's lm_head."""
     io = TargetHead.of_model(target)
     vocab, hidden = io.lm_head.shape
-    heads = HydraHeads(hidden, vocab, opts.num_heads, opts.num_layers)
+    heads = HydraHeads(hidden, vocab, opts.num_heads, opts.num_layers,
+                       prefix_config(target.config) if opts.arch == "prefix-mlp" else None)
     with torch.no_grad():
+        if heads.prefix is not None:
+            layer = heads.prefix.layers[0]
+            for p in (*layer.self_attn.o_proj.parameters(), *layer.mlp.down_proj.parameters()):
+                p.zero_()
         for mlp in heads.hydra_mlp:
             for block in mlp:
                 block.linear.weight.zero_()
@@ -119,6 +133,7 @@ def train_hydra(target_dir: Path, train_texts: list[str], heldout_texts: list[st
     (Path(out_dir) / "training_log.json").write_text(json.dumps(
         {k: v for k, v in log.items() if k != "history"} | {"history_tail": log["history"][-20:],
                                                             "target": str(target_dir), "num_heads": opts.num_heads,
+                                                            "arch": opts.arch,
                                                             "num_layers": opts.num_layers,
                                                             "loss_weights": head_weights(opts.num_heads)},
         indent=1))

@@ -1,6 +1,7 @@
 """``--hydra DIR`` on the command line: ``generate --local`` matches vanilla
-with the dynamic and the static tree; heads that do not fit (or the Hydra++
-prefix-mlp arch) are one line and exit status 2, for ``generate`` and
+with the dynamic and the static tree, for "mlp" and Hydra++ "prefix-mlp"
+heads; heads that do not fit (or an unknown ``hydra_head_arch``) are one line
+and exit status 2, for ``generate`` and
 ``drafter serve`` (which refuses to start); ``up`` hands the heads to its
 drafter service; ``bench --methods hydra,hydra-static`` matches vanilla."""
 
@@ -22,9 +23,10 @@ def heads(tiny_family, tmp_path_factory):
     target = AutoModelForCausalLM.from_pretrained(tiny_family["target"])
     save_heads(tiny_hydra(target, seed=5), root / "good")
     save_heads(HydraHeads(24, target.config.vocab_size, 2), root / "narrow")
-    save_heads(tiny_hydra(target, seed=5), root / "prefix")
-    config = json.loads((root / "prefix" / "config.json").read_text())
-    (root / "prefix" / "config.json").write_text(json.dumps({**config, "hydra_head_arch": "prefix-mlp"}))
+    save_heads(tiny_hydra(target, seed=5, prefix=True), root / "prefix")
+    save_heads(tiny_hydra(target, seed=5), root / "unknown")
+    config = json.loads((root / "unknown" / "config.json").read_text())
+    (root / "unknown" / "config.json").write_text(json.dumps({**config, "hydra_head_arch": "cross-attn"}))
     return root
 
 
@@ -35,9 +37,10 @@ def generate(capsys, tiny_family, *flags):
     return code, out, err
 
 
+@pytest.mark.parametrize("which", ["good", "prefix"], ids=["mlp", "prefix-mlp"])
 @pytest.mark.parametrize("method", ["eagle2", "static"], ids=["hydra", "hydra-static"])
-def test_generate_local_matches_vanilla(tiny_family, heads, capsys, method):
-    code, out, _ = generate(capsys, tiny_family, "--hydra", str(heads / "good"), "--method", method)
+def test_generate_local_matches_vanilla(tiny_family, heads, capsys, method, which):
+    code, out, _ = generate(capsys, tiny_family, "--hydra", str(heads / which), "--method", method)
     assert code == 0
     _, ref, _ = generate(capsys, tiny_family, "--method", "vanilla")
     assert json.loads(out)["token_ids"] == json.loads(ref)["token_ids"]
@@ -45,7 +48,7 @@ def test_generate_local_matches_vanilla(tiny_family, heads, capsys, method):
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 @pytest.mark.parametrize("which,message", [("narrow", "hidden size 24 does not match the target's 48"),
-                                           ("prefix", "hydra_head_arch 'prefix-mlp' is not supported")])
+                                           ("unknown", "hydra_head_arch 'cross-attn' is not supported")])
 def test_heads_that_do_not_fit_exit_2_in_one_line(tiny_family, heads, capsys, command, which, message):
     if command == "generate":
         code, _, err = generate(capsys, tiny_family, "--hydra", str(heads / which))

@@ -1,7 +1,7 @@
 """Hydra heads as a drafter: the reference layout loads (a ``.pt`` with the
 model's ``hydra_head.`` prefix too); heads that do not fit are refused at load
-in one line naming what does not fit (``hydra_head_arch`` prefix-mlp among
-them); every node's children come from the head for its depth fed with that
+in one line naming what does not fit (an unknown ``hydra_head_arch`` among
+them; prefix-mlp heads: tests/drafter/test_hydra_prefix.py); every node's children come from the head for its depth fed with that
 node's own path; greedy output is token-identical to vanilla for the dynamic
 and the static tree."""
 
@@ -68,8 +68,10 @@ def _corrupt(src: Path, dst: Path, edit=lambda s: s, config=lambda c: c) -> Path
 
 
 @pytest.mark.parametrize("case,edit,config,message", [
-    ("prefix-mlp", None, lambda c: {**c, "hydra_head_arch": "prefix-mlp"}, "hydra_head_arch 'prefix-mlp'"),
+    ("mlp-as-prefix", None, lambda c: {**c, "hydra_head_arch": "prefix-mlp"},
+     "unexpected keys for the Hydra prefix-mlp layout: hydra_lm_head.0.bias"),
     ("unknown-arch", None, lambda c: {**c, "hydra_head_arch": "cross-attn"}, "hydra_head_arch 'cross-attn'"),
+    ("offset", None, lambda c: {**c, "hidden_state_offset": 2}, "hidden_state_offset 2"),
     ("head-count", None, lambda c: {**c, "hydra_num_heads": 3}, "hydra_num_heads 3, the weights hold 4"),
     ("layer-count", None, lambda c: {**c, "hydra_num_layers": 1}, "hydra_num_layers 1, the weights hold 2"),
     ("missing-res", lambda s: {k: v for k, v in s.items() if k != "hydra_mlp.1.0.res_connection.weight"}, None,

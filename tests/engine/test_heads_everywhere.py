@@ -1,6 +1,6 @@
-"""Medusa and Hydra heads where every drafter goes: greedy output equals
-plain greedy decoding of the target with drafting paused by the speculation
-gate, and on the compiled target, whose verifies hand the heads the last
+"""Medusa and Hydra heads (Hydra++ prefix-mlp ones too) where every drafter
+goes: greedy output equals plain greedy decoding of the target with drafting
+paused by the speculation gate, and on the compiled target, whose verifies hand the heads the last
 hidden state of the compiled forwards (the heads themselves run eager),
 and drafts from them are accepted."""
 
@@ -16,7 +16,7 @@ from tiny import save_tiny_heads
 GREEDY = SamplingParams()
 TREE = TreeParams(total_tokens=8, depth=3, expand_k=4)      # the compiled tests' widths: their packages serve
 STOP = StopCriteria(max_new_tokens=32, eos_ids=frozenset())
-KINDS = ["medusa", "hydra"]
+KINDS = ["medusa", "hydra", "hydra-prefix"]
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -42,7 +42,7 @@ def reference(tiny_family):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_identical_with_drafting_paused_by_the_gate(tiny_family, heads, reference, kind):
-    stack = build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice(kind, str(heads[kind])))
+    stack = build_local(ModelSpec(str(tiny_family["target"])), DrafterChoice(kind.removesuffix("-prefix"), str(heads[kind])))
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):
         gated = generate(stack.verifier, stack.drafter, prompt, GREEDY, STOP, TREE, min_tau=100.0)
         free = generate(stack.verifier, stack.drafter, prompt, GREEDY, STOP, TREE)
@@ -53,7 +53,7 @@ def test_greedy_identical_with_drafting_paused_by_the_gate(tiny_family, heads, r
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_identical_on_the_compiled_target(tiny_family, heads, reference, kind):
-    stack = build_local(ModelSpec(str(tiny_family["target"]), compile="on"), DrafterChoice(kind, str(heads[kind])))
+    stack = build_local(ModelSpec(str(tiny_family["target"]), compile="on"), DrafterChoice(kind.removesuffix("-prefix"), str(heads[kind])))
     assert stack.verifier.target.compiled is not None
     accepted = 0
     for prompt, want in zip(prompts(stack.verifier.target.vocab_size), reference):

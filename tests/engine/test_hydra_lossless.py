@@ -1,7 +1,9 @@
 """Sampling with Hydra heads is lossless: at T = 1 with penalties the
 committed tokens follow the exact penalised target joint (chi-square against
 the enumerated joint, the Medusa test's setup), for the dynamic tree with
-sampled proposals and the static tree with top (one-hot) proposals. Hydra's
+sampled proposals and the static tree with top (one-hot) proposals, for
+"mlp" heads and Hydra++ "prefix-mlp" ones (the prefix layer's KV cache
+following each session's commits). Hydra's
 proposals depend on the path, so each node must ship the distribution its
 own children were drawn from: a planted drafter that draws a node's
 children from its own path but ships the q of a sibling path (the Medusa
@@ -41,10 +43,12 @@ def exact_joint(model, params) -> torch.Tensor:
     return joint.reshape([V] * NEW)
 
 
-def heads_for(target) -> HydraHeads:
+def heads_for(target, arch: str = "mlp") -> HydraHeads:
     """Two heads fitted to the penalty-free target's own samples (teacher
     forced, a few hundred full-batch steps): partly right, and head 1's
-    distribution depends on the path."""
+    distribution depends on the path; "prefix-mlp": with a prefix layer shaped
+    like the target's decoder layer, trained with them."""
+    from drafter.hydra_prefix import prefix_config
     from specdec.train.hydra import hydra_losses
 
     torch.manual_seed(8)
@@ -56,7 +60,7 @@ def heads_for(target) -> HydraHeads:
         feats = target.model(seqs).last_hidden_state.float()
     embed = target.get_input_embeddings().weight.detach().float()
     labels = torch.cat([seqs[:, 1:], seqs[:, -1:]], dim=1)       # the token that followed each position
-    heads = HydraHeads(HIDDEN, V, num_heads=2)
+    heads = HydraHeads(HIDDEN, V, num_heads=2, prefix=prefix_config(target.config) if arch == "prefix-mlp" else None)
     opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
     for _ in range(150):
         loss, _ = hydra_losses(heads, embed, seqs[:, :-1], feats[:, :-1], labels[:, :-1])
@@ -101,7 +105,7 @@ def engines():
     target = tiny_llama(V, seed=5, hidden=HIDDEN)
     for p in target.parameters():
         p.data.mul_(3.0)
-    heads = heads_for(target)
+    heads = {arch: heads_for(target, arch) for arch in ("mlp", "prefix-mlp")}
     embed = target.get_input_embeddings().weight.detach()
     verifier = VerifierEngine(TargetModel(ModelSpec("unused"), model=target))
     return target, verifier, heads, embed
@@ -118,16 +122,18 @@ def sampled_joint(verifier, drafter, method: str, proposals: str) -> tuple[torch
     return counts, accepted / RUNS
 
 
+@pytest.mark.parametrize("arch", ["mlp", "prefix-mlp"])
 @pytest.mark.parametrize("method,proposals", [("eagle2", "sampled"), ("static", "top")],
                          ids=["hydra-sampled", "hydra-static-top"])
-def test_hydra_sampling_matches_the_penalised_target(engines, method, proposals):
+def test_hydra_sampling_matches_the_penalised_target(engines, method, proposals, arch):
     target, verifier, heads, embed = engines
-    counts, accepted = sampled_joint(verifier, HydraDrafter("unused", heads=heads, embed=embed), method, proposals)
+    drafter = HydraDrafter("unused", heads=heads[arch], embed=embed)
+    counts, accepted = sampled_joint(verifier, drafter, method, proposals)
     assert accepted > 0.3
     assert chi2_pvalue(counts, exact_joint(target, PENALISED)) > 1e-4
 
 
 def test_shipping_another_paths_q_is_caught(engines):
     target, verifier, heads, embed = engines
-    counts, _ = sampled_joint(verifier, SiblingQDrafter("unused", heads=heads, embed=embed), "eagle2", "sampled")
+    counts, _ = sampled_joint(verifier, SiblingQDrafter("unused", heads=heads["mlp"], embed=embed), "eagle2", "sampled")
     assert chi2_pvalue(counts, exact_joint(target, PENALISED)) < 1e-4

@@ -1,5 +1,6 @@
-"""Medusa and Hydra drafters fail over as the EAGLE ones do
-(``tests/orchestrator/test_failover.py``): a drafter stopped while a Draft
+"""Medusa and Hydra drafters (Hydra++ prefix-mlp heads too: their prefix
+layer's KV cache rebuilt from the whole feature log) fail over as the EAGLE
+ones do (``tests/orchestrator/test_failover.py``): a drafter stopped while a Draft
 call is held in it moves the session to the other drafter of its kind, which
 is prefilled from the verifier's feature log and goes on drafting (no
 fallback to plain decoding); the greedy output is unchanged."""
@@ -30,7 +31,7 @@ def reference(stack):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra-prefix"])
 def test_a_drafter_stopped_mid_request_moves_the_session_and_drafting_goes_on(stack, reference, kind):
     names, orchestrator = [f"{kind}-1", f"{kind}-2"], f"orchestrator-{kind}"
     for name in names:

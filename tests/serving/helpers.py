@@ -108,10 +108,10 @@ def _drafter(paths, kind: str, max_sessions: int, session_ttl: float):
         from drafter.medusa import load_medusa_drafter
 
         return load_medusa_drafter(paths["medusa"], paths["target"], **sessions)
-    if kind == "hydra":       # the family's paths must hold "hydra"
+    if kind in ("hydra", "hydra-prefix"):     # the family's paths must hold it (prefix-mlp heads: "hydra-prefix")
         from drafter.hydra import load_hydra_drafter
 
-        return load_hydra_drafter(paths["hydra"], paths["target"], **sessions)
+        return load_hydra_drafter(paths[kind], paths["target"], **sessions)
     if kind == "ngram":
         from drafter.ngram import NgramDrafter
         from specdec.model.loading import read_config

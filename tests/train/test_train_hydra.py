@@ -68,3 +68,44 @@ def test_interrupted_run_resumes_bit_identically_and_the_heads_load(tiny_family,
     assert torch.equal(load_heads(tmp_path / "a_out").head(2, h, e), load_heads(tmp_path / "b_out").head(2, h, e))
     assert json.loads((tmp_path / "a_out" / "calibration.json").read_text())["greedy_value_temperature"] > 0
     assert load_hydra_drafter(tmp_path / "a_out", tiny_family["target"]).num_heads == 3
+
+
+def test_untrained_prefix_mlp_heads_guess_what_the_mlp_ones_do(tiny_family):
+    """The prefix layer starts as its final norm of h_t (its output projections
+    zero): h_t rescaled, so head 0's top guesses are the plain heads'."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.train.hydra import HydraOptions, heads_from_target
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_family["target"])
+    plain = heads_from_target(target, HydraOptions(num_heads=2))
+    prefix = heads_from_target(target, HydraOptions(num_heads=2, arch="prefix-mlp"))
+    feats, embeds = torch.randn(2, 7, 48), torch.randn(2, 7, 48)
+    with torch.no_grad():
+        want, got = plain.teacher_forced(feats, embeds)[0], prefix.teacher_forced(feats, embeds)[0]
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_prefix_mlp_heads_resume_bit_identically_in_the_reference_layout(tiny_family, corpus, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    a = args(tiny_family, corpus, "--arch", "prefix-mlp", "--workdir", str(tmp_path / "a"), "--out",
+             str(tmp_path / "a_out"))
+    assert main([*a, "--stop-after", "3"]) == 0
+    assert main(a) == 0
+    b = args(tiny_family, corpus, "--arch", "prefix-mlp", "--workdir", str(tmp_path / "b"), "--out",
+             str(tmp_path / "b_out"))
+    assert main(b) == 0
+    assert losses(tmp_path / "a") == losses(tmp_path / "b") and len(losses(tmp_path / "b")) == 6
+    assert json.loads((tmp_path / "a_out" / "config.json").read_text())["hydra_head_arch"] == "prefix-mlp"
+    with safe_open(tmp_path / "a_out" / "hydra_lm_head.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert {"prefix_embeding_layer.layers.0.self_attn.q_proj.weight", "prefix_embeding_layer.norm.weight",
+            "hydra_mlp.0.1.linear.weight", "hydra_lm_head.2.1.bias"} <= keys
+    config = AutoConfig.from_pretrained(tiny_family["target"])
+    h, e = torch.randn(1, 4, 48), torch.randn(1, 4, 48)
+    with torch.no_grad():
+        outs = [load_heads(tmp_path / d, target_config=config).teacher_forced(h, e) for d in ("a_out", "b_out")]
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
+    assert load_hydra_drafter(tmp_path / "a_out", tiny_family["target"]).heads.arch == "prefix-mlp"
