@@ -11,6 +11,7 @@ that was not committed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -183,6 +184,23 @@ class Drafter(ABC):
 
     def release(self, sid: str) -> bool:
         return self.sessions.pop(sid) is not None
+
+    @contextlib.contextmanager
+    def locked(self, sids: list[str]):
+        """The listed sessions that still exist, each once, held under their
+        locks (taken in one order, so two batches never wait on each other)."""
+        sessions = {}
+        for sid in sids:
+            try:
+                sess = self.sessions.get(sid)
+            except KeyError:
+                continue                         # gone: left to fail when drafted
+            sessions[id(sess.lock)] = sess
+        held = [sessions[k] for k in sorted(sessions)]       # (``drafter.batch`` locks in this order too)
+        with contextlib.ExitStack() as stack:
+            for sess in held:
+                stack.enter_context(sess.lock)
+            yield held
 
     def draft(self, sid: str, cfg: TreeParams, ahead: bool = False) -> DraftTree:
         """The session's tree; ``ahead``: keep what ``draft_ahead`` needs to draft

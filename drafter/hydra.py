@@ -136,21 +136,8 @@ class HydraDrafter(Drafter):
     def prepare(self, sids: list[str]) -> None:
         """The first level of every listed session that lacks it, batched
         (``first_levels``; sessions that are gone are left to fail when drafted)."""
-        sessions = {}
-        for sid in sids:
-            try:
-                sess = self.sessions.get(sid)
-            except KeyError:
-                continue
-            sessions[id(sess)] = sess
-        locked = [sessions[k] for k in sorted(sessions)]
-        for sess in locked:
-            sess.lock.acquire()
-        try:
-            self.first_levels(locked)
-        finally:
-            for sess in locked:
-                sess.lock.release()
+        with self.locked(sids) as sessions:
+            self.first_levels(sessions)
 
     def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         self.first_levels([sess])        # (a second draft with nothing committed since reuses it)

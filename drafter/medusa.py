@@ -108,25 +108,12 @@ class MedusaDrafter(Drafter):
     def prepare(self, sids: list[str]) -> None:
         """The heads' outputs of every listed session that lacks them, in one
         forward (sessions that are gone are left to fail when drafted)."""
-        sessions = {}
-        for sid in sids:
-            try:
-                sess = self.sessions.get(sid)
-            except KeyError:
-                continue
-            sessions[id(sess)] = sess
-        locked = [sessions[k] for k in sorted(sessions)]
-        for sess in locked:
-            sess.lock.acquire()
-        try:
-            stale = [s for s in locked if s.state is None and s.features]
+        with self.locked(sids) as sessions:
+            stale = [s for s in sessions if s.state is None and s.features]
             if stale:
                 logp = self.head_logprobs(torch.stack([s.features[-1] for s in stale]))   # [n, num_heads, V]
                 for sess, rows in zip(stale, logp):
                     sess.state = rows
-        finally:
-            for sess in locked:
-                sess.lock.release()
 
     def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         if sess.state is None:           # (a second draft with nothing committed since reuses it)
