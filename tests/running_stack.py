@@ -14,9 +14,13 @@ synchronous SDK, the CLI or a subprocess while they keep answering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
 from serving.helpers import start_drafter, start_verifier
@@ -126,10 +130,50 @@ class Stack:
     def wait_sessions_closed(self, *names: str, timeout: float = 10.0) -> dict[str, int]:
         return self.wait_sessions(*names, count=0, timeout=timeout)
 
+    @contextlib.contextmanager
+    def openai(self, name: str):
+        """Orchestrator ``name``'s OpenAI-compatible API, started for the block:
+        yields ``post(**body)``, the first choice of a ``/v1/completions`` answer
+        (an error status raises ``urllib.error.HTTPError``)."""
+        from orchestrator.http import HttpConfig
+        from orchestrator.http_server import start_http
+
+        http = self.loop.run(start_http(self.servicer(name), HttpConfig()))
+
+        def post(**body):
+            req = urllib.request.Request(f"{http.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return json.loads(resp.read())["choices"][0]
+
+        try:
+            yield post
+        finally:
+            self.loop.run(http.stop())
+
+    @contextlib.contextmanager
+    def prepared_batches(self, drafter: str):
+        """The sizes of the batches drafter ``drafter``'s ``prepare`` (a batched
+        first level) sees during the block."""
+        engine = self.servicer(drafter).drafter
+        sizes: list[int] = []
+        prepare = engine.prepare
+        engine.prepare = lambda sids: (sizes.append(len(sids)), prepare(sids))[1]
+        try:
+            yield sizes
+        finally:
+            engine.prepare = prepare
+
     def close(self) -> None:
         for name in reversed(list(self.servers)):   # orchestrators before their backends
             self.stop(name)
         self.loop.close()
+
+
+def complete_concurrently(client, prompts: list[str], max_new_tokens: int, method: str):
+    """Each prompt's completion, all of them at once through ``client``."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.complete(p, max_new_tokens=max_new_tokens, method=method), prompts))
 
 
 class Tap:

@@ -7,13 +7,9 @@ batch window do the same, concurrent sessions sharing their first level
 (``HydraDrafter.prepare``), the prefix layer's KV cache following each
 session's commits."""
 
-import json
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from running_stack import Stack
+from running_stack import Stack, complete_concurrently
 from serving.helpers import start_drafter
 from specdec.client import SpecdecClient
 from tiny import tiny_hydra
@@ -50,8 +46,7 @@ def test_greedy_matches_vanilla_through_the_services(stack):
         want = [plain.complete(p, max_new_tokens=N).token_ids for p in PROMPTS]
     with SpecdecClient(stack.address("hydra")) as client:
         for method in ("eagle2", "static"):
-            with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                got = list(pool.map(lambda p: client.complete(p, max_new_tokens=N, method=method), PROMPTS))
+            got = complete_concurrently(client, PROMPTS, N, method)
             assert [c.token_ids for c in got] == want, method
             assert sum(c.stats.draft_tokens for c in got) > 0
     assert stack.wait_sessions_closed("drafter-hydra") == {"drafter-hydra": 0}
@@ -60,42 +55,21 @@ def test_greedy_matches_vanilla_through_the_services(stack):
 def test_prefix_mlp_heads_batched_match_vanilla_through_the_services(stack):
     with SpecdecClient(stack.address("none")) as plain:
         want = [plain.complete(p, max_new_tokens=N).token_ids for p in PROMPTS]
-    drafter = stack.servicer("drafter-hydra++").drafter
-    assert drafter.heads.arch == "prefix-mlp"
-    calls = []
-    prepare = drafter.prepare
-    drafter.prepare = lambda sids: (calls.append(len(sids)), prepare(sids))[1]
-    try:
-        with SpecdecClient(stack.address("hydra++")) as client:
-            for method in ("eagle2", "static"):
-                with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                    got = list(pool.map(lambda p: client.complete(p, max_new_tokens=N, method=method), PROMPTS))
-                assert [c.token_ids for c in got] == want, method
-                assert sum(c.stats.draft_tokens for c in got) > 0
-    finally:
-        drafter.prepare = prepare
-    assert calls and max(calls) > 1          # concurrent sessions shared their first level
+    assert stack.servicer("drafter-hydra++").drafter.heads.arch == "prefix-mlp"
+    with stack.prepared_batches("drafter-hydra++") as batches, SpecdecClient(stack.address("hydra++")) as client:
+        for method in ("eagle2", "static"):
+            got = complete_concurrently(client, PROMPTS, N, method)
+            assert [c.token_ids for c in got] == want, method
+            assert sum(c.stats.draft_tokens for c in got) > 0
+    assert batches and max(batches) > 1          # concurrent sessions shared their first level
     assert stack.wait_sessions_closed("drafter-hydra++") == {"drafter-hydra++": 0}
 
 
 def test_the_openai_api_takes_the_method_per_request(stack):
-    from orchestrator.http import HttpConfig
-    from orchestrator.http_server import start_http
-
-    http = stack.loop.run(start_http(stack.servicer("hydra"), HttpConfig()))
-
-    def post(**body):
-        req = urllib.request.Request(f"{http.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return json.loads(resp.read())["choices"][0]
-
-    try:
+    with stack.openai("hydra") as post:
         common = dict(prompt=PROMPTS[0], max_tokens=N, temperature=0, return_token_ids=True)
         plain = post(**common, method="vanilla")
         for method in ("eagle2", "static"):
             got = post(**common, method=method)
             assert got["token_ids"] == plain["token_ids"] and got["specdec"]["draft_tokens"] > 0
         assert plain["specdec"]["draft_tokens"] == 0
-    finally:
-        stack.loop.run(http.stop())

@@ -7,9 +7,6 @@ batches the other sessions' verifies, and when the verifier is lost
 mid-request (the session resumes on another, its pool rebuilt from the
 committed tokens); the pools go with the sessions."""
 
-import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -66,25 +63,12 @@ def test_a_verify_request_says_lookahead(stack):
 
 
 def test_the_openai_api_takes_method_lookahead(stack):
-    from orchestrator.http import HttpConfig
-    from orchestrator.http_server import start_http
-
-    http = stack.loop.run(start_http(stack.servicer("none"), HttpConfig()))
-
-    def post(**body):
-        req = urllib.request.Request(f"{http.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return json.loads(resp.read())["choices"][0]
-
-    try:
+    with stack.openai("none") as post:
         common = dict(prompt=PROMPTS[1], max_tokens=N, temperature=0, return_token_ids=True)
         plain = post(**common, method="vanilla")
         got = post(**common, method="lookahead")
         assert got["token_ids"] == plain["token_ids"] and got["specdec"]["draft_tokens"] > 0
         assert plain["specdec"]["draft_tokens"] == 0
-    finally:
-        stack.loop.run(http.stop())
 
 
 @pytest.mark.timeout(120)

@@ -4,11 +4,12 @@ output is token-identical to in-process vanilla for the dynamic and the
 static tree, chosen per request, with concurrent sessions batched on the
 drafter (one heads forward for all of them)."""
 
-from concurrent.futures import ThreadPoolExecutor
+import json
+import urllib.error
 
 import pytest
 
-from running_stack import Stack
+from running_stack import Stack, complete_concurrently
 from specdec.client import SpecdecClient
 from tiny import tiny_medusa
 
@@ -37,40 +38,17 @@ def stack(tiny_family, tmp_path_factory):
 def test_greedy_matches_vanilla_through_the_services(stack):
     with SpecdecClient(stack.address("none")) as plain:
         want = [plain.complete(p, max_new_tokens=N).token_ids for p in PROMPTS]
-    drafter = stack.servicer("drafter-medusa").drafter
-    calls = []
-    prepare = drafter.prepare
-    drafter.prepare = lambda sids: (calls.append(len(sids)), prepare(sids))[1]
-    try:
-        with SpecdecClient(stack.address("medusa")) as client:
-            for method in ("eagle2", "static"):
-                with ThreadPoolExecutor(len(PROMPTS)) as pool:
-                    got = list(pool.map(lambda p: client.complete(p, max_new_tokens=N, method=method), PROMPTS))
-                assert [c.token_ids for c in got] == want, method
-                assert sum(c.stats.draft_tokens for c in got) > 0
-    finally:
-        drafter.prepare = prepare
-    assert calls and max(calls) > 1          # concurrent sessions shared a heads forward
+    with stack.prepared_batches("drafter-medusa") as batches, SpecdecClient(stack.address("medusa")) as client:
+        for method in ("eagle2", "static"):
+            got = complete_concurrently(client, PROMPTS, N, method)
+            assert [c.token_ids for c in got] == want, method
+            assert sum(c.stats.draft_tokens for c in got) > 0
+    assert batches and max(batches) > 1          # concurrent sessions shared a heads forward
     assert stack.wait_sessions_closed("drafter-medusa") == {"drafter-medusa": 0}
 
 
 def test_the_openai_api_takes_the_method_per_request(stack):
-    import json
-    import urllib.error
-    import urllib.request
-
-    from orchestrator.http import HttpConfig
-    from orchestrator.http_server import start_http
-
-    http = stack.loop.run(start_http(stack.servicer("medusa"), HttpConfig()))
-
-    def post(**body):
-        req = urllib.request.Request(f"{http.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return json.loads(resp.read())["choices"][0]
-
-    try:
+    with stack.openai("medusa") as post:
         common = dict(prompt=PROMPTS[0], max_tokens=N, temperature=0, return_token_ids=True)
         plain = post(**common, method="vanilla")
         for method in ("eagle2", "static"):
@@ -81,5 +59,3 @@ def test_the_openai_api_takes_the_method_per_request(stack):
             post(**common, method="typical")
         body = json.loads(err.value.read())["error"]
         assert err.value.code == 400 and body["param"] == "method" and "must be one of" in body["message"]
-    finally:
-        stack.loop.run(http.stop())
