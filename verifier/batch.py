@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.model import kv
 from specdec.request.errors import FailedPrecondition
 from specdec.tree.build import DraftTree
 import specdec.serving.batching

@@ -154,7 +154,7 @@ def acceptance_on_heldout(demo: Path, prompts: list[list[int]], max_new_tokens: 
     from specdec.request.decoding import StopCriteria
     from specdec.local import DrafterChoice, build_local, generate
     from specdec.model.loading import ModelSpec
-    from specdec.request.params import SamplingParams, TreeParams
+    from specdec.request.params import SamplingParams
 
     kind = head if head in ("medusa", "hydra") else "eagle"
     stack = build_local(ModelSpec(str(demo / "target")), DrafterChoice(kind, str(demo / head)))

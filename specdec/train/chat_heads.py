@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from drafter.eagle.eagle2_head import TargetHead
-from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
+from specdec.train.data import frozen_target
 from specdec.train.chat import ChatTokens, chat_tokens, require_template, split_chats
 from specdec.train.eagle import EagleLoss, calibration_record, feature_losses, head_from_target, write_calibration
 from specdec.train.eagle3 import Eagle3Options, build_head, chosen_layers
@@ -45,10 +45,7 @@ class ChatData:
 
 
 def load_frozen(target_dir: Path):
-    target = load_causal_lm(ModelSpec(str(target_dir)))
-    for p in target.parameters():
-        p.requires_grad_(False)
-    tokenizer = load_tokenizer(target_dir)
+    target, tokenizer = frozen_target(target_dir)
     require_template(tokenizer, str(target_dir))
     return target, tokenizer
 

@@ -57,3 +57,12 @@ def unigram_loss(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int) ->
     counts = torch.bincount(train.long(), minlength=vocab_size).double() + 1.0
     logp = (counts / counts.sum()).log()
     return float(-logp[heldout.long()].mean())
+
+
+def frozen_target(target_dir):
+    """The target model, every parameter frozen, and its tokenizer: what each head trainer starts from."""
+    from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
+
+    target = load_causal_lm(ModelSpec(str(target_dir)))
+    target.requires_grad_(False)
+    return target, load_tokenizer(target_dir)

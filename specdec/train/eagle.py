@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.train.data import eval_windows, sample_batch, tokenize_stream
+from specdec.train.data import eval_windows, frozen_target, sample_batch, tokenize_stream
 from specdec.train.loop import TrainConfig, train
 from drafter.base import CALIBRATION_FILE
 from drafter.eagle.eagle2_head import EagleHead, TargetHead, head_config, head_config_for, save_head
@@ -148,13 +148,8 @@ def calibrate_head(head: EagleHead, target, heldout_stream: torch.Tensor, out_di
 
 def train_eagle(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
                 workdir: Path, cfg: TrainConfig, loss_cfg: EagleLoss = EagleLoss(), progress: bool = True) -> dict:
-    from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
-
     torch.manual_seed(cfg.seed)
-    target = load_causal_lm(ModelSpec(str(target_dir)))
-    for p in target.parameters():
-        p.requires_grad_(False)
-    tokenizer = load_tokenizer(target_dir)
+    target, tokenizer = frozen_target(target_dir)
     train_stream = tokenize_stream(train_texts, tokenizer, cache=workdir)
     heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
     head = head_from_target(target)

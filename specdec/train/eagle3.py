@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
 from specdec.request.errors import InvalidArgument
-from specdec.train.data import eval_windows, sample_batch, tokenize_stream
+from specdec.train.data import eval_windows, frozen_target, sample_batch, tokenize_stream
 from specdec.train.draft_vocab import DraftVocab, choose_draft_vocab, token_counts
 from specdec.train.eagle import calibration_record, write_calibration
 from specdec.train.loop import TrainConfig, train
@@ -197,10 +196,7 @@ def train_eagle3(target_dir: Path, train_texts: list[str], heldout_texts: list[s
     """Train (or resume) an EAGLE-3 head; a finished run writes the head in the
     reference layout, ``calibration.json`` and ``training_log.json`` to ``out_dir``."""
     torch.manual_seed(cfg.seed)
-    target = load_causal_lm(ModelSpec(str(target_dir)))
-    for p in target.parameters():
-        p.requires_grad_(False)
-    tokenizer = load_tokenizer(target_dir)
+    target, tokenizer = frozen_target(target_dir)
     train_stream = tokenize_stream(train_texts, tokenizer, cache=workdir)
     heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
     vocab_size = int(target.config.get_text_config(decoder=True).vocab_size)

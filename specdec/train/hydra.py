@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.train.data import eval_windows, sample_batch, tokenize_stream
+from specdec.train.data import eval_windows, frozen_target, sample_batch, tokenize_stream
 from specdec.train.eagle import calibration_record, write_calibration
 from specdec.train.loop import TrainConfig, train
 from specdec.train.medusa import head_weights, target_view
@@ -102,14 +102,9 @@ def calibrate_heads(heads: HydraHeads, embed, tokens, feats, labels, out_dir: Pa
 def train_hydra(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
                 workdir: Path, cfg: TrainConfig, opts: HydraOptions = HydraOptions(),
                 progress: bool = True) -> dict:
-    from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
-
     torch.manual_seed(cfg.seed)
-    target = load_causal_lm(ModelSpec(str(target_dir)))
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target, tokenizer = frozen_target(target_dir)
     embed = TargetHead.of_model(target).embed.float()
-    tokenizer = load_tokenizer(target_dir)
     train_stream = tokenize_stream(train_texts, tokenizer, cache=workdir)
     heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
     heads = heads_from_target(target, opts)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.train.data import eval_windows, sample_batch, tokenize_stream
+from specdec.train.data import eval_windows, frozen_target, sample_batch, tokenize_stream
 from specdec.train.eagle import calibration_record, write_calibration
 from specdec.train.loop import TrainConfig, train
 from drafter.eagle.eagle2_head import TargetHead
@@ -109,13 +109,8 @@ def calibrate_heads(heads: MedusaHeads, feats: torch.Tensor, labels: torch.Tenso
 def train_medusa(target_dir: Path, train_texts: list[str], heldout_texts: list[str], out_dir: Path,
                  workdir: Path, cfg: TrainConfig, opts: MedusaOptions = MedusaOptions(),
                  progress: bool = True) -> dict:
-    from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
-
     torch.manual_seed(cfg.seed)
-    target = load_causal_lm(ModelSpec(str(target_dir)))
-    for p in target.parameters():
-        p.requires_grad_(False)
-    tokenizer = load_tokenizer(target_dir)
+    target, tokenizer = frozen_target(target_dir)
     train_stream = tokenize_stream(train_texts, tokenizer, cache=workdir)
     heldout_stream = tokenize_stream(heldout_texts, tokenizer, cache=workdir)
     heads = heads_from_target(target, opts)
