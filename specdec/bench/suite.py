@@ -39,7 +39,8 @@ class Models:
 
     def __init__(self, cfg: BenchConfig):
         self.cfg = cfg
-        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
+        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile,
+                              weights=cfg.weights)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
         self.verifier = VerifierEngine(self.target, tree_sizing=cfg.tree_sizing,

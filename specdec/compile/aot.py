@@ -61,6 +61,8 @@ import torch.utils._pytree as pytree
 import transformers
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+from specdec.model.quantize import weights_key
+
 # shared: the package holds no weights; the caller's parameters are bound at load
 SHARED_CONFIG = {"aot_inductor.package_constants_in_so": False}
 # packed: weights frozen into the package, the linear layers as inductor's CPP
@@ -95,6 +97,7 @@ def _fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():      # the weights' layout (specdec.model.loading.input_major_linears)
         digest.update(f"{name}:{tuple(param.stride())};".encode())
+    digest.update(weights_key(model).encode())        # quantized linears (specdec.model.quantize), '' for none
     source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
     files = sorted({f for pattern in MODEL_FILES for f in source.glob(pattern)}) if source.is_dir() else []
     if files and sum(f.stat().st_size for f in files) <= HASHED_BYTES:
