@@ -27,7 +27,10 @@ speculation stays greedy-identical to plain decoding of the same quantized model
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -154,5 +157,27 @@ def compute_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
 
 
 def weights_key(model: nn.Module) -> str:
-    """The quantized layers of ``model`` by name and kind ('' for none): part of a compiled package's key."""
-    return ";".join(f"{name}:{m.kind}" for name, m in model.named_modules() if isinstance(m, QuantizedLinear))
+    """The quantized layers of ``model`` by name and kind, and this module's
+    code ('' for none): part of a compiled package's key."""
+    kinds = ";".join(f"{name}:{m.kind}" for name, m in model.named_modules() if isinstance(m, QuantizedLinear))
+    return kinds and hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8] + kinds
+
+
+@contextmanager
+def shared_weight_lowerings():
+    """While a package over shared weights is built (``specdec.compile.aot``):
+    inductor's lowering of the int4 product adds its group size as a graph
+    constant of its own, which such a package would then ask the model for;
+    the product is called as the aten kernel it is instead (a fallback)."""
+    from torch._inductor import lowering
+
+    op = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    saved = lowering.lowerings.get(op)
+    lowering.lowerings[op] = lowering.fallback_handler(op, add_to_fallback_set=False)
+    try:
+        yield
+    finally:
+        if saved is None:
+            lowering.lowerings.pop(op, None)
+        else:
+            lowering.lowerings[op] = saved
