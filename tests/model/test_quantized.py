@@ -185,3 +185,11 @@ def test_a_loaded_quantized_model_keeps_its_embedding_dtype(family):
     model = load_causal_lm(ModelSpec(str(family["target"]), dtype="bfloat16", weights="int8"))
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     assert model.model.layers[0].mlp.up_proj.qweight.dtype == torch.int8
+
+
+def test_compiled_packages_are_keyed_by_the_quantized_layers(family):
+    from specdec.compile import aot
+
+    keys = {aot.model_fingerprint(load_causal_lm(ModelSpec(str(family["target"]), weights=w)))
+            for w in ("dtype", "int8", "int4")}
+    assert len(keys) == 3
