@@ -19,10 +19,11 @@ through torch's own CPU kernels:
 Both kernels run in bfloat16 (fp32 accumulation): their fp32 paths are 10-50x
 slower than a dense fp32 product here (``docs/models.md``, "Quantized
 weights"), so an fp32 model's activations are rounded to bfloat16 at each
-quantized layer's input and its output cast back. The eager forwards, the
-compiled packages (``specdec.compile.aot``: the kernels are exported as aten
-calls) and every verify width run the same kernels over the same weights, so
-speculation stays greedy-identical to plain decoding of the same quantized model.
+quantized layer's input and its output cast back. Plain decoding and every
+verify width run the same kernels over the same weights: speculation is
+greedy-identical to plain decoding of the same quantized model up to
+near-ties of the head's bf16 output, as in bfloat16 (``docs/models.md``,
+"Quantized weights"), and sampled output is distributed as that model.
 """
 
 from __future__ import annotations
