@@ -26,7 +26,7 @@ class TargetPrefixCache:
         self.blocks = pc.PrefixCache(max_tokens, block, exact)
         spec = target.spec
         # the model's identity (each engine keeps its own blocks; the key names the model all the same)
-        self.model = (str(spec.path), str(spec.dtype), target.num_layers, target.vocab_size)
+        self.model = (str(spec.path), str(spec.dtype), spec.weights, target.num_layers, target.vocab_size)
 
     @property
     def on(self) -> bool:

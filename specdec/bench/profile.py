@@ -62,7 +62,8 @@ from drafter.eagle.eagle2 import EagleDrafter
 from drafter.eagle.eagle3 import load_eagle_drafter
 from verifier.engine import TargetModel, VerifierEngine
 
-COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")     # (--weights int8|int4)
 VERIFY_NODES, FRONTIER = 16, 8
 PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 
@@ -203,14 +204,14 @@ def startup_seconds(args, mode: str, cache_dir: str) -> float:
 def run_profile(args, target_dir: str, eagle_dir: str | None) -> dict:
     """The profile record; ``eagle_dir`` None: the target's steps only (a target with no head yet)."""
     args.target_dir, args.eagle_dir = target_dir, eagle_dir
-    spec = ModelSpec(path=target_dir, dtype=args.dtype, device=args.device)
+    spec = ModelSpec(path=target_dir, dtype=args.dtype, device=args.device, weights=args.weights)
     if args.startup_only:
         # as the services start: for an EAGLE-3 head the verifier also builds the forwards
         # returning feature layers (``--compile-feature-layers``, ``specdec.procs``)
         layers = bool(feature_layer_flags(eagle_dir, args.compile))
         t = time.perf_counter()
         TargetModel(ModelSpec(path=target_dir, dtype=args.dtype, device=args.device, compile=args.compile,
-                              compile_layers=layers))
+                              compile_layers=layers, weights=args.weights))
         target_s = time.perf_counter() - t
         load_eagle_drafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
         total = time.perf_counter() - t

@@ -126,7 +126,8 @@ def markdown(result: dict) -> str:
         "",
         f"- device: {result['device']}",
         f"- target: `{result['target']}`"
-        + (f"; compiled forwards: `--compile {result['compile']}`" if result.get("compile") else ""),
+        + (f"; compiled forwards: `--compile {result['compile']}`" if result.get("compile") else "")
+        + (f"; weights: `--weights {result['weights']}`" if result.get("weights", "dtype") != "dtype" else ""),
         f"- temperature: {result['temperature']}, prompts: {result['prompts']}, "
         f"max_new_tokens: {result['max_new_tokens']}, repeats: {result.get('repeats', 1)}",
         f"- tree: total_tokens {tree.get('total_tokens')}, depth {tree.get('depth')}, expand_k {tree.get('expand_k')}"

@@ -335,6 +335,7 @@ class BenchConfig:
     seed: int = 0
     grpc: bool = False
     dtype: str = "float32"
+    weights: str = "dtype"          # the target's and draft LM's linear layers: dtype, int8 or int4 (--weights)
     device: str = "cpu"             # torch device of every model, e.g. cuda:0
     compile: str = "off"            # compiled target forwards (specdec.compile.forwards): auto, on or off
     tree_sizing: str = "fixed"      # the verifiers' (specdec.tree.sizing): cost or fixed

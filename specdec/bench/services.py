@@ -82,8 +82,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     if kind == "ngram":
         return ["--ngram", "--target", cfg.target, *limits]
     if kind == "draft-lm":
-        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, "--device", cfg.device, "--compile", cfg.compile,
-                *limits]
+        return ["--draft-lm", cfg.draft_lm, "--dtype", cfg.dtype, "--weights", cfg.weights, "--device", cfg.device,
+                "--compile", cfg.compile, *limits]
     raise ValueError(f"unknown drafter kind {kind!r}")
 
 
@@ -137,7 +137,8 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
     verifier_core, drafter_core = procs.pinned_cores() if cfg.pin else (None, None)
     with _threads_env(share):
         mine.append(procs.spawn(f"{kind} verifier", ["verifier", "serve", "--target", cfg.target,
-                                                     "--dtype", cfg.dtype, "--device", cfg.device,
+                                                     "--dtype", cfg.dtype, "--weights", cfg.weights,
+                                                     "--device", cfg.device,
                                                      "--compile", cfg.compile, "--tree-sizing", cfg.tree_sizing,
                                                      "--compile-tree-tokens", str(cfg.tree.total_tokens),
                                                      "--lookahead-wng", str(cfg.lookahead_wng),

@@ -39,7 +39,8 @@ class Models:
 
     def __init__(self, cfg: BenchConfig):
         self.cfg = cfg
-        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile)
+        self.spec = ModelSpec(path=cfg.target, dtype=cfg.dtype, device=cfg.device, compile=cfg.compile,
+                              weights=cfg.weights)
         self.tokenizer = load_tokenizer(cfg.target)
         self.target = TargetModel(self.spec)
         self.verifier = VerifierEngine(self.target, tree_sizing=cfg.tree_sizing,
@@ -196,6 +197,7 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                  "min_tau": cfg.min_tau, "lookahead": list(cfg.lookahead) if cfg.grpc else []},
         "pinned": cfg.pin,
         "compile": cfg.compile,
+        "weights": cfg.weights,
         "tree_sizing": {"mode": cfg.tree_sizing, "compared": cfg.compare_tree_sizing,
                         **({} if sizer is None else sizer.snapshot())},
         "models": {"target": cfg.target, "eagle": cfg.eagle, "draft_lm": cfg.draft_lm, "eagle3": cfg.eagle3,

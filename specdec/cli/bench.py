@@ -18,8 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.cli.options import (PREFIX_CACHE_TOKENS, add_compile_flag, add_lookahead_flag, add_tree_flags,
-                                 add_tree_sizing_flag, hydra_dir, medusa_dir, model_dir, prefix_cache_tokens,
-                                 read_prompts, resolved_min_tau)
+                                 add_tree_sizing_flag, add_weights_flag, hydra_dir, medusa_dir, model_dir,
+                                 prefix_cache_tokens, read_prompts, resolved_min_tau)
 from specdec.procs import pinned_cores
 from specdec.request.errors import UsageError
 
@@ -59,6 +59,7 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-lm", help="small causal LM directory (hf-assisted, sps)")
     add_lookahead_flag(g)
     g.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_weights_flag(g)
     g.add_argument("--device", default="cpu", help="torch device of every model, e.g. cpu (default) or cuda:0")
     add_compile_flag(g)
     p.add_argument("--prompts", default=str(BUNDLED_PROMPTS),
@@ -222,6 +223,7 @@ def config_from(args, sweep: bool):
                        methods=methods,
                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, tree=tree,
                        repeats=args.repeats, seed=args.seed, grpc=args.grpc and not sweep, dtype=args.dtype,
+                       weights=args.weights,
                        device=args.device, compile=args.compile, verify_token_budget=args.verify_token_budget,
                        tree_sizing="fixed" if sweep else args.tree_sizing,
                        compare_tree_sizing=args.compare_tree_sizing and not sweep,

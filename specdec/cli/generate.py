@@ -122,7 +122,7 @@ def resolve_models(args):
     target = model_dir(args.target, "target", "target model", "--target")
     spec = ModelSpec(path=target, dtype=args.dtype, device=args.device,
                      attn_implementation=getattr(args, "attn_implementation", "auto"),
-                     compile=getattr(args, "compile", "off"))
+                     compile=getattr(args, "compile", "off"), weights=getattr(args, "weights", "dtype"))
     if args.method in (VANILLA, LOOKAHEAD):             # no drafter (lookahead: the verifier drafts)
         return spec, DrafterChoice("none")
     if args.ngram:

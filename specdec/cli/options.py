@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV,
-                                   CUDA_GRAPHS_MODES, PACKED_ENV, demo_path)
+                                   CUDA_GRAPHS_MODES, PACKED_ENV, WEIGHTS, demo_path)
 from specdec.model.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from specdec.request import knobs
 from specdec.request.errors import SpecdecError, UsageError
@@ -83,12 +83,21 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--ngram", action="store_true", help="prompt-lookup drafter (no model)")
     add_medusa_flags(d, g)
     g.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    add_weights_flag(g)
     g.add_argument("--device", default="cpu", help="torch device of the models with --local, e.g. cuda:0")
     g.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="attention of the target with --local: auto (default), sdpa or eager")
     add_compile_flag(g)
     add_prefix_cache_flag(g)
     add_lookahead_flag(g)
+
+
+def add_weights_flag(p, what: str = "the target's (and a draft LM's)") -> None:
+    """``--weights``: linear layers as loaded or weight-only quantized (``specdec.model.quantize``)."""
+    p.add_argument("--weights", default="dtype", choices=WEIGHTS,
+                   help=f"{what} linear layers and output head: dtype (default: as loaded, in --dtype), int8 "
+                        "(per-channel) or int4 (groups of 32, scale and minimum), weight-only, CPU only; "
+                        "speculation stays greedy-identical to plain decoding of the same quantized weights")
 
 
 def add_lookahead_flag(p) -> None:

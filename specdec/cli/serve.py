@@ -21,7 +21,8 @@ import argparse
 import asyncio
 
 from specdec.cli.options import (add_compile_flag, add_lookahead_flag, add_medusa_flags, add_prefix_cache_flag,
-                                 add_tree_sizing_flag, env, hydra_dir, medusa_choices, medusa_dir, model_dir)
+                                 add_tree_sizing_flag, add_weights_flag, env, hydra_dir, medusa_choices, medusa_dir,
+                                 model_dir)
 from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
@@ -110,6 +111,7 @@ def add_parsers(sub) -> None:
         "serve", help="serve VerifierService over gRPC")
     p.add_argument("--target", help="target model: a directory or a GGUF file (default: the bundled demo target)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_weights_flag(p, "the target's")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--attn-implementation", default="auto", choices=ATTN_IMPLEMENTATIONS,
                    help="auto (default): specdec's SDPA where the model allows, else its best; or force sdpa / eager")
@@ -160,6 +162,7 @@ def add_parsers(sub) -> None:
                                        "(default: the --target or --draft-lm directory when it holds one, else "
                                        "such drafts are unmasked, still exact)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    add_weights_flag(p, "a draft LM's")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled.head_levels) "
                         "and a draft LM's steps (specdec.compile.forwards)")
@@ -203,7 +206,7 @@ def run_verifier(args) -> int:
     cfg = server_config_from(args)
     spec = ModelSpec(path=model_dir(args.target, "target", "target model", "--target"), dtype=args.dtype,
                      device=args.device, attn_implementation=args.attn_implementation, compile=args.compile,
-                     compile_layers=args.compile_feature_layers)
+                     compile_layers=args.compile_feature_layers, weights=args.weights)
     from specdec.model.gguf_import import source_of
     from verifier.service import VerifierService, VerifierServiceConfig
 
@@ -295,7 +298,7 @@ def _drafter_builder(args, default: TreeParams):
         raise UsageError("--medusa-choices needs --medusa or --hydra")
     if args.draft_lm:
         spec = ModelSpec(path=model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), dtype=args.dtype,
-                         device=args.device, compile=args.compile)
+                         device=args.device, compile=args.compile, weights=args.weights)
 
         def build():
             from drafter.draft_lm import DraftLmDrafter

@@ -67,14 +67,14 @@ def add_parser(sub) -> None:
 
 def _models(args) -> Models:
     target = model_dir(args.target, "target", "target model", "--target")
-    verifier = ("--target", target, "--dtype", args.dtype, "--compile", args.compile)
+    verifier = ("--target", target, "--dtype", args.dtype, "--weights", args.weights, "--compile", args.compile)
     if args.ngram:
         drafter = ("--ngram", "--target", target)
     elif args.medusa is not None or getattr(args, "hydra", None) is not None:
         drafter = tuple(medusa_drafter_argv(args, target))
     elif args.draft_lm:
         drafter = ("--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
-                   "--compile", args.compile)
+                   "--weights", args.weights, "--compile", args.compile)
     else:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
         drafter = ("--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile)

@@ -113,7 +113,7 @@ def _watch(orchestrator: Child, backends: list[Child]) -> None:
 def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
     """Flags for the verifier, for the drafter (None: no drafter) and the tokenizer directory."""
     target = model_dir(args.target, "target", "target model", "--target")
-    verifier = ["--target", target, "--dtype", args.dtype, "--compile", args.compile]
+    verifier = ["--target", target, "--dtype", args.dtype, "--weights", args.weights, "--compile", args.compile]
     if getattr(args, "tree_sizing", None):       # `up`'s flag; `soak` leaves it to SPECDEC_TREE_SIZING
         verifier += ["--tree-sizing", args.tree_sizing]
     verifier += ["--lookahead-wng", str(args.lookahead_wng)]
@@ -125,7 +125,7 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         drafter = medusa_drafter_argv(args, target)
     elif args.draft_lm:
         drafter = ["--draft-lm", model_dir(args.draft_lm, "draft-lm", "draft LM", "--draft-lm"), "--dtype", args.dtype,
-                   "--compile", args.compile]
+                   "--weights", args.weights, "--compile", args.compile]
     else:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
         drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]

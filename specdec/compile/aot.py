@@ -48,6 +48,7 @@ generation, no Dynamo guards on the call, and a C++ wrapper around the kernels.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import inspect
@@ -68,6 +69,8 @@ import torch
 import torch.utils._pytree as pytree
 import transformers
 from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from specdec.model.quantize import shared_weight_lowerings, weights_key
 
 # shared: the package holds no weights; the caller's parameters are bound at load
 SHARED_CONFIG = {"aot_inductor.package_constants_in_so": False}
@@ -103,6 +106,7 @@ def _fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():      # the weights' layout (specdec.model.loading.input_major_linears)
         digest.update(f"{name}:{tuple(param.stride())};".encode())
+    digest.update(weights_key(model).encode())        # quantized linears (specdec.model.quantize), '' for none
     source = Path(str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""))
     files = sorted({f for pattern in MODEL_FILES for f in source.glob(pattern)}) if source.is_dir() else []
     if files and sum(f.stat().st_size for f in files) <= HASHED_BYTES:
@@ -144,6 +148,7 @@ def layout_fingerprint(model: torch.nn.Module) -> str:
     named.update(model.named_buffers(remove_duplicate=False))
     for name, t in named.items():
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{tuple(t.stride())};".encode())
+    digest.update(weights_key(model).encode())        # quantized linears (specdec.model.quantize), '' for none
     return digest.hexdigest()[:20]
 
 
@@ -185,8 +190,9 @@ def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: boo
     fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
     os.close(fd)
     try:
-        torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
-                                                  inductor_configs=PACKED_CONFIG if packed else SHARED_CONFIG)
+        with contextlib.nullcontext() if packed else shared_weight_lowerings():
+            torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
+                                                      inductor_configs=PACKED_CONFIG if packed else SHARED_CONFIG)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -292,16 +298,24 @@ def kept_library(path: Path) -> Path:
         raise
     with archive:
         member = next(n for n in archive.namelist() if n.endswith(".so") and "/data/aotinductor/model/" in n)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as out, archive.open(member) as source:
-                shutil.copyfileobj(source, out, 1 << 20)
-            os.replace(tmp, library)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        calls = member.removesuffix(".so") + ".json"     # the aten calls it makes through the proxy executor
+        if calls in archive.namelist():                  # (kernels with no C shim: the int4 product)
+            _unzip(archive, calls, library.with_suffix(".json"))
+        _unzip(archive, member, library)
     path.unlink(missing_ok=True)      # (a start loading it beside this one falls back on the library)
     return library
+
+
+def _unzip(archive: zipfile.ZipFile, member: str, target: Path) -> None:
+    """``member`` of ``archive`` written to ``target`` whole or not at all."""
+    fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, archive.open(member) as source:
+            shutil.copyfileobj(source, out, 1 << 20)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load_package(path: Path, weights: dict[str, torch.Tensor] | None):

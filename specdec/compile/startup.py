@@ -16,6 +16,7 @@ from specdec.compile.forwards import (ALIBI_REASON, CAPTURED, MIN_CAPACITY, PAYS
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
 from specdec.model.loading import COMPILE_MODES
+from specdec.model.quantize import compute_dtype
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,11 @@ def check_compiled(compiled: CompiledForward, layers: tuple[int, ...] = ()) -> s
             return f"the {run} path left {kv.seq_len(cache)} cached slots, not {5 + n}"
         outputs[run] = {f"{what} {name}": t for what, out in (("step", one), ("tree", tree_out))
                         for name, t in (("streams", out[1]), ("logits", out[2])) if t is not None}
+    fp32 = compute_dtype(lm.model, lm.dtype) == torch.float32     # (quantized linears multiply in bf16)
     for name, want in outputs["eager"].items():
         got = outputs["compiled"][name]
         err = float((got - want).abs().max() / (1.0 + want.abs().max()))
-        if not err <= (1e-4 if lm.dtype == torch.float32 else 5e-2):
+        if not err <= (1e-4 if fp32 else 5e-2):
             return f"compiled {name} differ from eager ones (relative error {err:.2g})"
     return None
 

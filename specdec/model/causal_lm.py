@@ -29,6 +29,7 @@ import torch
 from specdec.model import kv
 from specdec.model.alibi import AlibiMask, alibi_stack
 from specdec.model.masks import FULL, SLIDING, AttentionLayout, causal_allowed
+from specdec.model.quantize import compute_dtype
 
 
 class UnsupportedModel(ValueError):
@@ -171,9 +172,10 @@ def check_servable(lm: CausalLm) -> None:
                                 f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     want = torch.stack([main[3], side, main[4], main[5]])
     err = float((got - want).abs().max() / (1.0 + want.abs().max()))
-    if not err <= _tolerance(lm.dtype):
+    tolerance = _tolerance(compute_dtype(lm.model, lm.dtype))
+    if not err <= tolerance:
         plain = lm.logits(lm.model.get_decoder()(input_ids=seq[None, :6].to(lm.device)).last_hidden_state)[0]
-        if float((plain - main).abs().max() / (1.0 + main.abs().max())) > _tolerance(lm.dtype):
+        if float((plain - main).abs().max() / (1.0 + main.abs().max())) > tolerance:
             raise refuse(lm.config, "its final-logit processing is not one specdec knows")
         raise refuse(lm.config, f"a tree forward over a cached prefix does not reproduce its own forward "
                                 f"(relative error {err:.2g})")

@@ -30,6 +30,8 @@ AHEAD_ENV, AHEAD_MODES = "SPECDEC_COMPILE_AHEAD", ("all", "ready")
 CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES = "SPECDEC_CUDA_GRAPHS", ("on", "off")
 # auto (default: input-major on CPU) or off: how linear weights lie in memory (``input_major_linears``)
 LINEAR_LAYOUT_ENV, LINEAR_LAYOUT_MODES = "SPECDEC_LINEAR_LAYOUT", ("auto", "off")
+# --weights: the linear layers as loaded (dtype) or weight-only quantized on CPU (``specdec.model.quantize``)
+WEIGHTS = ("dtype", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class ModelSpec:
     attn_implementation: str = "auto"   # one of ATTN_IMPLEMENTATIONS
     compile: str = "off"                # one of COMPILE_MODES: compiled target forwards (specdec.compile.forwards)
     compile_layers: bool = False        # with compile: also the forwards returning feature layers (EAGLE-3)
+    weights: str = "dtype"              # one of WEIGHTS: linear layers as loaded, or int8/int4 (CPU)
 
     def __post_init__(self):
         if self.compile not in COMPILE_MODES:
@@ -47,6 +50,16 @@ class ModelSpec:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"attention implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
                              f"got {self.attn_implementation!r}")
+        check_weights(self.weights, self.device)
+
+
+def check_weights(weights: str, device: str) -> None:
+    """ValueError (one line) for a ``--weights`` mode that cannot run on ``device``."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights != "dtype" and device.split(":")[0] != "cpu":
+        raise ValueError(f"--weights {weights} runs on CPU only (torch's weight-only {weights} kernels used here "
+                         f"are CPU kernels), got device {device}; use --weights dtype there")
 
 
 def demo_path(name: str) -> Path:
@@ -125,6 +138,9 @@ def load_causal_lm(spec: ModelSpec, **kwargs):
     from specdec.model.attention import choose_implementation
 
     quiet_transformers()
+    if kwargs and spec.weights != "dtype":
+        raise ValueError(f"--weights {spec.weights} is not supported with tensor-parallel shards (--tp): "
+                         f"use --weights dtype")
     path = require_model_dir(spec.path)
     device = torch_device(spec.device)
     cls = causal_lm_class(path)
@@ -134,6 +150,10 @@ def load_causal_lm(spec: ModelSpec, **kwargs):
     if kwargs:                      # tensor-parallel shards: laid out by their plan
         return model.eval()
     model = model.to(device).eval()
+    if spec.weights != "dtype":
+        from specdec.model.quantize import quantize_linears
+
+        quantize_linears(model, spec.weights)
     if device.type == "cpu" and linear_layout() == "auto":
         input_major_linears(model)
     return model

@@ -157,7 +157,7 @@ def test_up_and_soak_start_the_verifier_with_it_for_an_eagle3_head(family3, head
     from specdec.request.lookahead import parse_lookahead
 
     args = argparse.Namespace(target=str(family3["target"]), eagle=str(family3[head]), draft_lm=None, ngram=False,
-                              medusa=None, dtype="float32", compile=compile_mode, method="eagle2",
+                              medusa=None, dtype="float32", weights="dtype", compile=compile_mode, method="eagle2",
                               prefix_cache_tokens=0, prefix_cache_exact=False, lookahead_wng=parse_lookahead("4,3,4"))
     verifier, drafter, _ = _model_argv(args)
     assert ("--compile-feature-layers" in verifier) is told and drafter[:2] == ["--eagle", str(family3[head])]
