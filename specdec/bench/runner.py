@@ -54,7 +54,8 @@ SPECULATIVE = {
 }
 SELF_DRAFTED = ("lookahead",)              # drafter kinds with no drafter: the verifier drafts the trees
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
-LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup")   # opt-in: the llama.cpp peer (bench.llamacpp_peer)
+# opt-in: the llama.cpp peer (bench.llamacpp_peer): on the f32 export, its prompt lookup, on the GGUF file served
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup", "llamacpp-gguf")
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")

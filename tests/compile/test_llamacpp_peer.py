@@ -32,13 +32,32 @@ def test_skipped_with_one_clear_line_when_missing(tiny_family, prompt_file, tmp_
     monkeypatch.setattr(llamacpp_peer, "llama_cpp", None)
     out = tmp_path / "r.json"
     args = ["bench", "--target", str(tiny_family["target"]), "--prompts", str(prompt_file), "--limit-prompts", "1",
-            "--max-new-tokens", "4", "--methods", "vanilla,llamacpp,llamacpp-lookup", "--json", str(out)]
+            "--max-new-tokens", "4", "--methods", "vanilla,llamacpp,llamacpp-lookup,llamacpp-gguf", "--json",
+            str(out)]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert err.count("llama-cpp-python is not installed") == 1, err
     result = json.loads(out.read_text())
     assert set(result["methods"]) == {"vanilla", "hf-generate"}
     assert result["llamacpp"]["notes"] == [MISSING]
+
+
+def test_each_method_decodes_its_file(tiny_family, tmp_path, monkeypatch):
+    """llamacpp / llamacpp-lookup: the f32 export of the served weights;
+    llamacpp-gguf: the GGUF file the target was converted from, or a note."""
+    from specdec.model import gguf_import
+    from specdec.model.gguf_export import export_llama
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(gguf_import.CACHE_ENV, str(tmp_path / "models"))
+    q8 = export_llama(tiny_family["target"], tmp_path / "tiny.Q8_0.gguf", quant="Q8_0")
+    converted = gguf_import.model_path(q8)
+    files, notes = llamacpp_peer.gguf_files(["llamacpp", "llamacpp-gguf"], str(converted), None)
+    assert files["llamacpp-gguf"] == q8 and files["llamacpp"].name.endswith("-f32.gguf") and notes == []
+    assert files["llamacpp"].parent == tmp_path / "cache" / "specdec" / "gguf"
+    files, notes = llamacpp_peer.gguf_files(["llamacpp-gguf"], str(tiny_family["target"]), None)
+    assert files == {} and notes == ["llamacpp-gguf skipped: the target was not given as a GGUF file"]
+    assert not list((tmp_path / "cache" / "specdec" / "gguf").glob("target-*"))   # nothing exported for it
 
 
 def test_identical_fraction():
