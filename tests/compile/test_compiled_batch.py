@@ -158,10 +158,12 @@ def test_a_batching_verifier_service_builds_them_before_readiness_and_opens_them
         try:
             built = set(forward.batched)
             queued = {(w, c) for w, c, _, batched in forward.due if batched}
-            deadline = time.monotonic() + 120
-            while forward.due and time.monotonic() < deadline:
+            opened = forward.batched[False].graphs
+            deadline = time.monotonic() + 300      # (a bound for a failure: the graphs open within a second)
+            # open_next takes a graph off ``due`` before opening it: wait for the graphs, not for ``due``
+            while (forward.due or not queued <= set(opened)) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            return built, queued, forward.batched[False].graphs, len(forward.due)
+            return built, queued, opened, len(forward.due)
         finally:
             await service.aclose()
 
