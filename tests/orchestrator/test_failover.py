@@ -373,8 +373,10 @@ class Up:
         return [c for c in self.state[f"{role}s"] if alive(c["pid"])]
 
     def kill_pinned(self, role: str, gen: Background, timeout: float = 30.0) -> dict | None:
-        """SIGKILL the first ``role`` process found holding ``gen``'s session, while
-        that session still has tokens to make; None when it got too far first.
+        """SIGKILL the first ``role`` process found holding ``gen``'s session, once
+        the session streams (opened on both sides: a kill during its Prefill is a
+        re-open, not a failover) and while it still has tokens to make; None
+        when it got too far first.
 
         The process is stopped before it is judged: a stopped process makes no
         tokens, so what the client holds then is all the session has."""
@@ -384,11 +386,14 @@ class Up:
                 if active(child["addr"], role):
                     os.kill(child["pid"], signal.SIGSTOP)
                     time.sleep(0.3)   # the tokens already made reach the client
-                    if len(gen.stream.token_ids) <= LONG - UNFINISHED:
+                    made = len(gen.stream.token_ids)
+                    if 0 < made <= LONG - UNFINISHED:
                         os.kill(child["pid"], signal.SIGKILL)
                         return child
                     os.kill(child["pid"], signal.SIGCONT)
-                    return None
+                    if made:
+                        return None
+                    break                 # not streaming yet: look again
             time.sleep(0.005)
         raise AssertionError(f"no {role} ever held the session")
 
