@@ -373,13 +373,10 @@ class Up:
         return [c for c in self.state[f"{role}s"] if alive(c["pid"])]
 
     def kill_pinned(self, role: str, gen: Background, timeout: float = 30.0) -> dict | None:
-        """SIGKILL the first ``role`` process found holding ``gen``'s session, once
-        the session streams (opened on both sides: a kill during its Prefill is a
-        re-open, not a failover) and while it still has tokens to make; None
-        when it got too far first.
-
-        The process is stopped before it is judged: a stopped process makes no
-        tokens, so what the client holds then is all the session has."""
+        """SIGKILL the first ``role`` process holding ``gen``'s session once it streams (a kill
+        during its Prefill is a re-open, not a failover) and while it has tokens to make; None
+        when it got too far first. The process is stopped before it is judged: what the client
+        holds then is all the session has."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for child in self.live(role):
@@ -392,8 +389,8 @@ class Up:
                         return child
                     os.kill(child["pid"], signal.SIGCONT)
                     if made:
-                        return None
-                    break                 # not streaming yet: look again
+                        return None       # else not streaming yet: look again
+                    break
             time.sleep(0.005)
         raise AssertionError(f"no {role} ever held the session")
 
