@@ -59,6 +59,16 @@ class TreeRecord:
     hidden: torch.Tensor   # [n, H] model output at each node with children (row 0: the root); zeros elsewhere
 
 
+def on_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` on ``device`` (in ``dtype``; None: its own): ``t`` itself where it is
+    there already, as the verifier's features and the model's outputs are; a host
+    tensor is copied up (a host sync on a device)."""
+    want = torch.device(device)
+    if t.device.type == want.type and want.index in (None, t.device.index) and dtype in (None, t.dtype):
+        return t
+    return t.to(device, dtype if dtype is not None else t.dtype)
+
+
 CALIBRATION_FILE = "calibration.json"
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache
@@ -88,6 +89,27 @@ class HeadKey(torch.nn.Module):
             self.register_buffer(name, t, persistent=True)
 
 
+@dataclass(frozen=True)
+class FeedBuffers:
+    """A feed's inputs at one width, kept on the device and written there (``CompiledHead.feed``)."""
+
+    tokens: torch.Tensor      # [1, width] int64, filled per feed (pad entries: whatever was there)
+    parent: torch.Tensor      # [1, width, H] the pairs' features, copied in per feed
+    rows: torch.Tensor        # [width] 0..width-1
+    offsets: torch.Tensor     # [width, C] slot - row: row i sees slot s when s - i <= the cached slots
+    zero: torch.Tensor        # [] 0 and the dtype's minimum, the mask's two values
+    minimum: torch.Tensor
+
+    @classmethod
+    def new(cls, width: int, capacity: int, hidden: int, dtype: torch.dtype, device: torch.device) -> FeedBuffers:
+        rows = torch.arange(width, device=device)
+        return cls(torch.zeros(1, width, dtype=torch.long, device=device),
+                   torch.zeros(1, width, hidden, dtype=dtype, device=device), rows,
+                   torch.arange(capacity, device=device)[None] - rows[:, None],
+                   torch.zeros((), dtype=dtype, device=device),
+                   torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device))
+
+
 class CompiledHead:
     """Compiled draft levels of one feature-head drafter (module doc)."""
 
@@ -102,6 +124,7 @@ class CompiledHead:
         self.steps = FixedGraphs(HeadStep(drafter).eval(), HeadKey(drafter), self.dtype, self.device,
                                     ahead_of_time=self.device.type == "cpu", packed=packed, sources=sources,
                                     packaged_capacities=(HEAD_CAPACITY,))
+        self.feeds: dict[int, FeedBuffers] = {}     # width -> a feed's device buffers (``feed``)
 
     @torch.inference_mode()
     def _probe(self) -> tuple[int, int, int]:
@@ -153,6 +176,33 @@ class CompiledHead:
                             parent_hidden.new_zeros(pad, parent_hidden.shape[1], device=dev, dtype=self.dtype)])[None]
         slots = torch.arange(past, past + width, device=dev)
         out, logp = self.graph(width, mask)(tokens, parent, positions, mask, slots, fixed.stack)
+        k_view, v_view = fixed.views[0]
+        kv.adopt(cache, 0, k_view, v_view, past + k)
+        return out[0, :k], logp[0, :k]
+
+    @torch.inference_mode()
+    def feed(self, cache, tokens: list[int], feats: torch.Tensor):
+        """``step`` for committed pairs (tokens [k] Python ints, feats [k, H] on the
+        device), each seeing the cached slots and the pairs before it, with no host
+        tensor: the tokens are filled into a device buffer, the causal mask and the
+        positions (the slots) made on the device. None where ``step`` would be."""
+        k = len(tokens)
+        fixed, width = fixed_buffers(cache), next((w for w in WIDTHS if w >= k), None)
+        past = kv.seq_len(cache)
+        if fixed is None or width is None or past + width > fixed.stack.shape[4] or k == 0:
+            return None
+        buf = self.feeds.get(width)
+        if buf is None or buf.offsets.shape[1] != fixed.stack.shape[4]:
+            buf = self.feeds[width] = FeedBuffers.new(width, fixed.stack.shape[4], self.drafter.hidden_size,
+                                                      self.dtype, self.device)
+        for i, token in enumerate(tokens):
+            buf.tokens[0, i].fill_(token)
+        buf.parent[0, :k].copy_(feats)
+        slots = buf.rows + past                                                   # [width], the positions too
+        # row i sees slots <= past + i; a pad row sees the same causal prefix (its output is dropped, and
+        # its K/V lands past the cache's length, where nothing reads it before it is written again)
+        mask = torch.where(buf.offsets <= past, buf.zero, buf.minimum)[None, None]    # [1, 1, width, C]
+        out, logp = self.graph(width, mask)(buf.tokens, buf.parent, slots[None], mask, slots, fixed.stack)
         k_view, v_view = fixed.views[0]
         kv.adopt(cache, 0, k_view, v_view, past + k)
         return out[0, :k], logp[0, :k]

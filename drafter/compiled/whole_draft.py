@@ -48,6 +48,7 @@ from specdec.compile.fixed_kv import FixedLayer, fixed_buffers
 from specdec.model import kv
 from specdec.request.params import TreeParams
 from specdec.tree.build import LOGP_SLACK, DraftTree
+from drafter.base import on_device
 from drafter.compiled import head_levels
 from drafter.compiled.head_levels import HEAD_CAPACITY, CompiledHead, HeadKey
 
@@ -84,9 +85,10 @@ class TreeDraftStep(torch.nn.Module):
         """root_token [1] int64; root_hidden [H]; root_logp [V]; committed [1]
         (the session's cached slots); temperature [1] fp32 (the values'); stack
         the head's stacked cache [1, 2, 1, heads, C, d], draft K/V written past
-        ``committed``. Returns the tree's tokens, parents, depths, values [n],
-        its nodes' outputs [n, H] (zeros where a node was not expanded) and
-        whether the draft is exact (False: draft it level by level)."""
+        ``committed``. Returns what the host reads [1 + 4n] fp64 (whether the
+        draft is exact, False: draft it level by level; then the tree's tokens,
+        parents, depths and values [n]) and its nodes' outputs [n, H] (zeros
+        where a node was not expanded)."""
         k, capacity = self.k, stack.shape[4]
         drafter = self.step.drafter.reading({name: getattr(self.step, name) for name in self.step.names})
         hidden_size = root_hidden.shape[-1]
@@ -129,7 +131,10 @@ class TreeDraftStep(torch.nn.Module):
         tree_parents = torch.cat([torch.full_like(ids[:1], -1), where[parents[ids[1:]]]])
         pool_hidden = torch.zeros(tokens.shape[0], hidden_size, device=stack.device).index_copy(
             0, torch.cat(expanded), torch.cat(outputs))
-        return tokens[ids], tree_parents, depths[ids], values[ids], pool_hidden[ids], ok
+        # what the host reads of the draft, in one tensor (token ids < 2**53 and fp32 values are exact in fp64)
+        read = torch.cat([ok.reshape(1).double(), tokens[ids].double(), tree_parents.double(), depths[ids].double(),
+                          values[ids].double()])
+        return read, pool_hidden[ids]
 
 
 class CompiledTree:
@@ -145,6 +150,7 @@ class CompiledTree:
         dev = head.device
         self.root, self.committed = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(2))
         self.temperature = torch.ones(1, device=dev)
+        self.tempered = 1.0                      # what ``temperature`` holds
         step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total).eval()
         # keyed as the levels' packages are, and by the level module it reads the head through
         sources = tuple({inspect.getfile(type(m)) for m in self.drafter.head.modules()}
@@ -170,7 +176,7 @@ class CompiledTree:
     @torch.inference_mode()
     def draft(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
               temperature: float) -> tuple[DraftTree, torch.Tensor] | None:
-        """The tree (and its nodes' outputs [n, H] fp32) drafted after the
+        """The tree (and its nodes' outputs [n, H] fp32, on the device) drafted after the
         session's cached slots in ``cache``; None where the draft must be taken
         level by level (a tie or a non-log-prob in a top-k, or no stacked cache)."""
         fixed = fixed_buffers(cache)
@@ -181,15 +187,15 @@ class CompiledTree:
         graph = self.graphs.get(self.expand_k, HEAD_CAPACITY, self._example)
         self.root.fill_(root_token)
         self.committed.fill_(committed)
-        self.temperature.fill_(float(temperature))
-        tokens, parents, depths, values, hidden, ok = graph(
-            self.root, root_hidden.to(dev, torch.float32).reshape(-1), root_logp.to(dev).reshape(-1),
+        if float(temperature) != self.tempered:
+            self.temperature.fill_(float(temperature))
+            self.tempered = float(temperature)
+        packed, hidden = graph(
+            self.root, on_device(root_hidden, dev, torch.float32).reshape(-1), on_device(root_logp, dev).reshape(-1),
             self.committed, self.temperature, fixed.stack)
-        # the draft's one read of the tree: the flag, then tokens, parents, depths and values
-        # (token ids < 2**53 and fp32 values are exact in fp64)
-        n = tokens.shape[0]
-        read = torch.cat([ok.reshape(1).double(), tokens.double(), parents.double(), depths.double(),
-                          values.double()]).tolist()
+        # the draft's one read: the flag, then the tree's tokens, parents, depths and values
+        read = packed.tolist()
+        n = (len(read) - 1) // 4
         if not read[0]:
             return None
         self.drafts += 1
@@ -197,7 +203,7 @@ class CompiledTree:
         structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read
         tree = DraftTree(structure[0], structure[1], structure[2], torch.tensor(read[1 + 3 * n:], dtype=torch.float32),
                          lists=(toks, pars, deps))
-        return tree, hidden.cpu()
+        return tree, hidden                     # (on the device: drafting ahead steps from it there)
 
     def warm(self) -> float:
         """Build (or load) the graph and run it once; seconds taken."""

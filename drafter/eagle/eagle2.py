@@ -18,7 +18,7 @@ import torch
 from specdec.model import kv, masks
 from specdec.model import prefix_cache as pc
 from specdec.model.loading import torch_device
-from drafter.base import DraftSession, read_value_temperature
+from drafter.base import DraftSession, on_device, read_value_temperature
 from drafter.cached import CachedTreeDrafter
 from drafter.eagle.eagle2_head import TargetHead, load_head, load_target_head
 
@@ -71,17 +71,17 @@ class FeatureHeadDrafter(CachedTreeDrafter):
     def feed_pending(self, sess: DraftSession, end: int | None = None):
         start, end = sess.fed, len(sess.tokens) - 1 if end is None else end     # pairs (feature_t, x_{t+1})
         dev = self.device
-        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
-        feats = torch.stack(sess.features[start:end]).to(dev)
-        positions = torch.arange(start, end, device=dev)
+        feats = on_device(torch.stack(sess.features[start:end]), dev)     # the verifier's rows stay where they are
         done = None
         if self.compiled is not None and kv.seq_len(sess.cache) == start:
-            # the new pairs see every fed one and each other causally: a compiled level where one applies
-            allowed = torch.ones(end - start, end, dtype=torch.bool).tril(diagonal=start)
-            done = self.compiled.step(sess.cache, tokens, feats, positions, allowed)
+            # the new pairs see every fed one and each other causally: a compiled level where one applies,
+            # its inputs made on the device
+            done = self.compiled.feed(sess.cache, sess.tokens[start + 1:end + 1], feats)
         sess.fed = end
         if done is not None:
             return done[0][-1], done[1][-1]
+        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
+        positions = torch.arange(start, end, device=dev)
         out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
         return out[-1], self.logprobs(out[-1])
 

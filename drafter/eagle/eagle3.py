@@ -32,7 +32,7 @@ from transformers import AutoConfig
 
 from specdec.model.loading import torch_device
 from specdec.request.errors import InvalidArgument
-from drafter.base import DraftSession, read_value_temperature
+from drafter.base import DraftSession, on_device, read_value_temperature
 from drafter.cached import CachedTreeDrafter
 from drafter.eagle import eagle3_layouts as layouts
 from drafter.eagle.eagle2 import EagleDrafter, FeatureHeadDrafter
@@ -97,7 +97,7 @@ class Eagle3Drafter(FeatureHeadDrafter):
         # the target's rows are projected on arrival; rows already H wide are the head's own (module doc)
         if features is not None and features.ndim == 2 and features.shape[1] == self.feature_size:
             with torch.inference_mode():
-                features = self.head.project(features.to(self.device)).float()
+                features = self.head.project(on_device(features, self.device)).float()
         elif features is not None and features.ndim == 2 and features.shape[1] != self.hidden_size:
             raise InvalidArgument(f"EAGLE-3 drafter needs features [n, {self.feature_size}] (target layers "
                                   f"{list(self.feature_layers)}), got {tuple(features.shape)}")

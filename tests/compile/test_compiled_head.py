@@ -150,8 +150,9 @@ def test_a_batch_of_sessions_drafts_one_by_one_on_the_compiled_levels(heads, mon
     fast, eager = heads
     assert batch._model_for(fast) is None and batch._model_for(eager) is not None
     levels = []
-    step = fast.compiled.step
-    monkeypatch.setattr(fast.compiled, "step", lambda *a, **k: levels.append(1) or step(*a, **k))
+    for name in ("step", "feed"):                  # tree levels, and the pairs fed before them
+        run = getattr(fast.compiled, name)
+        monkeypatch.setattr(fast.compiled, name, lambda *a, run=run, **k: levels.append(1) or run(*a, **k))
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     sids = [f"batch-{i}" for i in range(3)]
     for sid, n in zip(sids, (7, 19, 11)):
