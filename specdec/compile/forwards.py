@@ -79,6 +79,7 @@ import torch
 from specdec.compile.fixed_graphs import (MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs,
                                           ahead_setting)
 from specdec.compile.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
+from specdec.compile.eager import eager_forward, eager_run
 from specdec.compile.fixed_step import FixedStep
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
@@ -89,7 +90,7 @@ from specdec.request.knobs import DEFAULT_TOTAL_TOKENS
 log = logging.getLogger(__name__)
 
 
-__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep"]   # and what follows
+__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep", "eager_forward", "eager_run"]   # and what follows
 
 MIN_CAPACITY = PACKAGED_CAPACITIES[0]   # capacity buckets: powers of two from here
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
@@ -383,9 +384,7 @@ class CompiledForward:
     def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int):
         """One compiled forward padded to ``width`` (``run``; mask None: causal)."""
         rows, n = tokens.shape
-        past = kv.seq_len(cache)
-        fixed = cache.fixed_buffers
-        capacity = fixed.stack.shape[4]
+        past, capacity = kv.seq_len(cache), cache.fixed_buffers.stack.shape[4]
         if mask is None:                 # the causal mask, built on the host (where a tree's positions are)
             q_pos = positions if positions.device.type == "cpu" else positions.cpu()
             k_pos = torch.cat([torch.arange(past), q_pos[0]])[None]
@@ -416,20 +415,16 @@ class CompiledForward:
         rows, its mask built there from their bits: nothing more goes up."""
         past, n = kv.seq_len(cache), placed.n
         if past != placed.prefix_len or placed.width != width_bucket(n):
-            raise ValueError(f"a tree placed {placed.width} wide after {placed.prefix_len} slots cannot run "
-                             f"on a cache of {past}")
+            raise ValueError(f"a tree placed {placed.width} wide after {placed.prefix_len} slots, on {past}")
         mask = self.lm.layout.bits_masks(placed.packed[SEEN], placed.packed[BITS], placed.positions[0], past, n,
                                          cache.fixed_buffers.stack.shape[4], self.lm.dtype)
         return self._replay(cache, placed.tokens, placed.positions, mask, placed.slots, layers, n)
 
     def _replay(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, slots: torch.Tensor,
                 layers: tuple[int, ...], n: int):
-        """The graph for tokens, positions [rows, width], a padded mask and the
-        slots [width] on the device; the cache's length moved past the n real tokens."""
-        rows, width = tokens.shape
-        past, fixed = kv.seq_len(cache), cache.fixed_buffers
-        capacity = fixed.stack.shape[4]
-        args = (tokens, positions, mask, slots, fixed.stack)
+        """The graph for tokens, positions [rows, width], a padded mask and slots [width]; n real tokens."""
+        (rows, width), past, fixed = tokens.shape, kv.seq_len(cache), cache.fixed_buffers
+        capacity, args = fixed.stack.shape[4], (tokens, positions, mask, slots, fixed.stack)
         if layers:                       # the last index repeated up to CAPTURED, its copies dropped below
             hidden, streams, logits = self.graph(width, capacity, mask, True, rows)(*args, self._layer_index(layers))
             streams = streams[:, :n, :len(layers) * hidden.shape[-1]]
@@ -441,11 +436,10 @@ class CompiledForward:
 
     def _layer_index(self, layers: tuple[int, ...]) -> torch.Tensor:
         """The capturing graphs' layer index for ``layers`` on the device, made once per layers."""
-        index = self._layer_indices.get(layers)
-        if index is None:
-            index = torch.tensor(list(layers) + [layers[-1]] * (CAPTURED - len(layers)), device=self.lm.device)
-            self._layer_indices[layers] = index
-        return index
+        if layers not in self._layer_indices:
+            self._layer_indices[layers] = torch.tensor(list(layers) + [layers[-1]] * (CAPTURED - len(layers)),
+                                                       device=self.lm.device)
+        return self._layer_indices[layers]
 
     def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False,
              ready: tuple[int, ...] | None = None, batched: bool = False) -> float:
@@ -503,20 +497,3 @@ class CompiledForward:
         while self.open_next():
             pass
 
-
-def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
-    """The eager forward ``CompiledForward.forward`` stands in for: (features fp32, logits)."""
-    hidden = lm.hidden(cache, tokens, positions, mask)
-    return hidden.float(), lm.logits(hidden)
-
-
-def eager_run(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-              layers: tuple[int, ...] = ()):
-    """The eager forward ``CompiledForward.run`` stands in for: (features fp32,
-    the streams entering ``layers`` fp32 or None, logits)."""
-    if not layers:
-        hidden, streams = lm.hidden(cache, tokens, positions, mask), None
-    else:
-        hidden, streams = lm.hidden_and_layers(cache, tokens, positions, mask, layers)
-        streams = streams.float()
-    return hidden.float(), streams, lm.logits(hidden)
