@@ -215,10 +215,8 @@ class VerifierEngine:
         with sess.lock:
             check_tree(self.target, sess, tree)
             prefix = sess.prefix_len
-            mask = None if tree.size == 1 else self.target.tree_masks(tree, prefix)
-            hidden, logits = self.target.forward(sess.cache, tree.tokens, tree.position_ids(prefix), mask,
-                                                 sess.feature_layers)
-            return sess.settle(tree, prefix, hidden, logits)
+            hidden, logits, placed = self.target.forward_tree(sess.cache, tree, prefix, sess.feature_layers)
+            return sess.settle(tree, prefix, hidden, logits, placed)
 
     def verify_lookahead(self, sid: str, depth: int) -> VerifyResult:
         """A step of lookahead decoding (``verifier.lookahead``): the tree is

@@ -23,11 +23,12 @@ from specdec.model.loading import ModelSpec, load_causal_lm
 from specdec.model.masks import tree_allowed
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
-from specdec.tree.acceptance import Acceptance, accept
+from specdec.tree.acceptance import Acceptance, accept, accept_greedy, greedy_order
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
-from specdec.tree.sampling import History, token_logprobs
+from specdec.tree.placed import PlacedTree, place_tree
+from specdec.tree.sampling import History, TokenCounts, greedy_tokens, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -50,31 +51,55 @@ class TargetSession:
     def prefix_len(self) -> int:
         return len(self.tokens) - 1
 
+    def processors(self, tree: DraftTree) -> tuple[TokenCounts | None, torch.Tensor | None]:
+        """Every node's penalty counts (its own path's history) and grammar mask
+        (along its own path), where the session has them."""
+        counts = None if self.history is None else self.history.node_counts(tree.tokens, tree.ancestor_mask())
+        allowed = None if self.grammar is None else self.grammar.node_masks(tree.token_list, tree.parent_list)
+        return counts, allowed
+
     def decide(self, tree: DraftTree, logits: torch.Tensor) -> tuple[Acceptance, list[TokenLogprob] | None]:
         """Acceptance of ``tree`` on its target logits [n, V] (every node
         penalised with its own path's history and masked by the grammar along
         its own path), and the logprobs of the tokens it commits when the
         session asked for them. Plain decoding (root-only trees), the batched
         and the tensor-parallel verifiers all decide here."""
-        counts = None if self.history is None else self.history.node_counts(tree.tokens, tree.ancestor_mask())
-        allowed = None if self.grammar is None else self.grammar.node_masks(tree.token_list, tree.parent_list)
-        result = accept(tree, logits, self.params, self.generator, counts, allowed)
-        if self.logprobs is None:
-            return result, None
-        path = [0] + result.accepted
-        return result, token_logprobs(logits[path], result.tokens(tree), self.logprobs)
+        result = accept(tree, logits, self.params, self.generator, *self.processors(tree))
+        return result, self.committed_logprobs(tree, result, logits)
 
-    def settle(self, tree: DraftTree, prefix: int, hidden: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
+    def committed_logprobs(self, tree: DraftTree, result: Acceptance, logits: torch.Tensor
+                           ) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        path = [0] + result.accepted
+        return token_logprobs(logits[path], result.tokens(tree), self.logprobs)
+
+    def settle(self, tree: DraftTree, prefix: int, hidden: torch.Tensor, logits: torch.Tensor,
+               placed: PlacedTree | None = None) -> VerifyResult:
         """After ``tree``'s forward at ``prefix`` (its nodes' features [n, F] and
         logits [n, V], the first n slots appended): acceptance, then the cache
         keeps the prefix, the root and the accepted path (anything after the
-        tree's slots goes too) and the session commits the tokens."""
-        result, logprobs = self.decide(tree, logits)
-        path = [0] + result.accepted
-        kv.keep_path(self.cache, prefix, path)
+        tree's slots goes too) and the session commits the tokens. With the
+        tree ``placed`` on the device, a greedy session's walk runs there
+        too (``greedy_order``), and the cache's compaction and the features'
+        gather follow it there: the argmaxes are the one read."""
+        if placed is not None and self.params.greedy and tree.size > 1:
+            best = greedy_tokens(logits, self.params, *self.processors(tree))      # [n] on the device
+            order = greedy_order(placed, best)
+            kv.reorder_tail(self.cache, prefix, order)
+            features = hidden.index_select(0, order)
+            result = accept_greedy(tree, best)                                     # the read
+            kept = len(result.accepted) + 1
+            kv.truncate(self.cache, prefix + kept)
+            features, logprobs = features[:kept], self.committed_logprobs(tree, result, logits)
+        else:
+            result, logprobs = self.decide(tree, logits)
+            path = [0] + result.accepted
+            kv.keep_path(self.cache, prefix, path)
+            features = hidden[:len(path)] if path == list(range(len(path))) else hidden[path]
         committed = result.tokens(tree)
         self.commit(committed)
-        return VerifyResult(result.accepted, committed, hidden[path], logprobs)
+        return VerifyResult(result.accepted, committed, features, logprobs)
 
     def commit(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
@@ -217,6 +242,22 @@ class TargetModel:
     def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
         return self.lm.masks(allowed, q_pos, k_pos)
+
+    def forward_tree(self, cache, tree: DraftTree, prefix_len: int, layers: tuple[int, ...] = ()
+                     ) -> tuple[torch.Tensor, torch.Tensor, PlacedTree | None]:
+        """``forward`` of ``tree`` after the ``prefix_len`` slots of ``cache``:
+        features [n, F], logits [n, V], and the tree placed on the device
+        where the compiled path runs it (``specdec.tree.placed``: its one
+        upload, the mask built there; None: the forward took the host's
+        tokens, positions and mask)."""
+        self.fit(cache, tree.size)
+        if self.compiled is not None and self.compiled.tree_applies(cache, tree.size, layers):
+            placed = place_tree(tree, prefix_len, width_bucket(tree.size), self.device)
+            final, captured, logits = self.compiled.run_placed(cache, placed, layers)
+            return select_features(final, captured, layers, layers)[0], logits[0], placed
+        mask = None if tree.size == 1 else self.tree_masks(tree, prefix_len)
+        hidden, logits = self.forward(cache, tree.tokens, tree.position_ids(prefix_len), mask, layers)
+        return hidden, logits, None
 
     def tree_masks(self, tree: DraftTree, prefix_len: int):
         """The attention mask for one tree over a prefix of ``prefix_len`` slots."""

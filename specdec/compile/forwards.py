@@ -79,16 +79,18 @@ import torch
 from specdec.compile.fixed_graphs import (MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs,
                                           ahead_setting)
 from specdec.compile.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
+from specdec.compile.eager import eager_forward, eager_run
 from specdec.compile.fixed_step import FixedStep
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
 from specdec.model.masks import causal_allowed
+from specdec.tree.placed import BITS, SEEN
 from specdec.request.knobs import DEFAULT_TOTAL_TOKENS
 
 log = logging.getLogger(__name__)
 
 
-__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep"]   # and what follows
+__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep", "eager_forward", "eager_run"]   # and what follows
 
 MIN_CAPACITY = PACKAGED_CAPACITIES[0]   # capacity buckets: powers of two from here
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time
@@ -144,6 +146,7 @@ class CompiledForward:
         # that forward runs eagerly instead, one log line per width
         self.build_on_use = True
         self._told_unbuilt: set[int] = set()
+        self._layer_indices: dict[tuple[int, ...], torch.Tensor] = {}   # ``_layer_index``
 
     def capture_layers(self) -> None:
         """Add the graphs that also return the residual streams entering up to
@@ -381,14 +384,11 @@ class CompiledForward:
     def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int):
         """One compiled forward padded to ``width`` (``run``; mask None: causal)."""
         rows, n = tokens.shape
-        past = kv.seq_len(cache)
-        fixed = cache.fixed_buffers
-        capacity = fixed.stack.shape[4]
+        past, capacity = kv.seq_len(cache), cache.fixed_buffers.stack.shape[4]
         if mask is None:                 # the causal mask, built on the host (where a tree's positions are)
             q_pos = positions if positions.device.type == "cpu" else positions.cpu()
             k_pos = torch.cat([torch.arange(past), q_pos[0]])[None]
             mask = self.lm.masks(causal_allowed(n, past)[None], q_pos, k_pos)
-        mask = padded(mask, width, capacity)
         dev = self.lm.device
         pad = width - n
         if tokens.device == positions.device and tokens.dtype == positions.dtype:
@@ -400,16 +400,46 @@ class CompiledForward:
             tokens = torch.cat([tokens.to(dev), tokens.new_zeros(rows, pad, device=dev)], dim=1)
             positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(rows, pad)], dim=1)
         slots = torch.arange(past, past + width, device=dev)
-        args = (tokens, positions, mask, slots, fixed.stack)
+        return self._replay(cache, tokens, positions, padded(mask, width, capacity), slots, layers, n)
+
+    def tree_applies(self, cache, n: int, layers: tuple[int, ...] = ()) -> bool:
+        """Whether ``run_placed`` runs a tree of ``n`` nodes on ``cache`` (once ``fit``)."""
+        width = width_bucket(n)
+        return (width is not None and self.accepts(cache, n) and self.captures(layers)
+                and (self.build_on_use or self.built(width, cache.fixed_buffers.stack.shape[4], bool(layers))))
+
+    @torch.inference_mode()
+    def run_placed(self, cache, placed, layers: tuple[int, ...] = ()):
+        """``run`` of a tree placed on the device (``specdec.tree.placed``,
+        ``tree_applies``): its tokens, positions and slots are the placed
+        rows, its mask built there from their bits: nothing more goes up."""
+        past, n = kv.seq_len(cache), placed.n
+        if past != placed.prefix_len or placed.width != width_bucket(n):
+            raise ValueError(f"a tree placed {placed.width} wide after {placed.prefix_len} slots, on {past}")
+        mask = self.lm.layout.bits_masks(placed.packed[SEEN], placed.packed[BITS], placed.positions[0], past, n,
+                                         cache.fixed_buffers.stack.shape[4], self.lm.dtype)
+        return self._replay(cache, placed.tokens, placed.positions, mask, placed.slots, layers, n)
+
+    def _replay(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, slots: torch.Tensor,
+                layers: tuple[int, ...], n: int):
+        """The graph for tokens, positions [rows, width], a padded mask and slots [width]; n real tokens."""
+        (rows, width), past, fixed = tokens.shape, kv.seq_len(cache), cache.fixed_buffers
+        capacity, args = fixed.stack.shape[4], (tokens, positions, mask, slots, fixed.stack)
         if layers:                       # the last index repeated up to CAPTURED, its copies dropped below
-            index = torch.tensor(list(layers) + [layers[-1]] * (CAPTURED - len(layers)), device=dev)
-            hidden, streams, logits = self.graph(width, capacity, mask, True, rows)(*args, index)
+            hidden, streams, logits = self.graph(width, capacity, mask, True, rows)(*args, self._layer_index(layers))
             streams = streams[:, :n, :len(layers) * hidden.shape[-1]]
         else:
             (hidden, logits), streams = self.graph(width, capacity, mask, False, rows)(*args), None
         for i, (k, v) in enumerate(fixed.views):
             kv.adopt(cache, i, k, v, past + n)
         return hidden[:, :n], streams, logits[:, :n]
+
+    def _layer_index(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """The capturing graphs' layer index for ``layers`` on the device, made once per layers."""
+        if layers not in self._layer_indices:
+            self._layer_indices[layers] = torch.tensor(list(layers) + [layers[-1]] * (CAPTURED - len(layers)),
+                                                       device=self.lm.device)
+        return self._layer_indices[layers]
 
     def warm(self, widths=WIDTHS, capacities: tuple[int, ...] = PACKAGED_CAPACITIES, captures: bool = False,
              ready: tuple[int, ...] | None = None, batched: bool = False) -> float:
@@ -467,20 +497,3 @@ class CompiledForward:
         while self.open_next():
             pass
 
-
-def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
-    """The eager forward ``CompiledForward.forward`` stands in for: (features fp32, logits)."""
-    hidden = lm.hidden(cache, tokens, positions, mask)
-    return hidden.float(), lm.logits(hidden)
-
-
-def eager_run(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-              layers: tuple[int, ...] = ()):
-    """The eager forward ``CompiledForward.run`` stands in for: (features fp32,
-    the streams entering ``layers`` fp32 or None, logits)."""
-    if not layers:
-        hidden, streams = lm.hidden(cache, tokens, positions, mask), None
-    else:
-        hidden, streams = lm.hidden_and_layers(cache, tokens, positions, mask, layers)
-        streams = streams.float()
-    return hidden.float(), streams, lm.logits(hidden)

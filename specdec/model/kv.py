@@ -12,7 +12,8 @@ session. A ``SlabLayer`` keeps its keys and values in a buffer
   is the size the caller reserved (a verifier session's worst case), and a
   full buffer grows by half;
 - ``truncate``: only moves the length;
-- ``keep_path``: committing an accepted tree path moves just the path's slots down;
+- ``keep_path``: committing an accepted tree path moves just the path's slots down
+  (``reorder_tail``: the same from the path's indices on the device);
 - ``gather_rows`` / ``append_slots``: several sessions' caches copied once
   into a padded batch cache, and a batch row's new slots appended back.
 
@@ -280,6 +281,30 @@ def keep_path(cache, prefix_len: int, path: list[int]) -> None:
         else:
             if idx is None:
                 idx = torch.cat([torch.arange(prefix_len, device=device), slots])
+            layer.keys = layer.keys.index_select(2, idx)
+            layer.values = layer.values.index_select(2, idx)
+
+
+def reorder_tail(cache, prefix_len: int, order: torch.Tensor) -> None:
+    """After a tree forward appended n slots at ``prefix_len``, put them in
+    ``order`` ([n] node indices, on the cache's device: the nodes to keep
+    first, ``specdec.tree.acceptance.greedy_order``), before the host knows
+    how many to keep (``truncate`` then drops the rest). A compiled path's
+    stacked buffer: one gather and one copy for every layer's K and V."""
+    n = order.shape[0]
+    slots = order + prefix_len
+    stack = stacked_buffer(cache)
+    if stack is not None:
+        with torch.inference_mode():
+            stack[:, :, :, :, prefix_len:prefix_len + n] = stack.index_select(4, slots)
+        return
+    idx = None
+    for layer in cache.layers:
+        if hasattr(layer, "keep_after"):
+            layer.keep_after(prefix_len, slots)
+        else:
+            if idx is None:
+                idx = torch.cat([torch.arange(prefix_len, device=slots.device), slots])
             layer.keys = layer.keys.index_select(2, idx)
             layer.values = layer.values.index_select(2, idx)
 

@@ -94,3 +94,26 @@ class AttentionLayout:
         a prefix whose slot i holds position i."""
         k_pos = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
         return self.masks(tree_allowed(ancestor, prefix_len)[None], positions[None], k_pos[None], dtype)
+
+    def bits_masks(self, seen: torch.Tensor, bits: torch.Tensor, positions: torch.Tensor, past: int, n: int,
+                   capacity: int, dtype: torch.dtype = torch.float32):
+        """``masks`` of a tree forward padded to a compiled step's shape
+        [1, 1, w, capacity] (``specdec.compile.fixed_kv.padded``), built where
+        its inputs are (the device) from a placed tree's bit sets
+        (``specdec.tree.placed``): seen [w] int64, bit j of row i set where
+        query i sees slot ``past + j``; bits [w] int64, ``1 << j``; positions
+        [w] the queries' positions. Rows below ``n`` also see the ``past``
+        cached slots (slot i holds position i); a pad row sees its own slot only."""
+        w, low = seen.shape[0], torch.finfo(dtype).min
+        full = torch.full((1, 1, w, capacity), low, dtype=dtype, device=seen.device)
+        if past:
+            full[0, 0, :n, :past] = 0
+        full[0, 0, :, past:past + w].masked_fill_((seen[:, None] & bits) != 0, 0)
+        if not self.windowed:
+            return full
+        k_pos = torch.arange(capacity, device=seen.device)
+        k_pos[past:past + w] = positions
+        sliding = full.masked_fill(positions[:, None] - k_pos >= self.window, low)
+        if not self.mixed:
+            return sliding
+        return {FULL: full, SLIDING: sliding}

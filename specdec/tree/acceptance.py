@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from specdec.request.params import SamplingParams
+from specdec.tree.placed import PARENTS, PATH, STEP, TOKENS, PlacedTree
 from specdec.tree.sampling import TokenCounts, greedy_tokens, sample, target_probs
 
 
@@ -106,6 +107,25 @@ def accept_greedy(tree: TreeLike, target_argmax: torch.Tensor) -> Acceptance:
             return Acceptance(accepted=accepted, bonus=int(best[node]))
         accepted.append(nxt)
         node = nxt
+
+
+def greedy_order(placed: PlacedTree, target_argmax: torch.Tensor) -> torch.Tensor:
+    """``accept_greedy``'s walk as tensor operations on the device, for the
+    work that follows it there before the host has read anything (the KV
+    cache's compaction, the features' gather): [n] node indices, the root and
+    the accepted nodes first, in path order (the others after them).
+
+    target_argmax: [n] int64 on the device, as for ``accept_greedy``. Node k
+    *steps* when its token is the argmax at its parent, unless an earlier
+    sibling carries the same token (that one matches too, and the walk takes
+    the first matching child: ``placed.STEP`` leaves such twins out); a node
+    is on the path when every node of its path below the root steps. As bit
+    sets (``specdec.tree.placed``): six operators, whatever the tree's depth."""
+    match = target_argmax[placed.row(PARENTS)] == placed.row(TOKENS)     # [n] bool (the root's unused)
+    steps = (match * placed.row(STEP)).sum()                              # bit k set where node k steps
+    path = placed.row(PATH)
+    on_path = (path & steps) == path                                      # [n] bool; the root's path is empty
+    return on_path.sort(descending=True, stable=True).indices
 
 
 def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:

@@ -1,0 +1,101 @@
+"""A draft tree placed on the model's device for its verify: one upload.
+
+A tree's structure reaches the verifier as host lists (the wire, or a
+builder that chose its nodes on the host). Everything its verify needs on the
+device comes from them in one host-to-device copy of one int64 tensor
+[ROWS, width] (``place_tree``), ``width`` being the padded width of the
+compiled forward that runs it (``specdec.compile.forwards``):
+
+- the forward's inputs: tokens, positions (``prefix_len + depth``) and the
+  cache slots the new K/V go to (``prefix_len + i``);
+- the tree mask, as bits: row ``SEEN`` holds for query i the set of tree
+  slots it sees (its ancestors, the root and itself) as an int64 bit set, bit
+  j for slot j, which ``specdec.model.masks.bits_masks`` expands on the device;
+- greedy acceptance on the device (``specdec.tree.acceptance.greedy_order``):
+  each node's parent, the bits of its path below the root (``PATH``), and its
+  own bit where it can be the walk's step (``STEP``: 0 for a node an
+  earlier sibling carrying the same token always goes before).
+
+Bit sets are int64, so a placed tree is at most 64 wide (``MAX_WIDTH``, the
+widest compiled forward); bit 63 is the sign bit, which bitwise operations
+treat like any other. Pad columns (i >= n) are queries whose outputs are
+dropped: each sees only its own slot, at the last node's position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_WIDTH = 64
+# the rows of the placed tensor
+TOKENS, POSITIONS, SLOTS, SEEN, BITS, PARENTS, PATH, STEP = range(8)
+ROWS = 8
+
+
+def _signed(bits: int) -> int:
+    """An unsigned 64-bit set as the int64 holding the same bits."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+@dataclass(frozen=True)
+class PlacedTree:
+    """A tree of ``n`` nodes on the device, padded to ``width`` columns (module doc)."""
+
+    packed: torch.Tensor          # [ROWS, width] int64 on the device
+    n: int
+    prefix_len: int               # cached slots before the tree's
+
+    @property
+    def width(self) -> int:
+        return self.packed.shape[1]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[1, width] (pads: 0)."""
+        return self.packed[TOKENS:TOKENS + 1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[1, width] (pads: the last node's)."""
+        return self.packed[POSITIONS:POSITIONS + 1]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[width]: ``prefix_len + i``."""
+        return self.packed[SLOTS]
+
+    def row(self, index: int) -> torch.Tensor:
+        """One row of the real nodes: [n]."""
+        return self.packed[index, :self.n]
+
+
+def place_tree(tree, prefix_len: int, width: int, device) -> PlacedTree:
+    """``tree`` (a ``DraftTree``: its host lists) after ``prefix_len`` cached
+    slots, padded to ``width`` (n <= width <= ``MAX_WIDTH``), on ``device``:
+    the verify's one upload."""
+    tokens, parents, depths = tree.token_list, tree.parent_list, tree.depth_list
+    n = len(tokens)
+    if not n <= width <= MAX_WIDTH:
+        raise ValueError(f"a tree of {n} nodes cannot be placed {width} wide (at most {MAX_WIDTH})")
+    seen, path, step = [1], [0], [0]
+    taken: set[tuple[int, int]] = set()           # (parent, token) of the siblings so far
+    for i in range(1, n):
+        p, bit = parents[i], 1 << i
+        seen.append(seen[p] | bit)
+        path.append(path[p] | bit)
+        step.append(0 if (p, tokens[i]) in taken else bit)
+        taken.add((p, tokens[i]))
+    last = prefix_len + depths[-1]
+    pad = range(n, width)
+    rows = [tokens + [0] * len(pad),
+            [prefix_len + d for d in depths] + [last] * len(pad),
+            list(range(prefix_len, prefix_len + width)),
+            [_signed(b) for b in seen] + [_signed(1 << i) for i in pad],
+            [_signed(1 << i) for i in range(width)],
+            [max(p, 0) for p in parents] + [0] * len(pad),
+            [_signed(b) for b in path] + [0] * len(pad),
+            [_signed(b) for b in step] + [0] * len(pad)]
+    packed = torch.tensor(rows, dtype=torch.long, device=device)
+    return PlacedTree(packed, n, prefix_len)
