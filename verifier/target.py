@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from specdec.compile.batched import compile_batches
-from specdec.compile.forwards import CAPTURED, STARTUP_WIDTHS, WIDTHS, eager_run, width_bucket
+from specdec.compile.eager import eager_run
+from specdec.compile.forwards import CAPTURED, STARTUP_WIDTHS, WIDTHS, width_bucket
 from specdec.compile.startup import compile_captures, compile_target
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm

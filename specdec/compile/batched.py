@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from specdec.compile.forwards import READY_WIDTHS, CompiledForward, eager_run
+from specdec.compile.eager import eager_run
+from specdec.compile.forwards import READY_WIDTHS, CompiledForward
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ import torch
 from specdec.compile.fixed_graphs import (MAX_BATCH, PACKAGED_CAPACITIES, PACKED_BUDGET, WIDTHS, FixedGraphs,
                                           ahead_setting)
 from specdec.compile.fixed_kv import cache_shape, fixed_buffers, padded, stacked_cache
-from specdec.compile.eager import eager_forward, eager_run
+from specdec.compile.eager import eager_run
 from specdec.compile.fixed_step import FixedStep
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
@@ -90,7 +90,7 @@ from specdec.request.knobs import DEFAULT_TOTAL_TOKENS
 log = logging.getLogger(__name__)
 
 
-__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep", "eager_forward", "eager_run"]   # and what follows
+__all__ = ["MAX_BATCH", "PACKED_BUDGET", "FixedGraphs", "FixedStep"]   # and what follows
 
 MIN_CAPACITY = PACKAGED_CAPACITIES[0]   # capacity buckets: powers of two from here
 PAYS = 0.9                              # auto: compiled must take at most this share of the eager step time

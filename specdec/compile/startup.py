@@ -11,8 +11,9 @@ import time
 
 import torch
 
+from specdec.compile.eager import eager_forward, eager_run
 from specdec.compile.forwards import (ALIBI_REASON, CAPTURED, MIN_CAPACITY, PAYS, PREFILL_CAPACITIES, PREFILL_WIDTH,
-                                      READY_WIDTHS, STARTUP_WIDTHS, CompiledForward, eager_forward, eager_run)
+                                      READY_WIDTHS, STARTUP_WIDTHS, CompiledForward)
 from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
 from specdec.model.loading import COMPILE_MODES

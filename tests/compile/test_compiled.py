@@ -17,6 +17,7 @@ import pytest
 import torch
 from families import BY_NAME
 
+from specdec.compile.eager import eager_forward, eager_run
 from specdec.compile import aot, fixed_kv, forwards, startup
 from specdec.local import generate
 from specdec.model import kv
@@ -108,7 +109,7 @@ def test_packed_packages_give_the_eager_logits(tiny_family):
         for c in (cache, eager_cache):
             lm.hidden(c, ids[:, :4], torch.arange(4)[None], None)
         got = forward.run(cache, ids[:, 4:], torch.tensor([[4]]), None)
-        want = forwards.eager_run(lm, eager_cache, ids[:, 4:], torch.tensor([[4]]), None)
+        want = eager_run(lm, eager_cache, ids[:, 4:], torch.tensor([[4]]), None)
     assert got is not None and torch.allclose(got[2], want[2], atol=1e-4) and torch.allclose(got[0], want[0], atol=1e-4)
     assert aot.package_built(aot.package_path(forward.packages, 1, forwards.MIN_CAPACITY, True))
 
@@ -229,7 +230,7 @@ def test_steps_write_the_stacked_buffer_the_layers_view(llama_step):
     target, forward = llama_step
     cache, eager_cache = forward.new_cache(8), target.lm.new_cache()
     got = _one_token_logits(target, forward.forward, cache)
-    want = _one_token_logits(target, functools.partial(forwards.eager_forward, target.lm), eager_cache)
+    want = _one_token_logits(target, functools.partial(eager_forward, target.lm), eager_cache)
     assert torch.allclose(got, want, atol=1e-5) and kv.seq_len(cache) == kv.seq_len(eager_cache) == 5
     stack = cache.fixed_buffers.stack
     for i, (layer, eager_layer) in enumerate(zip(cache.layers, eager_cache.layers)):
@@ -325,7 +326,7 @@ def test_a_shared_package_built_over_one_model_serves_another_of_its_layout(llam
     assert theirs.packages == forward.packages
     theirs.warm((1,))
     got = _one_token_logits(other, theirs.forward, theirs.new_cache(8))
-    want = _one_token_logits(other, functools.partial(forwards.eager_forward, other.lm), other.lm.new_cache())
+    want = _one_token_logits(other, functools.partial(eager_forward, other.lm), other.lm.new_cache())
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(got, _one_token_logits(target, forward.forward, forward.new_cache(8)), atol=1e-3)
 

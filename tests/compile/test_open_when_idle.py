@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from specdec.compile.eager import eager_forward, eager_run
 from specdec.compile import aot, forwards
 from specdec.local import DrafterChoice, build_local
 from specdec.model.loading import AHEAD_ENV, ModelSpec
@@ -56,7 +57,7 @@ def test_ahead_ready_builds_only_the_ready_graphs_and_the_rest_on_first_use(tiny
     mask = target.lm.masks(causal_allowed(4, 0)[None], pos, pos)
     with torch.inference_mode():
         got = target.compiled.run(target.compiled.new_cache(), ids, pos, mask)
-        want = forwards.eager_run(target.lm, target.lm.new_cache(8), ids, pos, mask)
+        want = eager_run(target.lm, target.lm.new_cache(8), ids, pos, mask)
     assert torch.allclose(got[2], want[2], atol=1e-4)
     assert aot.package_built(aot.package_path(packages, 4, FIRST, False))
 
@@ -141,10 +142,10 @@ def test_a_failure_opening_them_leaves_the_rest_to_first_use_with_one_line(tiny_
     with torch.inference_mode():              # a session past the first capacity opens it on first use
         cache, eager_cache = forward.new_cache(), eager.lm.new_cache()
         for c in (cache, eager_cache):
-            forwards.eager_forward(eager.lm, c, prompt, positions, None)
+            eager_forward(eager.lm, c, prompt, positions, None)
         forward.fit(cache, 1)
         got = forward.forward(cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]), None)
-        want = forwards.eager_forward(eager.lm, eager_cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]),
+        want = eager_forward(eager.lm, eager_cache, torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]),
                                       None)
     assert got is not None and (1, LARGER) in forward.steps.graphs
     assert torch.allclose(got[1], want[1], atol=1e-4)

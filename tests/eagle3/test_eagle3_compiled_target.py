@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from specdec.compile.eager import eager_run
 from specdec.compile import forwards, startup
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec
@@ -80,7 +81,7 @@ def test_compiled_forwards_return_the_eager_feature_layers(stacks, layers):
 
 def _step_and_tree(lm, forward, target, prefix, tree, layers):
     outs = {}
-    for name, run in (("compiled", forward.run), ("eager", lambda *a: forwards.eager_run(lm, *a))):
+    for name, run in (("compiled", forward.run), ("eager", lambda *a: eager_run(lm, *a))):
         cache = forward.new_cache(16)
         lm.hidden(cache, prefix[None, :7], torch.arange(7)[None], None)
         one = run(cache, prefix[None, 7:8], torch.tensor([[7]]), None, layers)
