@@ -27,7 +27,11 @@ the tree:
 
 It serves greedy-style drafts only: top-token proposals, the eagle2 method,
 no excluded tokens, and the tree budget it was built for (the default one,
-at start-up, or the one an in-process run names: ``use_budget``); sampled
+at start-up, or the one an in-process run names: ``use_budget``) or a
+shallower tree of that budget (a request's last cycles draft no deeper than
+the tokens left: the graph drafts its whole depth and the rerank takes only
+the nodes of the asked depth; the pool up to a depth is the same whatever
+the levels drafted after it, so the tree is the shallower draft's); sampled
 proposals, other methods and budgets, drafting ahead's wider trees, and a
 session whose draft would pass ``HEAD_CAPACITY`` take the level-by-level
 path. On a GPU the levels replay as CUDA graphs already and
@@ -81,9 +85,11 @@ class TreeDraftStep(torch.nn.Module):
         tempered = torch.where(torch.isfinite(lse), (lp / temperature - lse).clamp(max=0.0), lp)
         return torch.where(temperature == 1.0, lp, tempered), tok, ok
 
-    def forward(self, root_token, root_hidden, root_logp, committed, temperature, stack):
+    def forward(self, root_token, root_hidden, root_logp, committed, temperature, depth, stack):
         """root_token [1] int64; root_hidden [H]; root_logp [V]; committed [1]
-        (the session's cached slots); temperature [1] fp32 (the values'); stack
+        (the session's cached slots); temperature [1] fp32 (the values'); depth
+        [1] int64 the tree's depth (<= the levels drafted: a shallower tree takes
+        only the nodes up to it, and only those above it were expanded); stack
         the head's stacked cache [1, 2, 1, heads, C, d], draft K/V written past
         ``committed``. Returns what the host reads [1 + 4n] fp64 (whether the
         draft is exact, False: draft it level by level; then the tree's tokens,
@@ -125,12 +131,15 @@ class TreeDraftStep(torch.nn.Module):
             pick = _best(kid_values, k)                                            # the next frontier
             frontier, front_tokens = kids[pick], tok.flatten()[pick]
             front_parent_h, sees = out[pick // k], seen[pick // k]
-        keep = _best(values[1:], self.total - 1) + 1
+        # the rerank over the nodes up to ``depth`` (pool order is depth order: the others, if picked for want
+        # of nodes, come last and the host drops them); -inf keys tie with a node of value -inf, which is earlier
+        keep = _best(torch.where(depths[1:] <= depth, values[1:], -float("inf")), self.total - 1) + 1
         ids = torch.cat([torch.zeros_like(keep[:1]), keep])                        # [n], pool order
         where = torch.full_like(tokens, -1).index_copy(0, ids, torch.arange(self.total, device=stack.device))
         tree_parents = torch.cat([torch.full_like(ids[:1], -1), where[parents[ids[1:]]]])
         pool_hidden = torch.zeros(tokens.shape[0], hidden_size, device=stack.device).index_copy(
             0, torch.cat(expanded), torch.cat(outputs))
+        pool_hidden = torch.where((depths < depth)[:, None], pool_hidden, 0.0)   # a shallower tree's leaves: none
         # what the host reads of the draft, in one tensor (token ids < 2**53 and fp32 values are exact in fp64)
         read = torch.cat([ok.reshape(1).double(), tokens[ids].double(), tree_parents.double(), depths[ids].double(),
                           values[ids].double()])
@@ -148,7 +157,8 @@ class CompiledTree:
         # the graph's scalar inputs, kept on the device and filled per draft (a fill, not a copy up);
         # drafts run one at a time, on the engine's one thread (``specdec.serving.engine_servicer``)
         dev = head.device
-        self.root, self.committed = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(2))
+        self.root, self.committed, self.depth = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3))
+        self.depth_held = 0                      # what ``depth`` holds
         self.temperature = torch.ones(1, device=dev)
         self.tempered = 1.0                      # what ``temperature`` holds
         step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total).eval()
@@ -161,9 +171,10 @@ class CompiledTree:
                                   variant=f"tree-l{self.levels}-k{self.expand_k}-n{self.total}")
 
     def serves(self, cfg: TreeParams, committed: int) -> bool:
-        """Whether a draft of budget ``cfg`` after ``committed`` cached slots takes this graph."""
+        """Whether a draft of budget ``cfg`` after ``committed`` cached slots takes
+        this graph: its budget, as deep or shallower."""
         return (cfg.method == "eagle2" and cfg.expand_k == self.expand_k and cfg.total_tokens == self.total
-                and min(cfg.depth, cfg.total_tokens - 1) == self.levels
+                and 1 <= min(cfg.depth, cfg.total_tokens - 1) <= self.levels
                 and committed + (self.levels - 1) * self.expand_k <= HEAD_CAPACITY)
 
     def _example(self) -> tuple:
@@ -171,14 +182,15 @@ class CompiledTree:
         stack = self.head.new_stack()
         return (torch.zeros(1, dtype=torch.long), torch.zeros(d.hidden_size, dtype=torch.float32),
                 torch.full((d.vocab_size,), -float(torch.log(torch.tensor(float(d.vocab_size))))),
-                torch.ones(1, dtype=torch.long), torch.ones(1), stack)
+                torch.ones(1, dtype=torch.long), torch.ones(1), torch.full((1,), self.levels), stack)
 
     @torch.inference_mode()
     def draft(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
-              temperature: float) -> tuple[DraftTree, torch.Tensor] | None:
+              temperature: float, depth: int | None = None) -> tuple[DraftTree, torch.Tensor] | None:
         """The tree (and its nodes' outputs [n, H] fp32, on the device) drafted after the
-        session's cached slots in ``cache``; None where the draft must be taken
-        level by level (a tie or a non-log-prob in a top-k, or no stacked cache)."""
+        session's cached slots in ``cache``, ``depth`` deep (None: the graph's
+        levels); None where the draft must be taken level by level (a tie or a
+        non-log-prob in a top-k, or no stacked cache)."""
         fixed = fixed_buffers(cache)
         if fixed is None:
             return None
@@ -190,14 +202,21 @@ class CompiledTree:
         if float(temperature) != self.tempered:
             self.temperature.fill_(float(temperature))
             self.tempered = float(temperature)
+        depth = self.levels if depth is None else depth
+        if depth != self.depth_held:
+            self.depth.fill_(depth)
+            self.depth_held = depth
         packed, hidden = graph(
             self.root, on_device(root_hidden, dev, torch.float32).reshape(-1), on_device(root_logp, dev).reshape(-1),
-            self.committed, self.temperature, fixed.stack)
+            self.committed, self.temperature, self.depth, fixed.stack)
         # the draft's one read: the flag, then the tree's tokens, parents, depths and values
         read = packed.tolist()
         n = (len(read) - 1) // 4
         if not read[0]:
             return None
+        kept = 1 + min(self.total - 1, self.expand_k + (depth - 1) * self.expand_k ** 2)   # the pool up to depth
+        read = [read[0]] + [v for i in range(4) for v in read[1 + i * n:1 + i * n + kept]]
+        n, hidden = kept, hidden[:kept]
         self.drafts += 1
         toks, pars, deps = ([int(v) for v in read[1 + i * n:1 + (i + 1) * n]] for i in range(3))
         structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read

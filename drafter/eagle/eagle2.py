@@ -49,7 +49,8 @@ class FeatureHeadDrafter(CachedTreeDrafter):
         tree = self.compiled_tree
         if tree is None or not tree.serves(cfg, kv.seq_len(cache)):
             return None
-        return tree.draft(cache, root_token, root_hidden, root_logp, cfg.value_temperature or 1.0)
+        return tree.draft(cache, root_token, root_hidden, root_logp, cfg.value_temperature or 1.0,
+                          min(cfg.depth, cfg.total_tokens - 1))
 
     @abstractmethod
     def step_tensors(self) -> dict[str, torch.Tensor]:

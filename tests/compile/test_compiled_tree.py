@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -66,6 +67,24 @@ def test_the_graph_drafts_the_level_by_level_trees_and_records(drafters):
         sess = fast.sessions.get(sid)
         assert kv.seq_len(sess.cache) == sess.fed                   # the draft's slots were dropped
     assert fast.compiled_tree.drafts == served + drafts             # every one took the graph
+
+
+def test_shallower_trees_of_its_budget_take_the_graph_and_are_the_level_paths(drafters):
+    """A request's last cycles draft no deeper than the tokens left: the graph serves them."""
+    fast, levels, _ = drafters
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    feed((fast, levels), "shallow", rng, gen, 10)
+    served = fast.compiled_tree.drafts
+    depths = range(1, fast.compiled_tree.levels + 1)
+    for depth in depths:
+        cfg = replace(DEFAULT, depth=depth)
+        trees = [d.draft("shallow", cfg, ahead=True) for d in (fast, levels)]
+        assert_same_tree(*trees)
+        assert int(trees[0].depths.max()) <= depth
+        records = [d.sessions.get("shallow").record for d in (fast, levels)]
+        assert torch.allclose(records[0].hidden, records[1].hidden, atol=1e-5)   # drafting ahead's inputs
+        commit((fast, levels), "shallow", rng, gen)
+    assert fast.compiled_tree.drafts == served + len(depths)
 
 
 def test_drafting_ahead_after_a_whole_draft_matches_the_level_path(drafters):
