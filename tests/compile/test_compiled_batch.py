@@ -65,10 +65,17 @@ def rows_seen(engines, monkeypatch):
             seen.append(tokens.shape[0] if out is not None else -1)
         return out
 
+    def counting_placed(cache, placed, *args, **kwargs):          # a one-session tree placed on the device
+        out = run_placed(cache, placed, *args, **kwargs)
+        seen.append(placed.tokens.shape[0])
+        return out
+
     def no_eager_batch(*args, **kwargs):
         raise AssertionError("a batch ran as one eager forward")
 
+    run_placed = forward.run_placed
     monkeypatch.setattr(forward, "run", counting)
+    monkeypatch.setattr(forward, "run_placed", counting_placed)
     monkeypatch.setattr(kv, "gather_rows", no_eager_batch)
     return seen
 

@@ -104,7 +104,14 @@ def test_greedy_generations_are_plain_greedy_decoding_on_the_capturing_graphs(st
         taken.append((bool(layers), out is not None))
         return out
 
+    def counted_placed(cache, placed, layers=()):               # a tree placed on the device (greedy verifies)
+        out = run_placed(cache, placed, layers)
+        taken.append((bool(layers), True))
+        return out
+
+    run_placed = forward.run_placed
     monkeypatch.setattr(forward, "run", counted)
+    monkeypatch.setattr(forward, "run_placed", counted_placed)
     stop = StopCriteria(max_new_tokens=NEW_TOKENS)
     cycles = 0
     for prompt in prompts(fast.verifier.target.vocab_size):
