@@ -133,6 +133,9 @@ def test_a_batch_no_batched_graph_serves_runs_row_by_row_on_the_compiled_graphs(
     assert rows_seen and set(rows_seen) == {1}
 
 
+# gemma2's batched packages: ~2 min on an empty compile cache, with `make bench` (a non-Llama layout's
+# compiled path stays in the suite: test_compiled.py, qwen3)
+@pytest.mark.slow
 def test_a_windowed_soft_capped_family_batches_on_the_batched_graphs(family_dir, monkeypatch):
     """gemma2: per-layer-type masks (sliding and full), soft-capped attention and logits."""
     both = _engines(str(family_dir(BY_NAME["gemma2"])), captures=False)

@@ -19,17 +19,24 @@ from verifier.engine import TargetModel
 
 @pytest.fixture(scope="module")
 def targets(tiny_family):
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(AHEAD_ENV, "all")          # the prefill chunks are built at start-up (the default)
-        return compiled_targets(tiny_family)
+    return compiled_targets(tiny_family)
 
 
 def compiled_targets(tiny_family):
+    """The tiny target compiled as a verifier for an EAGLE-3 head starts it, with
+    what a prompt's chunks take built now as start-up builds them (the
+    capturing graphs at the start-up widths and the prefill chunk's, at the
+    prefill capacity; building every capacity of both sets, as a server does
+    by default, adds minutes on an empty compile cache and nothing here)."""
     path = str(tiny_family["target"])
     eager = TargetModel(ModelSpec(path))
     fast = TargetModel(ModelSpec(path), model=eager.model)
     fast.compiled = startup.compile_target(fast.lm, "on", captures=True)
     assert fast.compiled is not None and fast.compiled.capturing is not None
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(AHEAD_ENV, "all")
+        widths = (*forwards.STARTUP_WIDTHS, forwards.PREFILL_WIDTH)
+        fast.compiled.warm(widths, forwards.PREFILL_CAPACITIES, captures=True)
     return eager, fast
 
 

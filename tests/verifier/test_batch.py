@@ -22,7 +22,9 @@ CFGS = [TreeParams(total_tokens=t, depth=d, expand_k=k) for t, d, k in [(8, 3, 2
 NEW = 30
 
 
-@pytest.fixture(scope="module", params=["off", "on"], ids=["eager", "compiled"])
+# compiled: builds every batched graph of the tiny target before readiness (~5 min on an empty compile
+# cache), with `make bench`; the batched graphs' own checks are in tests/compile/test_compiled_batch.py
+@pytest.fixture(scope="module", params=["off", pytest.param("on", marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def stack(tiny_family, request):
     """The tiny stack, eager or with compiled forwards and batched compiled
     graphs (``specdec.compile.batched``: batches of root-only cycles and of
