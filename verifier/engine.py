@@ -132,7 +132,7 @@ class VerifierEngine:
                     raise ResourceExhausted(
                         f"KV budget exhausted: this session needs up to {need} bytes, {self.reserved_bytes()} of "
                         f"{self.kv_budget_bytes} are reserved by {len(self.sessions)} sessions")
-            generator = make_generator(params.seed)
+            generator = make_generator(params.seed, self.target.device)    # draws stay on the model's device
             sess = TargetSession(self.target.new_cache(slots), list(prompt), params, generator, reserved_bytes=need,
                                  logprobs=logprobs, feature_layers=feature_layers)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done

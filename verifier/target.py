@@ -24,12 +24,12 @@ from specdec.model.loading import ModelSpec, load_causal_lm
 from specdec.model.masks import tree_allowed
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
-from specdec.tree.acceptance import Acceptance, accept, accept_greedy, greedy_order
+from specdec.tree.acceptance import Acceptance, accept, accept_greedy, greedy_order, read_order, sampled_order
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
 from specdec.tree.placed import PlacedTree, place_tree
-from specdec.tree.sampling import History, TokenCounts, greedy_tokens, token_logprobs
+from specdec.tree.sampling import History, TokenCounts, greedy_tokens, target_probs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +81,20 @@ class TargetSession:
         logits [n, V], the first n slots appended): acceptance, then the cache
         keeps the prefix, the root and the accepted path (anything after the
         tree's slots goes too) and the session commits the tokens. With the
-        tree ``placed`` on the device, a greedy session's walk runs there
-        too (``greedy_order``), and the cache's compaction and the features'
-        gather follow it there: the argmaxes are the one read."""
-        if placed is not None and self.params.greedy and tree.size > 1:
-            best = greedy_tokens(logits, self.params, *self.processors(tree))      # [n] on the device
-            order = greedy_order(placed, best)
+        tree ``placed`` on the device, the walk runs there too (greedy:
+        ``greedy_order``; sampled over one-hot proposals: ``sampled_order``),
+        and the cache's compaction and the features' gather follow it there:
+        the argmaxes, or the path and the bonus, are the one read."""
+        if placed is not None and tree.size > 1 and (self.params.greedy or not getattr(tree, "proposals", None)):
+            if self.params.greedy:
+                best = greedy_tokens(logits, self.params, *self.processors(tree))  # [n] on the device
+                order = greedy_order(placed, best)
+            else:                                                                  # one-hot proposals
+                probs = target_probs(logits, self.params, *self.processors(tree))
+                order, tail = sampled_order(placed, probs, self.generator)
             kv.reorder_tail(self.cache, prefix, order)
             features = hidden.index_select(0, order)
-            result = accept_greedy(tree, best)                                     # the read
+            result = accept_greedy(tree, best) if self.params.greedy else read_order(order, tail)   # the read
             kept = len(result.accepted) + 1
             kv.truncate(self.cache, prefix + kept)
             features, logprobs = features[:kept], self.committed_logprobs(tree, result, logits)

@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from specdec.request.params import SamplingParams
-from specdec.tree.placed import PARENTS, PATH, STEP, TOKENS, PlacedTree
+from specdec.tree.placed import MAX_WIDTH, PARENTS, PATH, STEP, TOKENS, PlacedTree, place_tree
 from specdec.tree.sampling import TokenCounts, greedy_tokens, sample, target_probs
 
 
@@ -140,11 +140,18 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
     the current residual; on rejection p[x] is zeroed. If every child is
     rejected (or u is a leaf) the bonus is drawn from the residual. A second
     sibling carrying an already rejected token therefore has p[x] = 0 and is
-    rejected with certainty (its uniform is still drawn, so the number of
-    draws depends only on the path taken). Only `generator` supplies
-    randomness, so a seed reproduces the result.
+    rejected with certainty. A tree of one-hot proposals (up to
+    ``MAX_WIDTH`` nodes) is walked on its device, every node at once, one
+    uniform per node drawn up front (``sampled_order``: the cycle's one
+    read); a tree with drawn proposals, or a wider one, node by node here,
+    one uniform per child tried. Only `generator` supplies randomness, so a
+    seed reproduces the result.
     """
     n = _check_shapes(tree, probs, "probs")
+    proposals = getattr(tree, "proposals", None) or {}
+    if not proposals and 1 < n <= MAX_WIDTH:                  # one-hot proposals: every node at once
+        order, tail = sampled_order(place_tree(tree, 0, n, probs.device), probs, generator)
+        return read_order(order, tail)
     tokens = tree.token_list
     parents = tree.parent_list
     children = _children(parents)
@@ -156,7 +163,6 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
         rows, cols = tree.parents[1:].to(probs.device), tree.tokens[1:].to(probs.device)
         edge_p[1:] = probs[rows, cols].tolist()
 
-    proposals = getattr(tree, "proposals", None) or {}
     accepted: list[int] = []
     node = 0
     while True:
@@ -186,6 +192,69 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
             return Acceptance(accepted=accepted, bonus=_draw_residual(row, rejected, generator))
         accepted.append(nxt)
         node = nxt
+
+
+def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_sampling``'s walk over one-hot proposals as tensor operations
+    on the device, every node tried at once: ([n] node indices as
+    ``greedy_order`` gives them, the root and the accepted nodes first in path
+    order; [2]: how many of them, root included, and the bonus token).
+
+    The walk tries a node's children in index order, child c (token x) on the
+    residual its earlier siblings left: accepted with probability p(x) / R_c,
+    R_c the parent's row mass less the mass of the earlier siblings' tokens (a
+    sibling repeating an earlier one's token has p(x) = 0 there and is
+    rejected: ``placed.STEP`` is 0 for it). Whether c would be accepted when
+    tried depends only on its own uniform and on R_c, not on the walk, so the
+    test runs for every node at once, one uniform each (a node the walk never
+    tries leaves its uniform unused: the walk's draws are independent all the
+    same). c *steps* when its test passes and no earlier sibling's does (the
+    walk took that one first); a node is on the path when every node of its
+    path below the root steps. The bonus is drawn from the last path node's
+    row with its children's tokens zeroed (all tried and rejected), or the row
+    itself where rounding left that residual no mass."""
+    n, device = placed.n, probs.device
+    index = torch.arange(n, device=device)
+    parents, tokens = placed.row(PARENTS), placed.row(TOKENS)
+    uniforms = _on(torch.rand(n, generator=generator, device=generator.device), device).double()
+    mass = probs.sum(-1, dtype=torch.float64)                                     # [n] row masses
+    edge = probs[parents, tokens].double() * (placed.row(STEP) != 0)              # p(x) at the parent
+    earlier = ((parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None])
+               & (index[:, None] > 0) & (index[None, :] > 0))                      # [n, n]: c's earlier siblings
+    left = mass[parents] - earlier.double() @ edge                                # R_c
+    passes = (edge > 0) & (uniforms * left < edge)
+    steps = passes & ~(earlier & passes[None, :]).any(-1)
+    path = ((placed.row(PATH)[:, None] >> index[None, :]) & 1).bool()             # [n, n]: c's path below the root
+    on_path = ~(path & ~steps[None, :]).any(-1)
+    order = on_path.sort(descending=True, stable=True).indices
+    kept = on_path.sum()
+    last = order.gather(0, (kept - 1).view(1))                                    # [1]
+    children = ((parents == last) & (index > 0)).to(probs.dtype)
+    rejected = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=device).index_add_(0, tokens, children) > 0
+    row = probs.index_select(0, last)[0]
+    residual = _residual(row, rejected)
+    residual = torch.where(residual.sum() > 0, residual, row)
+    bonus = _on(torch.multinomial(_on(residual, generator.device), 1, generator=generator), device)
+    return order, torch.cat([kept.view(1), bonus])
+
+
+def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``: a copy only where the session's generator lives elsewhere."""
+    return x if x.device == device else x.to(device)
+
+
+def _residual(row: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """The target's row at the last path node with its rejected tokens zeroed
+    (multinomial renormalises: that is the whole residual)."""
+    return row.masked_fill(rejected, 0.0)
+
+
+def read_order(order: torch.Tensor, tail: torch.Tensor) -> Acceptance:
+    """The acceptance ``sampled_order`` found, in the cycle's one read."""
+    values = torch.cat([order, tail]).tolist()
+    kept, bonus = values[-2], values[-1]
+    return Acceptance(accepted=values[1:kept], bonus=int(bonus))
 
 
 def _accept_drawn(row: torch.Tensor, drawn: list[int], proposal, generator: torch.Generator

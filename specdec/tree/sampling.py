@@ -211,7 +211,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from `probs` [V] (need not be normalised) using `generator`."""
-    probs = probs.to(generator.device)
+    probs = probs if probs.device == generator.device else probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

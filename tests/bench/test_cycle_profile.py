@@ -7,6 +7,7 @@ drift back up), and the command's record and errors."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -174,16 +175,45 @@ def test_on_cuda_the_device_side_is_counted_too(tiny_family):
             assert record["per_cycle"]["replays"] == 1 and cuda.get("graph_launches", 0) >= 1, record
 
 
-# Per greedy eagle2 cycle on the compiled tiny target (TREE): the verify phase's counts, held.
-# The tree goes up once (``specdec.tree.placed``) and the argmaxes come back once; the mask, the
-# walk, the cache's compaction and the features' gather stay on the device.
-VERIFY_CEILING = {"syncs_per_cycle": 2, "reads": 1, "uploads": 1, "shaped": 0, "ops": 17.4}
+# Per eagle2 cycle on the compiled tiny target (TREE): the verify phase's counts, held. The tree goes
+# up once (``specdec.tree.placed``) and the argmaxes (sampled: the path and the bonus) come back once; the
+# mask, the walk, the cache's compaction and the features' gather stay on the device (sampled: a request's
+# last, root-only cycles read their token: the 0.07).
+VERIFY_CEILING = {True: {"syncs_per_cycle": 2, "reads": 1, "uploads": 1, "shaped": 0, "ops": 17.4},
+                  False: {"syncs_per_cycle": 2.07, "reads": 1.07, "uploads": 1, "shaped": 0, "ops": 65.93}}
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
 
 
-def test_a_compiled_verify_reads_once_and_uploads_once(tiny_family, stack):
-    fast = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]), compile="on")))
-    record = count_method("eagle2", LocalMethod(fast, stack[1], TREE, SamplingParams(), STOP), PROMPTS).record()
+@pytest.fixture(scope="module")
+def compiled_target(tiny_family):
+    return VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]), compile="on")))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_compiled_verify_reads_once_and_uploads_once(compiled_target, stack, params):
+    """Greedy, and sampled over one-hot proposals (the walk on the device:
+    ``specdec.tree.acceptance.sampled_order``, the path and the bonus read)."""
+    tree = replace(TREE, proposals="top")
+    record = count_method("eagle2", LocalMethod(compiled_target, stack[1], tree, params, STOP), PROMPTS,
+                          seed=3).record()
     verify = record["by_phase"]["verify"]
     assert verify["replays"] == 1, verify
-    for kind, most in VERIFY_CEILING.items():
+    for kind, most in VERIFY_CEILING[params.greedy].items():
         assert verify[kind] <= most, (kind, verify, record["sync_sites"])
+
+
+# Per cycle, the whole compiled tiny stack (compiled target and drafter, TREE, one-hot proposals): the
+# draft's one read, the verify's one upload and one read; the eager operators outside the graphs
+WHOLE_CYCLE = {True: {"syncs": 2.93, "ops": 29.47}, False: {"syncs": 3.0, "ops": 78.0}}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_compiled_cycle_holds_its_ceiling(compiled_target, tiny_family, params):
+    drafter = EagleDrafter(str(tiny_family["eagle"]), str(tiny_family["target"]), compile="on")
+    use_budget(drafter, TREE)
+    tree = replace(TREE, proposals="top")
+    record = count_method("eagle2", LocalMethod(compiled_target, drafter, tree, params, STOP), PROMPTS,
+                          seed=3).record()
+    per_cycle = record["per_cycle"]
+    assert per_cycle["syncs"] <= WHOLE_CYCLE[params.greedy]["syncs"], record["sync_sites"]
+    assert per_cycle["ops"] <= WHOLE_CYCLE[params.greedy]["ops"], record["op_sites"]

@@ -132,6 +132,9 @@ def _reference_accept(tree, probs, generator, variant: str = "exact") -> Accepta
     """
     children = tree.children()
     tokens = tree.tokens.tolist()
+    # one uniform per node, drawn up front, used when the walk tries that node (``accept_sampling`` tests
+    # every node at once); a root-only tree draws none
+    uniforms = torch.rand(len(tokens), generator=generator).tolist() if len(tokens) > 1 else []
     accepted, node = [], 0
     while True:
         p = probs[node].clone()
@@ -141,7 +144,7 @@ def _reference_accept(tree, probs, generator, variant: str = "exact") -> Accepta
             x = tokens[child]
             mass = full_mass if variant == "no_renorm" else float(p.sum(dtype=torch.float64))
             ratio = float(p[x]) / mass
-            if float(torch.rand((), generator=generator)) < ratio:
+            if uniforms[child] < ratio:
                 nxt = child
                 break
             if variant != "no_zero":
