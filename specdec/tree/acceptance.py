@@ -42,7 +42,7 @@ import torch
 
 from specdec.request.params import SamplingParams
 from specdec.tree.placed import MAX_WIDTH, PARENTS, PATH, STEP, TOKENS, PlacedTree, place_tree
-from specdec.tree.sampling import TokenCounts, greedy_tokens, sample, target_probs
+from specdec.tree.sampling import TokenCounts, moved_to, greedy_tokens, sample, target_probs
 
 
 class TreeLike(Protocol):
@@ -122,10 +122,19 @@ def greedy_order(placed: PlacedTree, target_argmax: torch.Tensor) -> torch.Tenso
     is on the path when every node of its path below the root steps. As bit
     sets (``specdec.tree.placed``): six operators, whatever the tree's depth."""
     match = target_argmax[placed.row(PARENTS)] == placed.row(TOKENS)     # [n] bool (the root's unused)
+    return _path_first(placed, match)[0]
+
+
+def _path_first(placed: PlacedTree, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk's path from the nodes whose test passed (``match`` [n] bool):
+    a node steps where it passes and is its parent's first child to
+    (``placed.STEP``), and is on the path where every node of its path below
+    the root steps -> ([n] node indices, the path's first in path order;
+    [n] bool, on the path). Bit sets: four operators whatever the depth."""
     steps = (match * placed.row(STEP)).sum()                              # bit k set where node k steps
     path = placed.row(PATH)
     on_path = (path & steps) == path                                      # [n] bool; the root's path is empty
-    return on_path.sort(descending=True, stable=True).indices
+    return on_path.sort(descending=True, stable=True).indices, on_path
 
 
 def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Generator) -> Acceptance:
@@ -217,17 +226,15 @@ def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Gene
     n, device = placed.n, probs.device
     index = torch.arange(n, device=device)
     parents, tokens = placed.row(PARENTS), placed.row(TOKENS)
-    uniforms = _on(torch.rand(n, generator=generator, device=generator.device), device).double()
+    uniforms = moved_to(torch.rand(n, generator=generator, device=generator.device), device).double()
     mass = probs.sum(-1, dtype=torch.float64)                                     # [n] row masses
     edge = probs[parents, tokens].double() * (placed.row(STEP) != 0)              # p(x) at the parent
     earlier = ((parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None])
                & (index[:, None] > 0) & (index[None, :] > 0))                      # [n, n]: c's earlier siblings
     left = mass[parents] - earlier.double() @ edge                                # R_c
     passes = (edge > 0) & (uniforms * left < edge)
-    steps = passes & ~(earlier & passes[None, :]).any(-1)
-    path = ((placed.row(PATH)[:, None] >> index[None, :]) & 1).bool()             # [n, n]: c's path below the root
-    on_path = ~(path & ~steps[None, :]).any(-1)
-    order = on_path.sort(descending=True, stable=True).indices
+    steps = passes & ~(earlier & passes[None, :]).any(-1)                         # the first to pass
+    order, on_path = _path_first(placed, steps)
     kept = on_path.sum()
     last = order.gather(0, (kept - 1).view(1))                                    # [1]
     children = ((parents == last) & (index > 0)).to(probs.dtype)
@@ -235,13 +242,8 @@ def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Gene
     row = probs.index_select(0, last)[0]
     residual = _residual(row, rejected)
     residual = torch.where(residual.sum() > 0, residual, row)
-    bonus = _on(torch.multinomial(_on(residual, generator.device), 1, generator=generator), device)
+    bonus = moved_to(torch.multinomial(moved_to(residual, generator.device), 1, generator=generator), device)
     return order, torch.cat([kept.view(1), bonus])
-
-
-def _on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``x`` on ``device``: a copy only where the session's generator lives elsewhere."""
-    return x if x.device == device else x.to(device)
 
 
 def _residual(row: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -211,8 +211,13 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from `probs` [V] (need not be normalised) using `generator`."""
-    probs = probs if probs.device == generator.device else probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(moved_to(probs, generator.device), 1, generator=generator))
+
+
+def moved_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``: a copy only where it lives elsewhere (a session's
+    generator on the model's device copies nothing)."""
+    return x if x.device == device else x.to(device)
 
 
 def make_generator(seed: int | None = None, device: str | torch.device = "cpu") -> torch.Generator:
