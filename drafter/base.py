@@ -29,6 +29,7 @@ from specdec.request.params import SamplingParams, TreeParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
+from specdec.tree.placed import DeviceTree
 from specdec.tree.proposals import ProposalSampler
 
 
@@ -212,15 +213,20 @@ class Drafter(ABC):
                 stack.enter_context(sess.lock)
             yield held
 
-    def draft(self, sid: str, cfg: TreeParams, ahead: bool = False) -> DraftTree:
+    def draft(self, sid: str, cfg: TreeParams, ahead: bool = False, deferred: bool = False
+              ) -> DraftTree | DeviceTree:
         """The session's tree; ``ahead``: keep what ``draft_ahead`` needs to draft
-        the next round from it (model drafters only)."""
+        the next round from it (model drafters only); ``deferred``: the tree may
+        stay on the device, unread (``specdec.tree.placed.DeviceTree``: an
+        in-process verifier reads it with its verdict)."""
         sess = self.sessions.get(sid)
         with sess.lock:
             sess.record, sess.ahead = None, {}
             if ahead:
                 tree, sess.record = self._draft_recorded(sess, self.session_config(sess, cfg))
                 return tree
+            if deferred:
+                return self._draft_deferred(sess, self.session_config(sess, cfg))
             return self.draft_session(sess, self.session_config(sess, cfg))
 
     def draft_ahead(self, sid: str, tokens: list[int], features: torch.Tensor | None, cfg: TreeParams,
@@ -284,6 +290,10 @@ class Drafter(ABC):
     # -- for subclasses ----------------------------------------------------------
     @abstractmethod
     def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree: ...
+
+    def _draft_deferred(self, sess: DraftSession, cfg: TreeParams) -> DraftTree | DeviceTree:
+        """``draft_session``, the tree left on the device where the drafter can (``draft``)."""
+        return self.draft_session(sess, cfg)
 
     def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
         """``draft_session`` and its record for drafting ahead (None: this drafter cannot)."""

@@ -19,9 +19,11 @@ import torch
 
 from specdec.model import kv
 from specdec.model import prefix_cache as pc
+from specdec.request.errors import FailedPrecondition
 from specdec.request.params import TreeParams
 from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
 from specdec.tree.grammar import masked_expand
+from specdec.tree.placed import DeviceTree
 from drafter.ahead import draft_forest, likely_stops, stop_scores
 
 from drafter.base import Drafter, DraftSession, TreeRecord
@@ -86,14 +88,25 @@ class CachedTreeDrafter(Drafter):
         (the position of the token in each slot). Returns hidden [k, H], log-probs [k, V]."""
 
     def draft_whole(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
-                    cfg: TreeParams) -> tuple[DraftTree, torch.Tensor] | None:
+                    cfg: TreeParams, fallback=None) -> tuple[DraftTree | DeviceTree, torch.Tensor] | None:
         """A top-proposal draft of ``cfg`` after the root in one call (the tree and
         its nodes' outputs [n, H] fp32, as the level-by-level path records them),
-        or None: draft it level by level."""
+        or None: draft it level by level. With ``fallback`` (that level-by-level
+        draft, a callable) the tree may stay on the device, unread (``DeviceTree``)."""
         return None
 
     def draft_session(self, sess: DraftSession, cfg: TreeParams) -> DraftTree:
         return self._build(sess, cfg, record=False)[0]
+
+    def _draft_deferred(self, sess: DraftSession, cfg: TreeParams) -> DraftTree | DeviceTree:
+        def level_by_level() -> DraftTree:          # what the tree's reader takes where the graph flagged it
+            with sess.lock:
+                if sess.tokens[-1] != root:
+                    raise FailedPrecondition("the session moved on before its tree drafted on the device was read")
+                return self._build(sess, cfg, record=False, graph=False)[0]
+
+        root = sess.tokens[-1]
+        return self._build(sess, cfg, record=False, fallback=level_by_level)[0]
 
     def _draft_recorded(self, sess: DraftSession, cfg: TreeParams) -> tuple[DraftTree, TreeRecord | None]:
         return self._build(sess, cfg, record=True)
@@ -184,10 +197,12 @@ class CachedTreeDrafter(Drafter):
             sess.fed, sess.root_out = fed, root_out
 
     @torch.inference_mode()
-    def _build(self, sess: DraftSession, cfg: TreeParams, record: bool,
-               exclude: list[int] | None = None) -> tuple[DraftTree, TreeRecord | None]:
+    def _build(self, sess: DraftSession, cfg: TreeParams, record: bool, exclude: list[int] | None = None,
+               graph: bool = True, fallback=None) -> tuple[DraftTree | DeviceTree, TreeRecord | None]:
         """The tree (and its record); ``exclude``: tokens kept off the first level
-        (the others' log-probs renormalised)."""
+        (the others' log-probs renormalised); ``graph``: the whole-draft graph
+        may serve it; ``fallback``: it may leave the tree on the device, unread
+        (``draft_whole``)."""
         if sess.cache is None:
             sess.cache = self.new_cache()
         if sess.fed < self._inputs_for(len(sess.tokens)) or sess.root_out is None:
@@ -234,8 +249,8 @@ class CachedTreeDrafter(Drafter):
             return logp
 
         try:
-            whole = None if exclude or cfg.proposals == "sampled" or sess.grammar is not None else \
-                self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg)
+            whole = None if not graph or exclude or cfg.proposals == "sampled" or sess.grammar is not None else \
+                self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg, fallback)
             if whole is not None:            # the whole draft in one graph (drafter.compiled.whole_draft)
                 return whole[0], TreeRecord(whole[0], whole[1]) if record else None
             if sess.grammar is not None:

@@ -24,6 +24,7 @@ from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 from specdec.request.speculative import Committed, Draft, Request, SelfDraft, speculative_generate
 from specdec.tree.build import tree_from_lists
+from specdec.tree.placed import host_tree
 from specdec.tree.sizing import restore
 
 
@@ -120,11 +121,11 @@ class LocalVerifier:
             return Committed(result.tokens, result.accepted, result.features, result.logprobs, result.nodes)
         tree = draft.tree if draft is not None else tree_from_lists([self.root], [-1])
         sizer = getattr(self.engine, "sizer", None)        # the engine's tree sizing (specdec.tree.sizing)
-        if sizer is None:
+        if sizer is None:                                   # (a tree left on the device is read with the verdict)
             result = self.engine.verify(self.sid, tree)
             accepted = result.accepted
         else:
-            tree, keep = sizer.cut(self.sid, tree, self.engine.sessions.get(self.sid).params.greedy)
+            tree, keep = sizer.cut(self.sid, host_tree(tree), self.engine.sessions.get(self.sid).params.greedy)
             start = time.perf_counter()
             result = self.engine.verify(self.sid, tree)
             sizer.verified(self.sid, tree.size, time.perf_counter() - start, len(result.tokens))
@@ -162,7 +163,9 @@ class LocalDrafter:
     async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft:
         if commits:
             self.engine.commit(self.sid, *self.joined(commits))
-        drafted = self.engine.draft(self.sid, tree, ahead=True) if ahead else self.engine.draft(self.sid, tree)
+        # a tree drafted on the device stays there, unread, for the verifier here (``specdec.tree.placed``)
+        drafted = self.engine.draft(self.sid, tree, ahead=True) if ahead else \
+            self.engine.draft(self.sid, tree, deferred=True)
         return Draft(drafted, drafted.size)
 
     async def draft_ahead(self, commits: list[Committed], tree: TreeParams, count: int,

@@ -21,6 +21,7 @@ import threading
 
 import torch
 
+from specdec.compile.forwards import width_bucket
 from specdec.model import kv
 from specdec.request.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.request.knobs import check_tree_sizing
@@ -29,6 +30,7 @@ from specdec.request.params import SamplingParams
 from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
+from specdec.tree.placed import DeviceTree
 from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
@@ -210,13 +212,40 @@ class VerifierEngine:
             sess.truncate(length)
 
     # -- the hot path ----------------------------------------------------------
-    def verify(self, sid: str, tree: DraftTree) -> VerifyResult:
+    def verify(self, sid: str, tree: DraftTree | DeviceTree) -> VerifyResult:
+        """``tree``'s verify; a tree drafted on the device and not read yet (an
+        in-process drafter's, ``specdec.tree.placed.DeviceTree``) is verified
+        as it is where it can be, and read with the verdict."""
         sess = self.sessions.get(sid)
         with sess.lock:
+            if isinstance(tree, DeviceTree):
+                result = self._verify_unread(sess, tree)
+                if result is not None:
+                    return result
+                tree = tree.materialize()
             check_tree(self.target, sess, tree)
             prefix = sess.prefix_len
             hidden, logits, placed = self.target.forward_tree(sess.cache, tree, prefix, sess.feature_layers)
             return sess.settle(tree, prefix, hidden, logits, placed)
+
+    def _verify_unread(self, sess: TargetSession, tree: DeviceTree) -> VerifyResult | None:
+        """The verify of a tree still on the device, with no read before its
+        verdict's (``TargetSession.settle_unread``); None: the tree is to be
+        read first (a session or a forward this path does not serve, or the
+        graph flagged its draft)."""
+        placed, target = tree.placed, self.target
+        device = torch.device(target.device)
+        if (tree.root != sess.tokens[-1] or placed.prefix_len != sess.prefix_len or placed.n < 2
+                or sess.grammar is not None or sess.history is not None or target.compiled is None
+                or placed.width != width_bucket(placed.n) or placed.packed.device.type != device.type
+                or device.index not in (None, placed.packed.device.index)
+                or sess.prefix_len + tree.depth >= target.max_positions):
+            return None
+        target.fit(sess.cache, placed.n)
+        if not target.compiled.tree_applies(sess.cache, placed.n, sess.feature_layers):
+            return None
+        hidden, logits = target.forward_placed(sess.cache, placed, sess.feature_layers)
+        return sess.settle_unread(tree, hidden, logits)
 
     def verify_lookahead(self, sid: str, depth: int) -> VerifyResult:
         """A step of lookahead decoding (``verifier.lookahead``): the tree is

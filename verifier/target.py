@@ -24,11 +24,12 @@ from specdec.model.loading import ModelSpec, load_causal_lm
 from specdec.model.masks import tree_allowed
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
-from specdec.tree.acceptance import Acceptance, accept, accept_greedy, greedy_order, read_order, sampled_order
+from specdec.tree.acceptance import (Acceptance, accept, greedy_order, order_acceptance, sampled_order,
+                                     walk_greedy)
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
-from specdec.tree.placed import PlacedTree, place_tree
+from specdec.tree.placed import DeviceTree, PlacedTree, place_tree
 from specdec.tree.sampling import History, TokenCounts, greedy_tokens, target_probs, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -86,23 +87,66 @@ class TargetSession:
         and the cache's compaction and the features' gather follow it there:
         the argmaxes, or the path and the bonus, are the one read."""
         if placed is not None and tree.size > 1 and (self.params.greedy or not getattr(tree, "proposals", None)):
-            if self.params.greedy:
-                best = greedy_tokens(logits, self.params, *self.processors(tree))  # [n] on the device
-                order = greedy_order(placed, best)
-            else:                                                                  # one-hot proposals
-                probs = target_probs(logits, self.params, *self.processors(tree))
-                order, tail = sampled_order(placed, probs, self.generator)
+            order, verdict = self.walk(placed, logits, self.processors(tree))
             kv.reorder_tail(self.cache, prefix, order)
             features = hidden.index_select(0, order)
-            result = accept_greedy(tree, best) if self.params.greedy else read_order(order, tail)   # the read
-            kept = len(result.accepted) + 1
-            kv.truncate(self.cache, prefix + kept)
-            features, logprobs = features[:kept], self.committed_logprobs(tree, result, logits)
-        else:
-            result, logprobs = self.decide(tree, logits)
-            path = [0] + result.accepted
-            kv.keep_path(self.cache, prefix, path)
-            features = hidden[:len(path)] if path == list(range(len(path))) else hidden[path]
+            return self.keep(tree, prefix, self.acceptance(tree, verdict.tolist()), features, logits)   # the read
+        result, logprobs = self.decide(tree, logits)
+        path = [0] + result.accepted
+        kv.keep_path(self.cache, prefix, path)
+        features = hidden[:len(path)] if path == list(range(len(path))) else hidden[path]
+        committed = result.tokens(tree)
+        self.commit(committed)
+        return VerifyResult(result.accepted, committed, features, logprobs)
+
+    def settle_unread(self, tree: DeviceTree, hidden: torch.Tensor, logits: torch.Tensor) -> VerifyResult | None:
+        """``settle`` of a tree drafted on the device and verified before anyone
+        read it (its one-hot proposals, greedy or sampled, no penalties, no
+        grammar: ``VerifierEngine.verify``): the draft is read with the verdict,
+        the cycle's one read. None where the graph flagged its draft: nothing
+        is kept (the cache back at the prefix, the generator's draws undone),
+        and the tree's level-by-level draft is the one to verify."""
+        prefix, placed = self.prefix_len, tree.placed
+        state = None if self.params.greedy else self.generator.get_state()
+        order, verdict = self.walk(placed, logits, (None, None))
+        kv.reorder_tail(self.cache, prefix, order)
+        features = hidden.index_select(0, order)
+        values = torch.cat([tree.read, verdict]).tolist()        # the one read: the draft and its verdict
+        split = tree.read.shape[0]
+        drafted = tree.resolve(values[:split])
+        if drafted is None:
+            kv.truncate(self.cache, prefix)
+            if state is not None:
+                self.generator.set_state(state)
+            return None
+        return self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), features, logits)
+
+    def walk(self, placed: PlacedTree, logits: torch.Tensor, processors: tuple
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Acceptance on the device (greedy: ``greedy_order``; sampled over
+        one-hot proposals: ``sampled_order``): the nodes in order [n], the root
+        and the accepted ones first, and what the host reads of the verdict
+        (the argmaxes, or the order and its tail)."""
+        if self.params.greedy:
+            best = greedy_tokens(logits, self.params, *processors)                 # [n] on the device
+            return greedy_order(placed, best), best
+        probs = target_probs(logits, self.params, *processors)
+        order, tail = sampled_order(placed, probs, self.generator)
+        return order, torch.cat([order, tail])
+
+    def acceptance(self, tree: DraftTree, verdict: list) -> Acceptance:
+        """The acceptance out of ``walk``'s verdict, read."""
+        if self.params.greedy:
+            return walk_greedy(tree, [int(v) for v in verdict])
+        return order_acceptance(verdict)
+
+    def keep(self, tree: DraftTree, prefix: int, result: Acceptance, features: torch.Tensor,
+             logits: torch.Tensor) -> VerifyResult:
+        """After a walk on the device (the cache's tail and ``features`` in its
+        order): the root and the accepted path kept, the tokens committed."""
+        kept = len(result.accepted) + 1
+        kv.truncate(self.cache, prefix + kept)
+        features, logprobs = features[:kept], self.committed_logprobs(tree, result, logits)
         committed = result.tokens(tree)
         self.commit(committed)
         return VerifyResult(result.accepted, committed, features, logprobs)
@@ -259,11 +303,17 @@ class TargetModel:
         self.fit(cache, tree.size)
         if self.compiled is not None and self.compiled.tree_applies(cache, tree.size, layers):
             placed = place_tree(tree, prefix_len, width_bucket(tree.size), self.device)
-            final, captured, logits = self.compiled.run_placed(cache, placed, layers)
-            return select_features(final, captured, layers, layers)[0], logits[0], placed
+            return (*self.forward_placed(cache, placed, layers), placed)
         mask = None if tree.size == 1 else self.tree_masks(tree, prefix_len)
         hidden, logits = self.forward(cache, tree.tokens, tree.position_ids(prefix_len), mask, layers)
         return hidden, logits, None
+
+    def forward_placed(self, cache, placed: PlacedTree, layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled forward of a tree placed on the device (``tree_applies``
+        once ``fit``): features [n, F], logits [n, V]."""
+        final, captured, logits = self.compiled.run_placed(cache, placed, layers)
+        return select_features(final, captured, layers, layers)[0], logits[0]
 
     def tree_masks(self, tree: DraftTree, prefix_len: int):
         """The attention mask for one tree over a prefix of ``prefix_len`` slots."""

@@ -25,6 +25,7 @@ from specdec.model.loading import ModelSpec, load_causal_lm, read_config
 from specdec.request.errors import SpecdecError
 from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import SamplingParams
+from specdec.tree.placed import host_tree
 from verifier.engine import TargetModel, VerifierEngine
 
 log = logging.getLogger("specdec.verifier.tp")
@@ -85,7 +86,7 @@ class ReplicatedVerifier:
                           tuple(feature_layers), prompt_logprobs, cache_salt)
 
     def verify(self, sid, tree):
-        return self._call("verify", sid, tree)
+        return self._call("verify", sid, host_tree(tree))      # every rank gets the tree's host lists
 
     def verify_lookahead(self, sid, depth):
         return self._call("verify_lookahead", sid, depth)

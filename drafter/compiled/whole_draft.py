@@ -23,7 +23,12 @@ the tree:
   (a tie inside them or at the boundary) or whose best is not a log-prob. A
   flagged draft is thrown away and drafted again level by level (the Python
   builder decides ties and raises its errors), so every tree is the one the
-  level-by-level path drafts from the same log-probs.
+  level-by-level path drafts from the same log-probs;
+- the graph also places the tree for its verify (``specdec.tree.placed``:
+  tokens, positions, slots, and the mask's and the walk's bit sets, built
+  from the parents), so an in-process verifier runs it before anything is
+  read (a ``DeviceTree``) and reads the draft with its verdict: one read a
+  cycle (a flagged draft's verify is thrown away for the level path's).
 
 It serves greedy-style drafts only: top-token proposals, the eagle2 method,
 no excluded tokens, and the tree budget it was built for (the default one,
@@ -51,7 +56,10 @@ from specdec.compile.fixed_graphs import FixedGraphs
 from specdec.compile.fixed_kv import FixedLayer, fixed_buffers
 from specdec.model import kv
 from specdec.request.params import TreeParams
+from specdec.compile.forwards import width_bucket
+from specdec.tree import placed
 from specdec.tree.build import LOGP_SLACK, DraftTree
+from specdec.tree.placed import DeviceTree, PlacedTree
 from drafter.base import on_device
 from drafter.compiled import head_levels
 from drafter.compiled.head_levels import HEAD_CAPACITY, CompiledHead, HeadKey
@@ -68,10 +76,42 @@ def _best(key: torch.Tensor, k: int) -> torch.Tensor:
 class TreeDraftStep(torch.nn.Module):
     """One EAGLE-2 draft of a fixed budget as a fixed-shape forward (module doc)."""
 
-    def __init__(self, head_step: torch.nn.Module, levels: int, expand_k: int, total: int):
+    def __init__(self, head_step: torch.nn.Module, levels: int, expand_k: int, total: int, width: int):
         super().__init__()
         self.step = head_step                   # ``drafter.compiled.head_levels.HeadStep``: the head and its tensors
         self.levels, self.k, self.total = levels, expand_k, total
+        self.width = width                      # the placed tree's: the compiled verify's for ``total`` nodes
+                                                # (None: none is that wide, the tree is not placed)
+
+    def _placed(self, tokens, parents, depths, depth, prefix):
+        """The tree (pool-order tokens, tree parents and depths [n]; the nodes
+        deeper than ``depth`` are pads) placed after ``prefix`` slots,
+        ``self.width`` wide, as ``specdec.tree.placed.place_tree`` places it
+        from the host's lists: [ROWS, width] int64."""
+        n, width = self.total, self.width
+        index = torch.arange(n, device=tokens.device)
+        bit = torch.bitwise_left_shift(torch.ones_like(index), index)
+        parent = parents.clamp(min=0)
+        path = torch.where(index > 0, bit, 0)              # a node's path below the root, as bits
+        for _ in range(self.levels - 1):                   # one more ancestor a round
+            path = torch.where(index > 0, bit | path[parent], 0)
+        twin = ((parent[:, None] == parent[None, :]) & (tokens[:, None] == tokens[None, :])
+                & (index[None, :] < index[:, None]) & (index[None, :] > 0))          # an earlier sibling's token
+        step = torch.where((index > 0) & ~twin.any(-1), bit, 0)
+        real = torch.cat([depths <= depth, torch.zeros(width - n, dtype=torch.bool, device=tokens.device)])
+
+        def wide(row):
+            return torch.cat([row, row.new_zeros(width - n)])
+
+        columns = torch.arange(width, device=tokens.device)
+        bits = torch.bitwise_left_shift(torch.ones_like(columns), columns)
+        last = prefix + torch.where(depths <= depth, depths, 0).max()                 # the deepest real node's
+        rows = {placed.TOKENS: wide(tokens), placed.POSITIONS: prefix + wide(depths), placed.SLOTS: prefix + columns,
+                placed.SEEN: wide(path | 1), placed.BITS: bits, placed.PARENTS: wide(parent),
+                placed.PATH: wide(path), placed.STEP: wide(step)}
+        pads = {placed.POSITIONS: last, placed.SEEN: bits}
+        return torch.stack([torch.where(real, rows[r], pads.get(r, 0)) if r != placed.SLOTS and r != placed.BITS
+                            else rows[r] for r in range(placed.ROWS)])
 
     def _top(self, logp: torch.Tensor, temperature: torch.Tensor):
         """The k best tokens of each row [f, V] (value-tempered log-probs
@@ -93,8 +133,10 @@ class TreeDraftStep(torch.nn.Module):
         the head's stacked cache [1, 2, 1, heads, C, d], draft K/V written past
         ``committed``. Returns what the host reads [1 + 4n] fp64 (whether the
         draft is exact, False: draft it level by level; then the tree's tokens,
-        parents, depths and values [n]) and its nodes' outputs [n, H] (zeros
-        where a node was not expanded)."""
+        parents, depths and values [n]), its nodes' outputs [n, H] (zeros
+        where a node was not expanded) and the tree placed for its verify after
+        ``committed`` slots (a feature head's committed inputs are the
+        committed tokens but the root: the verifier's prefix too)."""
         k, capacity = self.k, stack.shape[4]
         drafter = self.step.drafter.reading({name: getattr(self.step, name) for name in self.step.names})
         hidden_size = root_hidden.shape[-1]
@@ -143,7 +185,9 @@ class TreeDraftStep(torch.nn.Module):
         # what the host reads of the draft, in one tensor (token ids < 2**53 and fp32 values are exact in fp64)
         read = torch.cat([ok.reshape(1).double(), tokens[ids].double(), tree_parents.double(), depths[ids].double(),
                           values[ids].double()])
-        return read, pool_hidden[ids]
+        if self.width is None:                                                     # too wide to place
+            return read, pool_hidden[ids], torch.zeros(placed.ROWS, 0, dtype=torch.long, device=stack.device)
+        return read, pool_hidden[ids], self._placed(tokens[ids], tree_parents, depths[ids], depth, committed)
 
 
 class CompiledTree:
@@ -161,7 +205,8 @@ class CompiledTree:
         self.depth_held = 0                      # what ``depth`` holds
         self.temperature = torch.ones(1, device=dev)
         self.tempered = 1.0                      # what ``temperature`` holds
-        step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total).eval()
+        self.width = width_bucket(self.total)    # None: too wide for a placed tree (``specdec.tree.placed``)
+        step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total, self.width).eval()
         # keyed as the levels' packages are, and by the level module it reads the head through
         sources = tuple({inspect.getfile(type(m)) for m in self.drafter.head.modules()}
                         | {inspect.getfile(type(self.drafter)), inspect.getfile(head_levels)})
@@ -186,11 +231,15 @@ class CompiledTree:
 
     @torch.inference_mode()
     def draft(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
-              temperature: float, depth: int | None = None) -> tuple[DraftTree, torch.Tensor] | None:
+              temperature: float, depth: int | None = None, fallback=None
+              ) -> tuple[DraftTree | DeviceTree, torch.Tensor] | None:
         """The tree (and its nodes' outputs [n, H] fp32, on the device) drafted after the
         session's cached slots in ``cache``, ``depth`` deep (None: the graph's
         levels); None where the draft must be taken level by level (a tie or a
-        non-log-prob in a top-k, or no stacked cache)."""
+        non-log-prob in a top-k, or no stacked cache). With ``fallback`` (the
+        same draft level by level, a callable) the tree stays on the device,
+        unread: a ``DeviceTree`` placed after the cache's slots, whose reader
+        takes ``fallback`` where the graph flagged its draft."""
         fixed = fixed_buffers(cache)
         if fixed is None:
             return None
@@ -206,23 +255,20 @@ class CompiledTree:
         if depth != self.depth_held:
             self.depth.fill_(depth)
             self.depth_held = depth
-        packed, hidden = graph(
+        packed, hidden, rows = graph(
             self.root, on_device(root_hidden, dev, torch.float32).reshape(-1), on_device(root_logp, dev).reshape(-1),
             self.committed, self.temperature, self.depth, fixed.stack)
-        # the draft's one read: the flag, then the tree's tokens, parents, depths and values
-        read = packed.tolist()
-        n = (len(read) - 1) // 4
-        if not read[0]:
-            return None
         kept = 1 + min(self.total - 1, self.expand_k + (depth - 1) * self.expand_k ** 2)   # the pool up to depth
-        read = [read[0]] + [v for i in range(4) for v in read[1 + i * n:1 + i * n + kept]]
-        n, hidden = kept, hidden[:kept]
+        if self.width is not None and width_bucket(kept) < self.width:    # a shallower tree: its own width
+            rows = rows[:, :width_bucket(kept)].contiguous()                # (the columns past it are pads)
+        tree = DeviceTree(packed, PlacedTree(rows, kept, committed), root_token, depth, fallback)
+        if fallback is not None and self.width is not None:
+            self.drafts += 1
+            return tree, hidden[:kept]          # (read with the verify's result, ``specdec.tree.placed``)
+        if tree.resolve(packed.tolist()) is None:           # the draft's one read
+            return None
         self.drafts += 1
-        toks, pars, deps = ([int(v) for v in read[1 + i * n:1 + (i + 1) * n]] for i in range(3))
-        structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read
-        tree = DraftTree(structure[0], structure[1], structure[2], torch.tensor(read[1 + 3 * n:], dtype=torch.float32),
-                         lists=(toks, pars, deps))
-        return tree, hidden                     # (on the device: drafting ahead steps from it there)
+        return tree.materialize(), hidden[:kept]     # (on the device: drafting ahead steps from it there)
 
     def warm(self) -> float:
         """Build (or load) the graph and run it once; seconds taken."""

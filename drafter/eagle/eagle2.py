@@ -45,12 +45,12 @@ class FeatureHeadDrafter(CachedTreeDrafter):
         self.compiled = compile_head(self, mode)
         self.compiled_tree = compile_tree(self.compiled)
 
-    def draft_whole(self, cache, root_token, root_hidden, root_logp, cfg):
+    def draft_whole(self, cache, root_token, root_hidden, root_logp, cfg, fallback=None):
         tree = self.compiled_tree
         if tree is None or not tree.serves(cfg, kv.seq_len(cache)):
             return None
         return tree.draft(cache, root_token, root_hidden, root_logp, cfg.value_temperature or 1.0,
-                          min(cfg.depth, cfg.total_tokens - 1))
+                          min(cfg.depth, cfg.total_tokens - 1), fallback)
 
     @abstractmethod
     def step_tensors(self) -> dict[str, torch.Tensor]:

@@ -67,9 +67,11 @@ class TreeRecorder:
         self.trees: list[tuple[object, list[int]]] = []
 
     def verify(self, sid, tree):
+        from specdec.tree.placed import host_tree
+
         result = self._verifier.verify(sid, tree)
         if tree.size > 1:
-            self.trees.append((tree, result.accepted))
+            self.trees.append((host_tree(tree), result.accepted))     # (read with the verdict already)
         return result
 
     def __getattr__(self, name):

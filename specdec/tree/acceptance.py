@@ -95,10 +95,13 @@ def accept_greedy(tree: TreeLike, target_argmax: torch.Tensor) -> Acceptance:
     target_argmax: [n] int64, the target's argmax at every tree node.
     """
     _check_shapes(tree, target_argmax, "target_argmax")
+    return walk_greedy(tree, target_argmax.tolist())        # the cycle's one read
+
+
+def walk_greedy(tree: TreeLike, best: list[int]) -> Acceptance:
+    """``accept_greedy`` over the argmaxes [n] read already."""
     tokens = tree.token_list
     children = _children(tree.parent_list)
-    best = target_argmax.tolist()           # the cycle's one read
-
     accepted: list[int] = []
     node = 0
     while True:
@@ -254,9 +257,13 @@ def _residual(row: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
 
 def read_order(order: torch.Tensor, tail: torch.Tensor) -> Acceptance:
     """The acceptance ``sampled_order`` found, in the cycle's one read."""
-    values = torch.cat([order, tail]).tolist()
-    kept, bonus = values[-2], values[-1]
-    return Acceptance(accepted=values[1:kept], bonus=int(bonus))
+    return order_acceptance(torch.cat([order, tail]).tolist())
+
+
+def order_acceptance(values: list) -> Acceptance:
+    """``read_order`` over ``sampled_order``'s outputs read already (the order, then its tail)."""
+    kept, bonus = int(values[-2]), int(values[-1])
+    return Acceptance(accepted=[int(v) for v in values[1:kept]], bonus=bonus)
 
 
 def _accept_drawn(row: torch.Tensor, drawn: list[int], proposal, generator: torch.Generator

@@ -20,13 +20,22 @@ Bit sets are int64, so a placed tree is at most 64 wide (``MAX_WIDTH``, the
 widest compiled forward); bit 63 is the sign bit, which bitwise operations
 treat like any other. Pad columns (i >= n) are queries whose outputs are
 dropped: each sees only its own slot, at the last node's position.
+
+A tree drafted on the device (a whole-draft graph, ``drafter.compiled.whole_draft``)
+comes placed already, its host lists not read yet: a ``DeviceTree``. An
+in-process verifier runs it as it is and reads the draft together with its
+own verdict, one read a cycle (``verifier.engine``); anyone else reads it
+first (``materialize``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+from specdec.tree.layout import DraftTree
 
 MAX_WIDTH = 64
 # the rows of the placed tensor
@@ -99,3 +108,51 @@ def place_tree(tree, prefix_len: int, width: int, device) -> PlacedTree:
             [_signed(b) for b in step] + [0] * len(pad)]
     packed = torch.tensor(rows, dtype=torch.long, device=device)
     return PlacedTree(packed, n, prefix_len)
+
+
+@dataclass(eq=False)
+class DeviceTree:
+    """A draft still on the device, placed for its verify: ``read`` [1 + 4N]
+    fp64 holds whether the graph's draft is exact (0: take ``fallback``), then
+    the pool-order tokens, parents, depths and values of its N nodes, of which
+    the first ``placed.n`` are the tree (a shallower tree's deeper nodes come
+    last). Nothing of it has reached the host."""
+
+    read: torch.Tensor
+    placed: PlacedTree                      # after ``placed.prefix_len`` slots: the drafter's committed inputs
+    root: int                               # the tree's root token (the host knows it: the last committed)
+    depth: int                              # the deepest node's depth at most
+    fallback: Callable[[], DraftTree]       # the same draft level by level, where the graph flagged its own
+    _tree: DraftTree | None = field(default=None, repr=False)
+    _flagged: bool = field(default=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.placed.n
+
+    def resolve(self, values: list[float]) -> DraftTree | None:
+        """The tree out of ``read``'s values, read by whoever read it (None: the
+        graph flagged its draft; ``materialize`` then drafts it again)."""
+        if not values[0]:
+            self._flagged = True
+            return None
+        total, n = (len(values) - 1) // 4, self.placed.n
+        toks, pars, deps = ([int(v) for v in values[1 + i * total:1 + i * total + n]] for i in range(3))
+        structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read
+        self._tree = DraftTree(structure[0], structure[1], structure[2],
+                               torch.tensor(values[1 + 3 * total:1 + 3 * total + n], dtype=torch.float32),
+                               lists=(toks, pars, deps))
+        return self._tree
+
+    def materialize(self) -> DraftTree:
+        """The tree on the host: ``read`` read (one sync), or the level-by-level draft where it was flagged."""
+        if self._tree is None and not self._flagged:
+            self.resolve(self.read.tolist())
+        if self._tree is None:
+            self._tree = self.fallback()
+        return self._tree
+
+
+def host_tree(tree) -> DraftTree:
+    """``tree`` with its host lists: a ``DeviceTree`` read, any other tree as it is."""
+    return tree.materialize() if isinstance(tree, DeviceTree) else tree
