@@ -119,6 +119,7 @@ class Drafter(ABC):
     name = "drafter"
     drafts_ahead = False                   # draft_ahead can return trees
     samples_proposals = False              # can draw sampled proposals
+    defers = True                          # draft(deferred=True) may leave a tree on the device, unread
 
     grammar_tokenizer = None               # llguidance's tokenizer (``specdec.tree.grammar``); None: unmasked drafts
 

@@ -164,8 +164,12 @@ class LocalDrafter:
         if commits:
             self.engine.commit(self.sid, *self.joined(commits))
         # a tree drafted on the device stays there, unread, for the verifier here (``specdec.tree.placed``)
-        drafted = self.engine.draft(self.sid, tree, ahead=True) if ahead else \
-            self.engine.draft(self.sid, tree, deferred=True)
+        if ahead:
+            drafted = self.engine.draft(self.sid, tree, ahead=True)
+        elif getattr(self.engine, "defers", False):          # ``drafter.base.Drafter``: it may leave it unread
+            drafted = self.engine.draft(self.sid, tree, deferred=True)
+        else:
+            drafted = self.engine.draft(self.sid, tree)
         return Draft(drafted, drafted.size)
 
     async def draft_ahead(self, commits: list[Committed], tree: TreeParams, count: int,

@@ -111,7 +111,7 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def draft(self, sid, cfg):
+    def draft(self, sid, cfg, deferred=False):          # (a tree read at once: ``deferred`` allows, not asks)
         tree = self.inner.draft(sid, cfg)
         self.trees.append(tree)
         return tree
