@@ -146,13 +146,15 @@ class VerifierEngine:
                     raise InvalidArgument("resuming a session needs at least two committed tokens")
                 sess.tokens = sess.tokens[:-1]
                 if params.penalized:
-                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens))
+                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(sess.tokens),
+                                           self.target.device)
                 sess.grammar = self._grammar(params, sess.tokens, prompt_tokens or len(sess.tokens))
                 hidden, _ = self._run_prompt(sess.cache, prompt[:-1], feature_layers, cache_salt)
                 first = prompt[-1]
             else:
                 if params.penalized:
-                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt))
+                    sess.history = History(self.target.vocab_size, sess.tokens, prompt_tokens or len(prompt),
+                                           self.target.device)
                 sess.grammar = self._grammar(params, sess.tokens, prompt_tokens or len(prompt))
                 hidden, logits = self._run_prompt(sess.cache, prompt, feature_layers, cache_salt,
                                                   all_logits=prompt_logprobs is not None)
@@ -236,7 +238,7 @@ class VerifierEngine:
         placed, target = tree.placed, self.target
         device = torch.device(target.device)
         if (tree.root != sess.tokens[-1] or placed.prefix_len != sess.prefix_len or placed.n < 2
-                or sess.grammar is not None or sess.history is not None or target.compiled is None
+                or sess.grammar is not None or target.compiled is None
                 or placed.width != width_bucket(placed.n) or placed.packed.device.type != device.type
                 or device.index not in (None, placed.packed.device.index)
                 or sess.prefix_len + tree.depth >= target.max_positions):

@@ -24,12 +24,11 @@ from specdec.model.loading import ModelSpec, load_causal_lm
 from specdec.model.masks import tree_allowed
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
-from specdec.tree.acceptance import (Acceptance, accept, greedy_order, order_acceptance, sampled_order,
-                                     walk_greedy)
+from specdec.tree.acceptance import Acceptance, accept, greedy_walk, order_acceptance, sampled_order, walk_greedy
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
-from specdec.tree.placed import DeviceTree, PlacedTree, place_tree
+from specdec.tree.placed import SEEN, TOKENS, DeviceTree, PlacedTree, place_tree
 from specdec.tree.sampling import History, TokenCounts, greedy_tokens, target_probs, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -53,10 +52,17 @@ class TargetSession:
     def prefix_len(self) -> int:
         return len(self.tokens) - 1
 
-    def processors(self, tree: DraftTree) -> tuple[TokenCounts | None, torch.Tensor | None]:
+    def processors(self, tree: DraftTree | DeviceTree, placed: PlacedTree | None = None
+                   ) -> tuple[TokenCounts | None, torch.Tensor | None]:
         """Every node's penalty counts (its own path's history) and grammar mask
-        (along its own path), where the session has them."""
-        counts = None if self.history is None else self.history.node_counts(tree.tokens, tree.ancestor_mask())
+        (along its own path), where the session has them; the counts from the
+        tree ``placed`` on the device where it is (no host data)."""
+        if self.history is None:
+            counts = None
+        elif placed is not None:
+            counts = self.history.placed_counts(placed.row(SEEN), placed.row(TOKENS))
+        else:
+            counts = self.history.node_counts(tree.tokens, tree.ancestor_mask())
         allowed = None if self.grammar is None else self.grammar.node_masks(tree.token_list, tree.parent_list)
         return counts, allowed
 
@@ -87,10 +93,12 @@ class TargetSession:
         and the cache's compaction and the features' gather follow it there:
         the argmaxes, or the path and the bonus, are the one read."""
         if placed is not None and tree.size > 1 and (self.params.greedy or not getattr(tree, "proposals", None)):
-            order, verdict = self.walk(placed, logits, self.processors(tree))
+            counts, allowed = self.processors(tree, placed)
+            order, verdict, ends = self.walk(placed, logits, counts, allowed)
             kv.reorder_tail(self.cache, prefix, order)
             features = hidden.index_select(0, order)
-            return self.keep(tree, prefix, self.acceptance(tree, verdict.tolist()), features, logits)   # the read
+            result = self.acceptance(tree, verdict.tolist())                       # the read
+            return self.keep(tree, prefix, result, features, logits, (counts, *ends) if ends else None)
         result, logprobs = self.decide(tree, logits)
         path = [0] + result.accepted
         kv.keep_path(self.cache, prefix, path)
@@ -101,14 +109,16 @@ class TargetSession:
 
     def settle_unread(self, tree: DeviceTree, hidden: torch.Tensor, logits: torch.Tensor) -> VerifyResult | None:
         """``settle`` of a tree drafted on the device and verified before anyone
-        read it (its one-hot proposals, greedy or sampled, no penalties, no
-        grammar: ``VerifierEngine.verify``): the draft is read with the verdict,
-        the cycle's one read. None where the graph flagged its draft: nothing
-        is kept (the cache back at the prefix, the generator's draws undone),
-        and the tree's level-by-level draft is the one to verify."""
+        read it (its one-hot proposals, greedy or sampled, penalties counted on
+        the device, no grammar: ``VerifierEngine.verify``): the draft is read
+        with the verdict, the cycle's one read. None where the graph flagged
+        its draft: nothing is kept (the cache back at the prefix, the
+        generator's draws undone, the counts as they were), and the tree's
+        level-by-level draft is the one to verify."""
         prefix, placed = self.prefix_len, tree.placed
         state = None if self.params.greedy else self.generator.get_state()
-        order, verdict = self.walk(placed, logits, (None, None))
+        counts = self.processors(tree, placed)[0]
+        order, verdict, ends = self.walk(placed, logits, counts, None)
         kv.reorder_tail(self.cache, prefix, order)
         features = hidden.index_select(0, order)
         values = torch.cat([tree.read, verdict]).tolist()        # the one read: the draft and its verdict
@@ -119,20 +129,28 @@ class TargetSession:
             if state is not None:
                 self.generator.set_state(state)
             return None
-        return self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), features, logits)
+        return self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), features, logits,
+                         (counts, *ends) if ends else None)
 
-    def walk(self, placed: PlacedTree, logits: torch.Tensor, processors: tuple
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Acceptance on the device (greedy: ``greedy_order``; sampled over
+    def walk(self, placed: PlacedTree, logits: torch.Tensor, counts: TokenCounts | None,
+             allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """Acceptance on the device (greedy: ``greedy_walk``; sampled over
         one-hot proposals: ``sampled_order``): the nodes in order [n], the root
-        and the accepted ones first, and what the host reads of the verdict
-        (the argmaxes, or the order and its tail)."""
+        and the accepted ones first; what the host reads of the verdict (the
+        argmaxes, or the order and its tail); and, with ``counts`` (the
+        session's penalties, per node), the path's last node and the bonus
+        token ([1] each) that ``History.advance`` commits (else None)."""
         if self.params.greedy:
-            best = greedy_tokens(logits, self.params, *processors)                 # [n] on the device
-            return greedy_order(placed, best), best
-        probs = target_probs(logits, self.params, *processors)
+            best = greedy_tokens(logits, self.params, counts, allowed)              # [n] on the device
+            order, on_path = greedy_walk(placed, best)
+            if counts is None:
+                return order, best, None
+            last = order.gather(0, on_path.sum().view(1) - 1)
+            return order, best, (last, best.gather(0, last))
+        probs = target_probs(logits, self.params, counts, allowed)
         order, tail = sampled_order(placed, probs, self.generator)
-        return order, torch.cat([order, tail])
+        ends = None if counts is None else (order.gather(0, tail[:1] - 1), tail[1:])
+        return order, torch.cat([order, tail]), ends
 
     def acceptance(self, tree: DraftTree, verdict: list) -> Acceptance:
         """The acceptance out of ``walk``'s verdict, read."""
@@ -141,19 +159,24 @@ class TargetSession:
         return order_acceptance(verdict)
 
     def keep(self, tree: DraftTree, prefix: int, result: Acceptance, features: torch.Tensor,
-             logits: torch.Tensor) -> VerifyResult:
+             logits: torch.Tensor, counted: tuple | None = None) -> VerifyResult:
         """After a walk on the device (the cache's tail and ``features`` in its
-        order): the root and the accepted path kept, the tokens committed."""
+        order): the root and the accepted path kept, the tokens committed;
+        ``counted``: the walk's (counts, last, bonus), which commit the penalty
+        counts on the device."""
         kept = len(result.accepted) + 1
         kv.truncate(self.cache, prefix + kept)
         features, logprobs = features[:kept], self.committed_logprobs(tree, result, logits)
         committed = result.tokens(tree)
-        self.commit(committed)
+        if counted is not None:
+            self.history.advance(*counted)
+        self.commit(committed, counted=counted is not None)
         return VerifyResult(result.accepted, committed, features, logprobs)
 
-    def commit(self, tokens: list[int]) -> None:
+    def commit(self, tokens: list[int], counted: bool = False) -> None:
+        """``tokens`` committed (``counted``: the penalty counts have them already)."""
         self.tokens.extend(tokens)
-        if self.history is not None:
+        if self.history is not None and not counted:
             self.history.extend(tokens)
         if self.grammar is not None:
             self.grammar.commit(tokens)
@@ -162,7 +185,8 @@ class TargetSession:
         """Keep the first ``length`` tokens (and the penalty counts of just those)."""
         del self.tokens[length:]
         if self.history is not None:
-            self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len)
+            self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len,
+                                   self.history.device)
         if self.grammar is not None:
             self.grammar.truncate(length)
 

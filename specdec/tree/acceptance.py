@@ -124,8 +124,13 @@ def greedy_order(placed: PlacedTree, target_argmax: torch.Tensor) -> torch.Tenso
     the first matching child: ``placed.STEP`` leaves such twins out); a node
     is on the path when every node of its path below the root steps. As bit
     sets (``specdec.tree.placed``): six operators, whatever the tree's depth."""
+    return greedy_walk(placed, target_argmax)[0]
+
+
+def greedy_walk(placed: PlacedTree, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_order`` and [n] bool: which nodes are on the path (the root is)."""
     match = target_argmax[placed.row(PARENTS)] == placed.row(TOKENS)     # [n] bool (the root's unused)
-    return _path_first(placed, match)[0]
+    return _path_first(placed, match)
 
 
 def _path_first(placed: PlacedTree, match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

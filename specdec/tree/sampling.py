@@ -66,21 +66,28 @@ class History:
     """A session's committed tokens as penalty counts, kept up to date per commit.
 
     ``prompt_len`` tokens of the sequence are the prompt (repetition penalty
-    only); the rest are generated (every penalty)."""
+    only); the rest are generated (every penalty). The counts live on
+    ``device`` (the model's): a tree placed there gets its per-node counts and
+    commits its path without the host (``placed_counts``, ``advance``)."""
 
-    def __init__(self, vocab_size: int, tokens: list[int], prompt_len: int):
+    def __init__(self, vocab_size: int, tokens: list[int], prompt_len: int, device="cpu"):
         self.vocab_size, self.prompt_len = vocab_size, prompt_len
-        self.generated = torch.zeros(vocab_size)
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)
-        self.seen[torch.tensor(tokens[:prompt_len], dtype=torch.long)] = True
+        self.device = torch.device(device)
+        self.generated = torch.zeros(vocab_size, device=self.device)
+        self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+        self.prompt_seen[torch.tensor(tokens[:prompt_len], dtype=torch.long, device=self.device)] = True
         self.extend(tokens[prompt_len:])
 
+    @property
+    def seen(self) -> torch.Tensor:
+        """[V] bool: in the prompt or generated."""
+        return self.prompt_seen | (self.generated > 0)
+
     def extend(self, tokens: list[int]) -> None:
-        """Generated tokens, committed."""
+        """Generated tokens, committed (host ids: one upload)."""
         if tokens:
-            ids = torch.tensor(tokens, dtype=torch.long)
-            self.generated.index_add_(0, ids, torch.ones(len(tokens)))
-            self.seen[ids] = True
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            self.generated.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
 
     def counts(self) -> TokenCounts:
         """The counts at the next position to sample ([V])."""
@@ -91,14 +98,33 @@ class History:
         committed token: the committed counts plus, for node u, the tokens of
         u and of its ancestors below the root (the path the distribution at u
         follows). tokens: [n] int64; ancestors: [n, n] bool, row u True at u and
-        its ancestors (``DraftTree.ancestor_mask``)."""
+        its ancestors (``DraftTree.ancestor_mask``; host tensors)."""
         n = tokens.shape[0]
         generated = self.generated.expand(n, -1).clone()
         if n > 1:
             rows, cols = ancestors[:, 1:].nonzero(as_tuple=True)   # node, path node - 1 (root excluded)
             path_tokens = tokens[1:].to(torch.long)[cols]
-            generated.index_put_((rows, path_tokens), torch.ones(len(rows)), accumulate=True)
-        return TokenCounts(generated, self.seen | (generated > 0))
+            generated.index_put_((rows.to(self.device), path_tokens.to(self.device)),
+                                 torch.ones(len(rows), device=self.device), accumulate=True)
+        return TokenCounts(generated, self.prompt_seen | (generated > 0))
+
+    def placed_counts(self, seen_bits: torch.Tensor, tokens: torch.Tensor) -> TokenCounts:
+        """``node_counts`` of a tree placed on the device (``specdec.tree.placed``:
+        its nodes' SEEN bit sets and tokens [n], on ``device``), from nothing on
+        the host: node u's row adds the tokens of the nodes whose bits u sees,
+        the root's left out."""
+        n = tokens.shape[0]
+        index = torch.arange(n, device=self.device)
+        below_root = (torch.bitwise_right_shift(seen_bits[:, None], index) & 1).bool() & (index > 0)   # [n, n]
+        generated = self.generated.expand(n, -1).clone().scatter_add_(
+            1, tokens[None].expand(n, n), below_root.to(self.generated.dtype))
+        return TokenCounts(generated, self.prompt_seen | (generated > 0))
+
+    def advance(self, counts: TokenCounts, last: torch.Tensor, bonus: torch.Tensor) -> None:
+        """A cycle's commit on the device: the path to node ``last`` [1] (its row
+        of ``counts``, the cycle's ``placed_counts``), then the bonus token [1]."""
+        self.generated = counts.generated.index_select(0, last)[0].index_add_(
+            0, bonus, torch.ones(1, device=self.device))
 
 
 # Dense bias vectors kept per (bias, vocabulary, device): a session's vector is built
@@ -132,7 +158,7 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts |
         return logits
     if counts is None:
         raise ValueError("penalties need the token counts of the history")
-    seen, generated = counts.seen.to(logits.device), counts.generated.to(logits.device)
+    seen, generated = moved_to(counts.seen, logits.device), moved_to(counts.generated, logits.device)
     if params.repetition_penalty != 1.0:
         rep = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)

@@ -1,6 +1,6 @@
 """The sampling processors against plain-Python references: logit bias and
 penalties, their order with temperature / top-k / top-p / min-p, per-node
-tree counts, logprobs, the new parameters' bounds and choice seeds."""
+tree counts (on the host and on the device), logprobs, the new parameters' bounds and choice seeds."""
 
 import math
 from dataclasses import replace
@@ -11,6 +11,7 @@ import torch
 from specdec.request.errors import InvalidArgument
 from specdec.request.params import MAX_LOGPROBS, ChatMessage, GenerationRequest, SamplingParams, choice_seed
 from specdec.tree.build import tree_from_lists
+from specdec.tree.placed import SEEN, TOKENS, place_tree
 from specdec.tree.proposals import ProposalSampler
 from specdec.tree.sampling import (History, bias_logits, greedy_tokens, logit_bias_vector, penalize, target_probs,
                                    token_logprobs)
@@ -137,6 +138,30 @@ def test_node_counts_are_each_nodes_own_path():
         assert torch.equal(counts.generated[node], want.generated), node
         assert torch.equal(counts.seen[node], want.seen), node
     assert torch.equal(history.counts().generated, History(V, [9, 9, 7], 2).generated)   # unchanged
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counts_of_a_placed_tree_are_the_node_counts_and_advance_commits_a_path(seed):
+    """On the device (``History.placed_counts`` from the placed bit sets,
+    ``advance`` from a node and a bonus): the host's counts, path by path."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 64, (1,), generator=gen))                # up to a 64-wide placed tree (bit 63)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    tokens = torch.randint(0, V, (n,), generator=gen).tolist()
+    tree = tree_from_lists(tokens, parents)
+    committed = torch.randint(0, V, (9,), generator=gen).tolist() + [tokens[0]]
+    history = History(V, committed, prompt_len=4)
+    placed = place_tree(tree, len(committed) - 1, 64, "cpu")
+    want = history.node_counts(tree.tokens, tree.ancestor_mask())
+    got = history.placed_counts(placed.row(SEEN), placed.row(TOKENS))
+    assert torch.equal(got.generated, want.generated) and torch.equal(got.seen, want.seen)
+    last, bonus = n - 1, int(torch.randint(0, V, (1,), generator=gen))
+    path = [last]
+    while parents[path[-1]] > 0:
+        path.append(parents[path[-1]])
+    history.advance(got, torch.tensor([last]), torch.tensor([bonus]))
+    after = History(V, committed + [tokens[i] for i in reversed(path)] + [bonus], prompt_len=4)
+    assert torch.equal(history.generated, after.generated) and torch.equal(history.seen, after.seen)
 
 
 def test_token_logprobs_are_the_raw_log_softmax():
