@@ -31,7 +31,7 @@ from specdec.serving.sessions import SessionTable
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.placed import DeviceTree
-from specdec.tree.sampling import History, make_generator, sample, target_probs, token_logprobs
+from specdec.tree.sampling import History, draw, make_generator, target_probs, token_logprobs
 from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
 from verifier.lookahead import lookahead_step
@@ -139,7 +139,7 @@ class VerifierEngine:
                                  logprobs=logprobs, feature_layers=feature_layers)
             sess.lock.acquire()        # nobody verifies on this session until its prefill is done
             self.sessions.add(sid, sess)
-        first_logprobs = scored = None
+        first_logprobs = scored = drawn = None
         try:
             if resume:
                 if len(prompt) < 2:
@@ -161,7 +161,8 @@ class VerifierEngine:
                 counts = None if sess.history is None else sess.history.counts()
                 allowed = None if sess.grammar is None else sess.grammar.mask()
                 probs = target_probs(logits[-1], params, counts, allowed)
-                first = int(probs.argmax()) if params.greedy else sample(probs, generator)
+                drawn = probs.argmax().view(1) if params.greedy else draw(probs, generator)   # on the device
+                first = int(drawn)
                 if logprobs is not None:
                     first_logprobs = token_logprobs(logits[-1:], [first], logprobs)
                 if prompt_logprobs is not None:     # position i predicts prompt token i + 1
@@ -171,6 +172,7 @@ class VerifierEngine:
             raise
         else:
             sess.commit([first])
+            sess.root_device = None if resume else drawn        # the next step's root, there already
             self._fit_budget()
         finally:
             sess.lock.release()
@@ -227,7 +229,8 @@ class VerifierEngine:
                 tree = tree.materialize()
             check_tree(self.target, sess, tree)
             prefix = sess.prefix_len
-            hidden, logits, placed = self.target.forward_tree(sess.cache, tree, prefix, sess.feature_layers)
+            hidden, logits, placed = self.target.forward_tree(sess.cache, tree, prefix, sess.feature_layers,
+                                                              sess.root_device)
             return sess.settle(tree, prefix, hidden, logits, placed)
 
     def _verify_unread(self, sess: TargetSession, tree: DeviceTree) -> VerifyResult | None:

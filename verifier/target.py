@@ -28,8 +28,8 @@ from specdec.tree.acceptance import Acceptance, accept, greedy_walk, order_accep
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
-from specdec.tree.placed import SEEN, TOKENS, DeviceTree, PlacedTree, place_tree
-from specdec.tree.sampling import History, TokenCounts, greedy_tokens, target_probs, token_logprobs
+from specdec.tree.placed import SEEN, TOKENS, DeviceTree, PlacedTree, place_root, place_tree
+from specdec.tree.sampling import History, TokenCounts, draw, greedy_tokens, target_probs, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class TargetSession:
     feature_layers: tuple[int, ...] = ()   # what its features are (``TargetModel.run``)
     grammar: GrammarState | None = None    # a constrained session's matcher at the committed tokens
     lookahead: LookaheadState | None = None  # its pool and window, once it verified by lookahead decoding
+    root_device: torch.Tensor | None = None  # the pending root's token [1] on the device, where the last step drew it
 
     @property
     def prefix_len(self) -> int:
@@ -92,6 +93,8 @@ class TargetSession:
         ``greedy_order``; sampled over one-hot proposals: ``sampled_order``),
         and the cache's compaction and the features' gather follow it there:
         the argmaxes, or the path and the bonus, are the one read."""
+        if placed is not None and tree.size == 1 and self.grammar is None:
+            return self.step_root(tree, prefix, hidden, logits)
         if placed is not None and tree.size > 1 and (self.params.greedy or not getattr(tree, "proposals", None)):
             counts, allowed = self.processors(tree, placed)
             order, verdict, ends = self.walk(placed, logits, counts, allowed)
@@ -106,6 +109,22 @@ class TargetSession:
         committed = result.tokens(tree)
         self.commit(committed)
         return VerifyResult(result.accepted, committed, features, logprobs)
+
+    def step_root(self, tree: DraftTree, prefix: int, hidden: torch.Tensor, logits: torch.Tensor) -> VerifyResult:
+        """``settle`` of a root-only tree on the compiled path (plain decoding's
+        step): the token is drawn (greedy: the argmax) as ``accept`` draws it,
+        read once, and kept on the device for the next step's forward
+        (``root_device``), the penalty counts committed there too."""
+        counts, allowed = self.processors(tree)
+        if self.params.greedy:
+            token = greedy_tokens(logits, self.params, counts, allowed)                # [1] on the device
+        else:
+            token = draw(target_probs(logits, self.params, counts, allowed)[0], self.generator)
+        result = Acceptance(accepted=[], bonus=int(token))                             # the read
+        counted = None if counts is None else (counts, torch.zeros_like(token), token)
+        verified = self.keep(tree, prefix, result, hidden, logits, counted)
+        self.root_device = token
+        return verified
 
     def settle_unread(self, tree: DeviceTree, hidden: torch.Tensor, logits: torch.Tensor) -> VerifyResult | None:
         """``settle`` of a tree drafted on the device and verified before anyone
@@ -175,6 +194,7 @@ class TargetSession:
 
     def commit(self, tokens: list[int], counted: bool = False) -> None:
         """``tokens`` committed (``counted``: the penalty counts have them already)."""
+        self.root_device = None
         self.tokens.extend(tokens)
         if self.history is not None and not counted:
             self.history.extend(tokens)
@@ -183,6 +203,7 @@ class TargetSession:
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (and the penalty counts of just those)."""
+        self.root_device = None
         del self.tokens[length:]
         if self.history is not None:
             self.history = History(self.history.vocab_size, self.tokens, self.history.prompt_len,
@@ -317,16 +338,19 @@ class TargetModel:
         """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
         return self.lm.masks(allowed, q_pos, k_pos)
 
-    def forward_tree(self, cache, tree: DraftTree, prefix_len: int, layers: tuple[int, ...] = ()
-                     ) -> tuple[torch.Tensor, torch.Tensor, PlacedTree | None]:
+    def forward_tree(self, cache, tree: DraftTree, prefix_len: int, layers: tuple[int, ...] = (),
+                     root: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, PlacedTree | None]:
         """``forward`` of ``tree`` after the ``prefix_len`` slots of ``cache``:
         features [n, F], logits [n, V], and the tree placed on the device
         where the compiled path runs it (``specdec.tree.placed``: its one
-        upload, the mask built there; None: the forward took the host's
+        upload, the mask built there; a root-only tree whose token is on the
+        device already, ``root``, none; None: the forward took the host's
         tokens, positions and mask)."""
         self.fit(cache, tree.size)
         if self.compiled is not None and self.compiled.tree_applies(cache, tree.size, layers):
-            placed = place_tree(tree, prefix_len, width_bucket(tree.size), self.device)
+            width = width_bucket(tree.size)
+            placed = place_root(root, prefix_len, width) if root is not None and tree.size == 1 else \
+                place_tree(tree, prefix_len, width, self.device)
             return (*self.forward_placed(cache, placed, layers), placed)
         mask = None if tree.size == 1 else self.tree_masks(tree, prefix_len)
         hidden, logits = self.forward(cache, tree.tokens, tree.position_ids(prefix_len), mask, layers)

@@ -191,6 +191,8 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
             node = children[node][pick]
             accepted.append(node)
             continue
+        if not children[node]:                            # a leaf: the bonus from its row
+            return Acceptance(accepted=accepted, bonus=_draw_residual(row, set(), generator))
         remaining = float(row.sum(dtype=torch.float64))  # residual mass, unnormalised
         rejected: set[int] = set()
         nxt = None

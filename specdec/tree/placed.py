@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.tree.layout import DraftTree
+from specdec.tree.layout import DraftTree, tree_from_lists
 
 MAX_WIDTH = 64
 # the rows of the placed tensor
@@ -110,6 +110,26 @@ def place_tree(tree, prefix_len: int, width: int, device) -> PlacedTree:
     return PlacedTree(packed, n, prefix_len)
 
 
+_ROOT_ROWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def place_root(root: torch.Tensor, prefix_len: int, width: int) -> PlacedTree:
+    """A root-only tree whose token is on the device already (the last step's
+    draw: ``root`` [1] int64), placed there ``width`` wide after ``prefix_len``
+    slots, as ``place_tree`` places it, with nothing uploaded but once per
+    width and device (the rows' constant part)."""
+    key = (width, root.device)
+    if key not in _ROOT_ROWS:
+        base = place_tree(_ROOT_ONLY, 0, width, root.device).packed
+        shift = torch.zeros_like(base)
+        shift[POSITIONS:SLOTS + 1] = 1                     # positions and slots follow the prefix
+        unit = torch.zeros_like(base)
+        unit[TOKENS, 0] = 1                                # the root's token
+        _ROOT_ROWS[key] = base, shift, unit
+    base, shift, unit = _ROOT_ROWS[key]
+    return PlacedTree(torch.addcmul(torch.add(base, shift, alpha=prefix_len), unit, root), 1, prefix_len)
+
+
 @dataclass(eq=False)
 class DeviceTree:
     """A draft still on the device, placed for its verify: ``read`` [1 + 4N]
@@ -151,6 +171,9 @@ class DeviceTree:
         if self._tree is None:
             self._tree = self.fallback()
         return self._tree
+
+
+_ROOT_ONLY = tree_from_lists([0], [-1])
 
 
 def host_tree(tree) -> DraftTree:

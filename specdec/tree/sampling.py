@@ -240,6 +240,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(moved_to(probs, generator.device), 1, generator=generator))
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``sample``'s token (the same draw), left on ``probs``' device: [1] int64."""
+    return moved_to(torch.multinomial(moved_to(probs, generator.device), 1, generator=generator), probs.device)
+
+
 def moved_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``x`` on ``device``: a copy only where it lives elsewhere (a session's
     generator on the model's device copies nothing)."""

@@ -122,8 +122,9 @@ def test_a_compiled_step_counts_as_one_replay_and_nothing_inside_it(tiny_family)
     compiled = count_method("vanilla", LocalMethod(fast, None, None, SamplingParams(), STOP), PROMPTS).record()
     assert compiled["cycles"] == plain["cycles"]
     assert compiled["per_cycle"]["replays"] == 1                 # the one-token step, each cycle
-    # plain decoding on the compiled path: the root placed on the device, its argmax read back
-    assert compiled["per_cycle"]["reads"] == 1 and compiled["per_cycle"]["syncs"] <= 2, compiled["sync_sites"]
+    # plain decoding on the compiled path: the token read back, and kept on the device for the next step's
+    # forward (the root placed there from it: nothing goes up)
+    assert compiled["per_cycle"]["reads"] == 1 and compiled["per_cycle"]["syncs"] == 1, compiled["sync_sites"]
     hidden = sum(s["per_cycle"] for s in plain["op_sites"] if s["site"].startswith("specdec/model/causal_lm.py"))
     assert hidden > 50                                           # the layers' operators, eager ...
     assert not any(s["site"].startswith("specdec/model/causal_lm.py") and s["kind"] == "ops"
@@ -179,7 +180,7 @@ def test_on_cuda_the_device_side_is_counted_too(tiny_family):
 # up once (``specdec.tree.placed``) and the argmaxes (sampled: the path and the bonus) come back once; the
 # mask, the walk, the cache's compaction and the features' gather stay on the device (sampled: a request's
 # last, root-only cycles read their token: the 0.07).
-VERIFY_CEILING = {True: {"syncs_per_cycle": 2, "reads": 1, "uploads": 1, "shaped": 0, "ops": 17.4},
+VERIFY_CEILING = {True: {"syncs_per_cycle": 2, "reads": 1, "uploads": 1, "shaped": 0, "ops": 17.47},
                   False: {"syncs_per_cycle": 2.07, "reads": 1.07, "uploads": 1, "shaped": 0, "ops": 65.93}}
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
 
@@ -207,7 +208,7 @@ def test_a_compiled_verify_reads_once_and_uploads_once(compiled_target, stack, p
 # ``specdec.tree.placed.DeviceTree``); a request's last, root-only cycles place their root (one upload)
 # and read its token (sampled: also the walk's; penalised: and commit its counts, one upload); the
 # eager operators outside the graphs. Penalties count each node's path on the device.
-WHOLE_CYCLE = {"greedy": {"syncs": 1.07, "ops": 29.47}, "sampled": {"syncs": 1.13, "ops": 78.0},
+WHOLE_CYCLE = {"greedy": {"syncs": 1.07, "ops": 29.53}, "sampled": {"syncs": 1.13, "ops": 78.0},
                "penalised": {"syncs": 1.2, "ops": 97.67}}
 PENALISED = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.5, seed=3)
 

@@ -4,7 +4,8 @@ and a whole-draft graph): the graph places it as the host would, the verifier
 reads it once with its verdict, generations are unchanged (greedy: plain
 greedy decoding; seeded sampling: the level path's very draws), and a draft
 the graph flagged is thrown away for its level-by-level twin with nothing of
-the first verify kept."""
+the first verify kept. Plain decoding's token stays on the device for the
+next step's forward, and draws what the eager step draws."""
 
 from __future__ import annotations
 
@@ -123,3 +124,12 @@ def test_sampled_runs_draw_what_the_level_path_draws(stack, params):
     for prompt in PROMPTS:
         want = generate(target, levels, prompt, params, STOP, TREE).tokens
         assert generate(target, fast, prompt, params, STOP, TREE).tokens == want
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED, PENALISED], ids=["greedy", "sampled", "penalised"])
+def test_plain_decoding_keeps_its_token_on_the_device_and_decodes_as_the_eager_step(stack, tiny_family, params):
+    target = stack[0]
+    eager = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
+    for prompt in PROMPTS:
+        want = generate(eager, None, prompt, params, STOP, None).tokens
+        assert generate(target, None, prompt, params, STOP, None).tokens == want

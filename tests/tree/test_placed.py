@@ -1,7 +1,8 @@
 """specdec.tree.placed and what runs on it on the device: the masks built from a
 placed tree's bits are the host's padded masks bit for bit, the greedy walk as
-bit-set operations orders the nodes as ``accept_greedy`` walks them, and the
-cache reordered by it keeps what ``keep_path`` keeps."""
+bit-set operations orders the nodes as ``accept_greedy`` walks them, the
+cache reordered by it keeps what ``keep_path`` keeps, and a root placed from
+its token on the device is the host's placed root."""
 
 import random
 
@@ -14,7 +15,7 @@ from specdec.model import kv
 from specdec.model.masks import FULL, SLIDING, AttentionLayout, tree_allowed
 from specdec.tree.acceptance import accept_greedy, greedy_order
 from specdec.tree.build import tree_from_lists
-from specdec.tree.placed import BITS, MAX_WIDTH, SEEN, place_tree
+from specdec.tree.placed import BITS, MAX_WIDTH, SEEN, place_root, place_tree
 
 CONFIG = LlamaConfig(num_hidden_layers=2, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
                      intermediate_size=16, vocab_size=32)
@@ -114,3 +115,11 @@ def test_the_reordered_cache_keeps_what_keep_path_keeps():
     kv.truncate(got, prefix + len(path))
     for a, b in zip(want.layers, got.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("width", [1, 2, 8])
+def test_a_root_placed_from_the_device_is_the_hosts(width):
+    for prefix, token in ((0, 3), (17, 0), (250, 31)):
+        got = place_root(torch.tensor([token]), prefix, width)
+        want = place_tree(tree_from_lists([token], [-1]), prefix, width, "cpu")
+        assert torch.equal(got.packed, want.packed) and (got.n, got.prefix_len) == (1, prefix)
