@@ -235,14 +235,15 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     return [TokenLogprob(t, lp, tuple(i), tuple(v)) for t, lp, i, v in zip(tokens, chosen, top_idx, top_vals)]
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from `probs` [V] (need not be normalised) using `generator`."""
-    return int(torch.multinomial(moved_to(probs, generator.device), 1, generator=generator))
-
-
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``sample``'s token (the same draw), left on ``probs``' device: [1] int64."""
+    """One token from `probs` [V] (need not be normalised) using `generator`,
+    left on ``probs``' device: [1] int64."""
     return moved_to(torch.multinomial(moved_to(probs, generator.device), 1, generator=generator), probs.device)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """``draw``'s token, read."""
+    return int(draw(probs, generator))
 
 
 def moved_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
