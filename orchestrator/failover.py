@@ -49,9 +49,9 @@ from prometheus_client import Counter
 
 from specdec.request import wire
 from specdec.request.errors import ResourceExhausted, Unavailable
-from specdec.request.params import TREE_KNOBS, SamplingParams, TreeParams
+from specdec.request.params import SamplingParams, TreeParams
 from specdec.request.speculative import Committed, Draft, SelfDraft
-from specdec.request.wire import TENSOR_DTYPES
+from specdec.request.wire import FeatureLog, clamp_tree
 from specdec.serving.metrics import REGISTRY
 from specdec.v1 import common_pb2, drafter_pb2, verifier_pb2
 from orchestrator.backend import Backend, BackendError, Deadline
@@ -76,55 +76,6 @@ FALLBACKS = Counter("specdec_fallback_total",
                     "plain decoding, by reason.", ["reason"], registry=REGISTRY)
 FAILOVERS = Counter("specdec_failovers_total", "Sessions moved to another backend after losing one, by role.",
                     ["role"], registry=REGISTRY)
-
-
-class FeatureLog:
-    """Feature rows ([n, H] ``Tensor`` messages) in the order the verifier sent them."""
-
-    def __init__(self) -> None:
-        self.parts: list[common_pb2.Tensor] = []
-        self.rows = 0
-        self.dtype: str | None = None
-        self.hidden: int | None = None
-
-    def add(self, msg: common_pb2.Tensor) -> None:
-        """Append one message; ValueError if it does not continue the others."""
-        shape = list(msg.shape)
-        if len(shape) != 2 or msg.dtype not in TENSOR_DTYPES:
-            raise ValueError(f"features must be a 2-D tensor of {', '.join(TENSOR_DTYPES)}, "
-                             f"got {msg.dtype or 'no dtype'} {shape}")
-        rows, hidden = shape
-        if len(msg.data) != rows * hidden * TENSOR_DTYPES[msg.dtype]:
-            raise ValueError(f"features of shape {shape} ({msg.dtype}) carry {len(msg.data)} bytes")
-        if self.dtype is not None and (msg.dtype, hidden) != (self.dtype, self.hidden):
-            raise ValueError(f"features changed from {self.dtype} [*, {self.hidden}] to {msg.dtype} [*, {hidden}]")
-        self.dtype, self.hidden = msg.dtype, hidden
-        self.parts.append(msg)
-        self.rows += rows
-
-    def clear(self) -> None:
-        self.parts.clear()
-        self.rows = 0
-
-    def tensor(self) -> common_pb2.Tensor | None:
-        """All rows as one [rows, H] message; None when nothing was added."""
-        if not self.parts:
-            return None
-        if len(self.parts) == 1:
-            return self.parts[0]
-        return common_pb2.Tensor(data=b"".join(p.data for p in self.parts), dtype=self.dtype,
-                                 shape=[self.rows, self.hidden])
-
-
-def clamp_tree(params: common_pb2.TreeParams, limits: common_pb2.TreeParams) -> common_pb2.TreeParams:
-    """``params`` with each knob at most the drafter's limit (0: no limit)."""
-    out = common_pb2.TreeParams()
-    out.CopyFrom(params)
-    for name in TREE_KNOBS:
-        limit = getattr(limits, name)
-        if limit > 0:
-            setattr(out, name, min(getattr(out, name), limit))
-    return out
 
 
 class RemoteVerifier(Backend):

@@ -16,6 +16,9 @@ Per request (a session, the same id on both services):
 
 Each backend's per-cycle steps travel on one session stream
 (``orchestrator.backend``; ``streams=False``: a unary call per step).
+On the direct plane (``direct``, ``orchestrator.plane``) the pinned verifier
+runs the loop itself and calls the pinned drafter directly; this side opens
+the run with the request's policy, hears every commit and sends stops.
 
 The verifier and drafter are ``orchestrator.failover``'s handles: losing a
 backend costs a re-prefill, never a token. Features travel from verifier to
@@ -43,6 +46,7 @@ from specdec.request.speculative import Request, speculative_generate
 from specdec.serving import metrics
 from orchestrator.backend import Deadline
 from orchestrator.failover import RemoteDrafter, RemoteVerifier
+from orchestrator.plane import DirectRun
 from orchestrator.routing import Endpoint, Router
 from orchestrator.text import Delta, TextStream
 
@@ -73,7 +77,7 @@ class Generation:
 
     def __init__(self, router: Router, job: Job, decoding: Decoding, text: TextStream, deadline: Deadline,
                  verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False,
-                 streams: bool = True, ahead_budget: bool = True):
+                 streams: bool = True, ahead_budget: bool = True, direct: bool = False):
         self.job = job
         self.dec = decoding
         self.text = text
@@ -90,6 +94,8 @@ class Generation:
         if self.remote_drafter is not None and ahead_budget:
             # drafting ahead fits in about the last verify's time (0: the first cycle, no limit)
             self.remote_drafter.ahead_budget = lambda: AHEAD_BUDGET_SHARE * self.remote_verifier.verify_wall_s
+        self.ahead_budget = ahead_budget     # drafting ahead fits in the last verify's time
+        self.direct = DirectRun(self) if direct else None   # the direct plane (``orchestrator.plane``)
         self.emit: Callable[[Delta], Awaitable[None]] | None = None
         self.first_token_seen = False
         self.last_emit: float | None = None
@@ -97,7 +103,12 @@ class Generation:
     async def run(self, emit: Callable[[Delta], Awaitable[None]]) -> None:
         self.emit = emit
         drafter = await self.pin()
-        await speculative_generate(self.remote_verifier, drafter, self.request, self.dec, listener=self)
+        if self.direct is not None:
+            self.direct.drafter = drafter
+            await self.direct.run()
+            self.dec.finish()
+        else:
+            await speculative_generate(self.remote_verifier, drafter, self.request, self.dec, listener=self)
         await self.send(self.text.finish())
 
     async def pin(self) -> RemoteDrafter | None:
@@ -155,16 +166,22 @@ class Generation:
     @property
     def drafts(self) -> int:
         """Cycles that asked the drafter for a tree (lookahead decoding: the verifier)."""
+        if self.direct is not None:
+            return self.direct.drafts
         return self.remote_drafter.drafts if self.remote_drafter is not None else self.remote_verifier.self_drafts
 
     @property
     def wire_bytes(self) -> int:
         """Serialized bytes of this request's backend calls, requests and answers."""
+        if self.direct is not None:
+            return self.direct.wire_bytes
         return sum(h.wire_bytes for h in (self.remote_verifier, self.remote_drafter) if h is not None)
 
     @property
     def ahead_draft_s(self) -> float:
         """Drafter compute this request spent drafting one round ahead."""
+        if self.direct is not None:
+            return self.direct.ahead_s
         return self.remote_drafter.ahead_s if self.remote_drafter is not None else 0.0
 
     @property

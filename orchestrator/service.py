@@ -42,6 +42,7 @@ from specdec.serving.logs import request_id_var
 from specdec.serving.server import ClientTls, Lifecycle, status_code_of
 from specdec.v1 import orchestrator_pb2, orchestrator_pb2_grpc, verifier_pb2
 from orchestrator.loop import Deadline, Generation, Job
+from orchestrator.plane import DIRECT, PLANES, RELAY
 from orchestrator.routing import Discovery, Resolver, Router, parse_addresses, resolve_dns, split_address
 from orchestrator.text import Delta, TextStream, TextTokenizer
 
@@ -84,6 +85,9 @@ class OrchestratorConfig:
     session_streams: bool = True
     # drafting ahead stops starting paths past the last verify's time (False: all `lookahead` paths)
     lookahead_budget: bool = True
+    # RELAY: trees and commits travel through this orchestrator; DIRECT: the verifier runs
+    # each request's loop with the drafter it is paired with (``orchestrator.plane``)
+    plane: str = RELAY
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -106,6 +110,8 @@ class OrchestratorConfig:
             raise ValueError(f"lookahead must be an integer in [0, 8] (0 = off), got {self.lookahead}")
         if isinstance(self.verify_token_budget, bool) or not self.verify_token_budget >= 0:
             raise ValueError(f"verify token budget must be >= 0 (0 = off), got {self.verify_token_budget}")
+        if self.plane not in PLANES:
+            raise ValueError(f"plane must be one of {', '.join(PLANES)}, got {self.plane!r}")
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default max_new_tokens must be >= 1, got {self.default_max_new_tokens}")
 
@@ -328,7 +334,7 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
                           gate_by_kind=self.config.min_tau is None, streams=self.config.session_streams,
-                          ahead_budget=self.config.lookahead_budget)
+                          ahead_budget=self.config.lookahead_budget, direct=self.config.plane == DIRECT)
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: given, or the text (rendered chat messages) encoded."""

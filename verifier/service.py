@@ -10,6 +10,10 @@ FAILED_PRECONDITION, loading or draining UNAVAILABLE. ``Prefill`` with
 ``resume`` reopens a session moved from a lost verifier (the orchestrator's
 failover): its committed tokens are recomputed and nothing is sampled.
 
+``Run`` is the direct plane (``verifier.plane``): a whole request run here,
+drafting on the paired drafter over this verifier's own stream to it
+(``verifier.paired``), every commit streamed back to the orchestrator.
+
 ``Session`` carries one session's steps (Prefill then Verify) on one bidirectional
 stream, each handled as its unary RPC; the session is released when the
 stream ends (``specdec.serving.engine_servicer.EngineServicer.serve_session``).
@@ -28,10 +32,13 @@ from specdec.request.params import (SamplingParams, check_cache_salt, check_coun
                                     check_session_id, check_token_ids)
 from specdec.serving import metrics, tensor_wire
 from specdec.serving.engine_servicer import EngineServicer
+from specdec.serving.server import ClientTls
 from specdec.serving.sessions import DEFAULT_LEASE_S
 from specdec.tree.build import tree_from_lists
 from specdec.tree.sizing import restore
 from specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from verifier import plane
+from verifier.paired import Peers
 
 log = logging.getLogger("specdec.verifier")
 
@@ -46,6 +53,8 @@ class VerifierServiceConfig:
     max_batch: int = 16
     solo_threads: int = 0              # >0: torch threads while at most one session is open
     lease_s: float = DEFAULT_LEASE_S   # an orchestrator's session outlives its last lease renewal this long
+    peer_tls: ClientTls | None = None  # the direct plane: how this verifier reaches its paired drafters
+    peer_token: str | None = None      # their bearer token
 
     def __post_init__(self):
         if self.feature_dtype not in ("float32", "float16"):
@@ -60,6 +69,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         self.config = config
         self.engine = None                 # VerifierEngine, once loaded
         self.scheduler = None              # BatchScheduler when batching is on
+        self.peers = Peers(config.peer_tls, config.peer_token)   # drafters paired on the direct plane
 
     def registration(self) -> tuple[Callable, object, str]:
         """The (add_to_server, servicer, service name) triple for ``start_server``."""
@@ -105,6 +115,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
     async def aclose(self) -> None:
         if self.scheduler is not None:          # its batching task ends with the server, not after the loop
             await self.scheduler.close()
+        await self.peers.close()
         await super().aclose()
 
     def _evict(self) -> list[str]:
@@ -191,6 +202,10 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         async for response in self.serve_session(request_iterator, context, steps,
                                                  verifier_pb2.VerifierSessionResponse):
             yield response
+
+    async def Run(self, request_iterator, context):
+        async for event in plane.run(self, request_iterator, context):
+            yield event
 
     async def Rollback(self, request, context):
         self.check()

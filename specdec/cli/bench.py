@@ -109,6 +109,10 @@ def add_parser(sub) -> None:
                    help="with --grpc: run the verifier and the drafter processes on one core each (as on devices "
                         "of their own, one torch thread each) and the in-process methods on the verifier's core "
                         "(needs 2 CPUs; implies --threads 1)")
+    p.add_argument("--compare-plane", action="store_true",
+                   help="with --grpc: also run each method through a twin of each orchestrator on the direct "
+                        "plane (the verifier runs the loop and calls the drafter itself), as METHOD@grpc-direct "
+                        "(and METHOD@grpc-aheadN-direct)")
     p.add_argument("--compare-unary", action="store_true",
                    help="with --grpc: also run each speculative method through an orchestrator that sends every "
                         "per-cycle step as a unary call instead of on the session streams, as METHOD@grpc-unary")
@@ -190,8 +194,9 @@ def config_from(args, sweep: bool):
         raise UsageError(f"--lookahead values must be in [1, 8], got {','.join(map(str, args.lookahead))}")
     if args.lookahead and not args.grpc:
         raise UsageError("--lookahead needs --grpc (in-process methods have no round trip to hide)")
-    if (args.pin or args.compare_unary) and not args.grpc:
-        raise UsageError(f"{'--pin' if args.pin else '--compare-unary'} needs --grpc")
+    for flag in ("pin", "compare_unary", "compare_plane"):
+        if getattr(args, flag) and not args.grpc:
+            raise UsageError(f"--{flag.replace('_', '-')} needs --grpc")
     if args.pin and args.threads not in (None, 1):
         raise UsageError(f"--pin runs one torch thread per process, got --threads {args.threads}")
     if args.pin:
@@ -229,6 +234,7 @@ def config_from(args, sweep: bool):
                        compare_tree_sizing=args.compare_tree_sizing and not sweep,
                        min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
+                       compare_plane=args.compare_plane,
                        pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,
                        openai_model=args.openai_model, openai_key=args.openai_key,
                        prefix_cache_tokens=args.prefix_cache_tokens or 0, prefix_cache_exact=args.prefix_cache_exact,

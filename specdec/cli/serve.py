@@ -27,7 +27,7 @@ from specdec.model.loading import ATTN_IMPLEMENTATIONS
 from specdec.request import knobs
 from specdec.request.errors import UsageError
 from specdec.request.params import METHODS, PROPOSALS, TreeParams
-from specdec.serving.server import ServerConfig
+from specdec.serving.server import ClientTls, ServerConfig
 from specdec.serving.sessions import DEFAULT_LEASE_S
 
 VERIFIER_PORTS = (50052, 9452)        # (gRPC, metrics) defaults
@@ -144,6 +144,15 @@ def add_parsers(sub) -> None:
     add_tree_sizing_flag(p)
     add_lookahead_flag(p)
     _add_session_flags(p)
+    g = p.add_argument_group("the direct plane (an orchestrator with --plane direct pairs this verifier with "
+                             "drafters it then calls itself)")
+    g.add_argument("--peer-ca", default=env("SPECDEC_PEER_CA"), help="CA of the drafters' certificates (TLS; "
+                                                                     "env SPECDEC_PEER_CA)")
+    g.add_argument("--peer-cert", default=env("SPECDEC_PEER_CERT"), help="client certificate for the drafters "
+                                                                         "(mutual TLS; env SPECDEC_PEER_CERT)")
+    g.add_argument("--peer-key", default=env("SPECDEC_PEER_KEY"), help="its key (env SPECDEC_PEER_KEY)")
+    g.add_argument("--peer-token", default=env("SPECDEC_PEER_TOKEN"),
+                   help="bearer token for the drafters (env SPECDEC_PEER_TOKEN)")
     add_server_flags(p, *VERIFIER_PORTS)
     p.set_defaults(run=run_verifier)
 
@@ -225,10 +234,14 @@ def run_verifier(args) -> int:
         check_tp_degree(spec.path, args.tp)
     if args.tp > 1 and args.solo_threads:
         raise UsageError("--solo-threads needs --tp 1 (tensor-parallel ranks keep their own threads)")
+    peer_tls = None
+    if args.peer_ca or args.peer_cert or args.peer_key:
+        peer_tls = ClientTls(ca=args.peer_ca, cert=args.peer_cert, key=args.peer_key)
     servicer = VerifierService(VerifierServiceConfig(feature_dtype=args.feature_dtype,
                                                      batch_window_ms=args.batch_window_ms,
                                                      max_batch=args.max_batch, solo_threads=args.solo_threads,
-                                                     lease_s=args.lease_s, model_name=source_of(spec.path) or ""))
+                                                     lease_s=args.lease_s, model_name=source_of(spec.path) or "",
+                                                     peer_tls=peer_tls, peer_token=args.peer_token))
 
     def build():
         from verifier.engine import TargetModel, VerifierEngine

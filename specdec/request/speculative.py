@@ -21,7 +21,8 @@ Per request:
         call is in flight (streaming is off the critical path);
   3. release both sessions, whatever happened (shielded from cancellation).
 
-The loop is torch-free (the orchestrator runs it): it sees token ids, a tree
+The loop is torch-free (the orchestrator runs it, or on the direct plane
+the verifier, ``verifier.plane``): it sees token ids, a tree
 as an opaque value it hands from the drafter to the verifier (``Draft``, with
 its size), the verifier's answer (``Committed``: tokens, accepted node
 indices, features as an opaque payload for the drafter, the tokens' logprobs

@@ -337,9 +337,11 @@ async def run_server(cfg: ServerConfig, services: list[tuple[Callable, object, s
 
 
 # -- channels between services -------------------------------------------------------------
-class _OutgoingMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                        grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the bearer token and the current request id to every call."""
+class _OutgoingMetadata:
+    """Adds the bearer token and the current request id to a call's metadata.
+    One subclass per call kind: grpc.aio files an interceptor under the first
+    kind it implements only, so one class implementing all four would reach
+    unary calls alone (streams would go out without the token)."""
 
     def __init__(self, token: str | None):
         self._auth = None if token is None else f"Bearer {token}"
@@ -353,24 +355,41 @@ class _OutgoingMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStre
             md.add("x-request-id", rid)
         return details._replace(metadata=md)
 
+
+class _UnaryUnaryMetadata(_OutgoingMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _UnaryStreamMetadata(_OutgoingMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamUnaryMetadata(_OutgoingMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStreamMetadata(_OutgoingMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
+
+
+def outgoing_metadata(token: str | None) -> list[_OutgoingMetadata]:
+    """The interceptors that put the token (when there is one) on every kind of
+    call, and the request id on unary calls at least. Without a token, streams
+    go out uninterceptored: an intercepted stream passes each message through
+    a queue and a task of grpc's own, on the per-cycle path."""
+    kinds = (_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata, _StreamStreamMetadata)
+    return [kind(token) for kind in (kinds if token is not None else kinds[:1])]
 
 
 def open_channel(target: str, tls: ClientTls | None = None, token: str | None = None,
                  max_message_mb: int = 64) -> grpc.aio.Channel:
     size = max_message_mb * 1024 * 1024
     options = [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
-    interceptors = [_OutgoingMetadata(token)]
+    interceptors = outgoing_metadata(token)
     if tls is None:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     if (tls.cert is None) != (tls.key is None):

@@ -156,3 +156,83 @@ class VerifierSessionResponse(_message.Message):
     prefill: VerifierPrefillResponse
     verify: VerifyResponse
     def __init__(self, prefill: _Optional[_Union[VerifierPrefillResponse, _Mapping]] = ..., verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
+
+class RunStart(_message.Message):
+    __slots__ = ("prefill", "drafter", "tree", "lookahead", "verify_token_budget", "min_tau", "eos_token_ids", "drafter_cache_salt", "ahead_unbudgeted")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MIN_TAU_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_UNBUDGETED_FIELD_NUMBER: _ClassVar[int]
+    prefill: VerifierPrefillRequest
+    drafter: str
+    tree: _common_pb2.TreeParams
+    lookahead: int
+    verify_token_budget: int
+    min_tau: float
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    drafter_cache_salt: str
+    ahead_unbudgeted: bool
+    def __init__(self, prefill: _Optional[_Union[VerifierPrefillRequest, _Mapping]] = ..., drafter: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., lookahead: _Optional[int] = ..., verify_token_budget: _Optional[int] = ..., min_tau: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_cache_salt: _Optional[str] = ..., ahead_unbudgeted: _Optional[bool] = ...) -> None: ...
+
+class RunStop(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: RunStart
+    stop: RunStop
+    def __init__(self, start: _Optional[_Union[RunStart, _Mapping]] = ..., stop: _Optional[_Union[RunStop, _Mapping]] = ...) -> None: ...
+
+class RunCommit(_message.Message):
+    __slots__ = ("tokens", "logprobs", "accepted", "nodes", "ahead", "hops", "draft_s", "verify_s", "prompt_logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    accepted: int
+    nodes: int
+    ahead: bool
+    hops: int
+    draft_s: float
+    verify_s: float
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., accepted: _Optional[int] = ..., nodes: _Optional[int] = ..., ahead: _Optional[bool] = ..., hops: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class RunDone(_message.Message):
+    __slots__ = ("finish_reason", "fallback", "drafts", "ahead_hits", "ahead_draft_s", "wire_bytes")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    fallback: str
+    drafts: int
+    ahead_hits: int
+    ahead_draft_s: float
+    wire_bytes: int
+    def __init__(self, finish_reason: _Optional[str] = ..., fallback: _Optional[str] = ..., drafts: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., ahead_draft_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+
+class RunEvent(_message.Message):
+    __slots__ = ("commit", "done")
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    commit: RunCommit
+    done: RunDone
+    def __init__(self, commit: _Optional[_Union[RunCommit, _Mapping]] = ..., done: _Optional[_Union[RunDone, _Mapping]] = ...) -> None: ...

@@ -70,6 +70,11 @@ class VerifierServiceStub:
                 request_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionResponse.FromString,
                 _registered_method=True)
+        self.Run = channel.stream_stream(
+                '/specdec.v1.VerifierService/Run',
+                request_serializer=specdec_dot_v1_dot_verifier__pb2.RunRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_verifier__pb2.RunEvent.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -125,6 +130,18 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Run(self, request_iterator, context):
+        """The direct plane: one request run here from prefill to its end, drafting
+        on the paired drafter over a stream of the verifier's own (trees and
+        commits travel between the two, never through the caller). The first
+        message starts it; a later one may stop it. The verifier streams every
+        commit, then a summary; the stream ending any way releases the session
+        here and on the drafter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +179,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_verifier__pb2.VerifierSessionResponse.SerializeToString,
+            ),
+            'Run': grpc.stream_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=specdec_dot_v1_dot_verifier__pb2.RunRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_verifier__pb2.RunEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +376,33 @@ class VerifierService:
             '/specdec.v1.VerifierService/Session',
             specdec_dot_v1_dot_verifier__pb2.VerifierSessionRequest.SerializeToString,
             specdec_dot_v1_dot_verifier__pb2.VerifierSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.VerifierService/Run',
+            specdec_dot_v1_dot_verifier__pb2.RunRequest.SerializeToString,
+            specdec_dot_v1_dot_verifier__pb2.RunEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,7 +23,7 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.failover import FeatureLog
+from specdec.request.wire import FeatureLog
 from running_stack import Stack, alive
 from serving.helpers import channel_to, drafter_builder, rpc_error, start_verifier, verifier_builder
 from specdec.client import SpecdecClient, SpecdecClientError, SpecdecUnavailable

@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from specdec.serving.logs import JsonFormatter, request_id_var
 from specdec.serving.server import ClientTls, ServerConfig, open_channel, start_server, status_code_of
 from specdec.v1.common_pb2 import DraftTree
 from specdec.v1.verifier_pb2 import (VerifierGetInfoRequest, VerifierPrefillRequest, VerifierReleaseRequest,
-                                     VerifyRequest)
+                                     VerifierSessionRequest, VerifyRequest)
 from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
 
 CODE = grpc.StatusCode
@@ -200,32 +199,19 @@ async def test_bearer_token(tiny_family):
             await stub.GetInfo(VerifierGetInfoRequest(), metadata=(("authorization", "Bearer s3cret"),))
         async with channel_to(server, token="s3cret") as ch:
             assert (await VerifierServiceStub(ch).GetInfo(VerifierGetInfoRequest())).vocab_size > 0
+            # a channel's token goes on its streams too (a session stream, written message by message)
+            stream = VerifierServiceStub(ch).Session()
+            await stream.write(VerifierSessionRequest(prefill=VerifierPrefillRequest(
+                session_id="token-stream", prompt_ids=[1, 2, 3])))
+            answer = await stream.read()
+            assert answer != grpc.aio.EOF and answer.WhichOneof("step") == "prefill", await stream.details()
+            await stream.done_writing()
+            assert await stream.code() == CODE.OK
     finally:
         await server.stop()
 
 
 # -- TLS ---------------------------------------------------------------------------------------------------------
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    """A throwaway CA, a server certificate for 127.0.0.1 / localhost and a client certificate."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is needed to make test certificates")
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=specdec test CA",
-             cwd=d)
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for who, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.pem", "-days", "2", *ext, cwd=d)
-    return {name: str(d / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
-
-
 @pytest.mark.asyncio
 async def test_tls_and_mutual_tls(tiny_family, certs):
     server_tls = dict(tls_cert=certs["server.pem"], tls_key=certs["server.key"], metrics_port=None)

@@ -1,0 +1,307 @@
+"""The direct plane (``orchestrator.plane``, ``verifier.plane``, ``verifier.paired``):
+the verifier runs each request's loop and talks to the paired drafter itself.
+
+Real gRPC on 127.0.0.1 (tiny family): output token-identical to in-process
+decoding, greedy and seeded sampled (penalties, logprobs); stops, cancels and
+deadlines end the run and free both sessions; a drafter lost mid-run leaves
+plain decoding with the same output; a verifier lost mid-run is resumed on
+another from the committed tokens; bad policies are INVALID_ARGUMENT naming
+the field; the hops on a cycle's critical path are what the Run stream says.
+"""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from running_stack import Stack, Tap
+from serving.helpers import SessionWatch, drafter_builder, verifier_builder
+from specdec.client import SpecdecClient, SpecdecDeadlineExceeded
+from specdec.request import wire
+from specdec.request.decoding import StopCriteria
+from specdec.request.params import SamplingParams, TreeParams
+from specdec.serving.metrics import REGISTRY
+from specdec.serving.server import ClientTls, open_channel
+from specdec.v1 import common_pb2, verifier_pb2
+from specdec.v1.verifier_pb2_grpc import VerifierServiceStub
+from test_routing import Background, add_orchestrator, wait_for
+
+PROMPTS = ["def add(a, b):", "for i in range(3):\n"]
+LONG_PROMPT = "class Point:"
+N = 24
+KINDS = ("eagle", "draft-lm", "ngram")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_family):
+    s = Stack(tiny_family)
+    s.add_verifier("verifier")
+    s.add_orchestrator("none", plane="direct")
+    for kind in KINDS:
+        s.add_drafter(f"drafter-{kind}", kind)
+        s.add_orchestrator(kind, drafter=f"drafter-{kind}", plane="direct")
+    s.add_drafter("oracle", "oracle")
+    s.add_orchestrator("ahead", drafter="oracle", plane="direct", lookahead=3, lookahead_budget=False)
+    yield s
+    s.close()
+
+
+class Reference:
+    """In-process engines over the same weights."""
+
+    def __init__(self, paths):
+        from specdec.model.loading import load_tokenizer
+
+        self.verifier = verifier_builder(paths)()
+        self.drafters = {kind: drafter_builder(paths, kind)() for kind in KINDS}
+        self.tok = load_tokenizer(paths["target"])
+
+    def run(self, prompt, kind=None, method=None, n=N, proposals="auto", **sampling):
+        from specdec.local import generate
+
+        ids = self.tok(prompt, add_special_tokens=True)["input_ids"]
+        stop = StopCriteria(max_new_tokens=n, eos_ids=frozenset([self.tok.eos_token_id]))
+        cfg = TreeParams(method=method, proposals=proposals) if method not in (None, "vanilla") else None
+        return generate(self.verifier, self.drafters.get(kind), ids, SamplingParams(**sampling), stop, cfg)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_family):
+    return Reference(tiny_family)
+
+
+def sample(name, **labels):
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("kind,method", [("none", "vanilla"), ("eagle", "eagle2"), ("eagle", "static"),
+                                         ("eagle", "vanilla"), ("draft-lm", "chain"), ("ngram", "eagle2"),
+                                         ("none", "lookahead")])
+def test_greedy_matches_plain_decoding(stack, reference, kind, method):
+    with SpecdecClient(stack.address(kind)) as client:
+        for prompt in PROMPTS:
+            got = client.complete(prompt, max_new_tokens=N, method=method)
+            assert got.token_ids == reference.run(prompt).tokens
+            assert got.stats.completion_tokens == N and got.stats.finish_reason == "length"
+    assert stack.wait_sessions_closed("verifier", *(f"drafter-{k}" for k in KINDS)) == {
+        "verifier": 0, **{f"drafter-{k}": 0 for k in KINDS}}
+
+
+def test_draft_lm_trees_are_accepted_and_counted(stack, reference):
+    """A drafter that drafts: cycles commit several tokens, the statistics say so."""
+    with SpecdecClient(stack.address("draft-lm")) as client:
+        got = client.complete(PROMPTS[0], max_new_tokens=N, method="chain")
+    local = reference.run(PROMPTS[0], "draft-lm", "chain")
+    assert got.token_ids == local.tokens
+    assert got.stats.cycles == local.stats.cycles and got.stats.tau == pytest.approx(local.stats.tau)
+    assert got.stats.draft_tokens == local.stats.drafted and got.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.75, top_p=0.875, top_k=50, seed=7),
+    dict(temperature=0.9, seed=11, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2),
+])
+def test_seeded_sampling_matches_in_process(stack, reference, params):
+    with SpecdecClient(stack.address("eagle")) as client:
+        drawn = client.complete(PROMPTS[0], max_new_tokens=N, **params)
+        top = client.complete(PROMPTS[0], max_new_tokens=N, proposals="top", **params)
+    assert drawn.token_ids == reference.run(PROMPTS[0], "eagle", "eagle2", **params).tokens
+    assert top.token_ids == reference.run(PROMPTS[0], "eagle", "eagle2", proposals="top", **params).tokens
+
+
+def test_logprobs_match_the_relayed_loop(stack):
+    stack.add_orchestrator("relay-eagle", drafter="drafter-eagle")
+    try:
+        got = {}
+        for name in ("eagle", "relay-eagle"):
+            with SpecdecClient(stack.address(name)) as client:
+                got[name] = client.complete(PROMPTS[1], max_new_tokens=12, logprobs=3, prompt_logprobs=2,
+                                            temperature=0.8, seed=5)
+    finally:
+        stack.stop("relay-eagle")
+    direct, relay = got["eagle"], got["relay-eagle"]
+    assert direct.token_ids == relay.token_ids
+    assert len(direct.logprobs) == len(direct.token_ids) and direct.logprobs == relay.logprobs
+    assert direct.prompt_logprobs and direct.prompt_logprobs == relay.prompt_logprobs
+
+
+def test_stop_strings_end_the_output_before_them(stack):
+    with SpecdecClient(stack.address("eagle")) as client:
+        full = client.complete(LONG_PROMPT, max_new_tokens=40)
+        text = full.text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        cut = text.index(stop)
+        got = client.complete(LONG_PROMPT, max_new_tokens=40, stop=[stop])
+        streamed = list(client.generate(LONG_PROMPT, max_new_tokens=40, stop=[stop]))
+    assert got.text == text[:cut] and got.stats.finish_reason == "stop"
+    assert got.token_ids == full.token_ids[:len(got.token_ids)]
+    assert "".join(c.text for c in streamed) == got.text
+    assert stack.wait_sessions_closed("verifier", "drafter-eagle") == {"verifier": 0, "drafter-eagle": 0}
+
+
+def test_cancel_frees_both_sessions(stack):
+    watch = SessionWatch(stack, "verifier", "drafter-eagle")
+    with SpecdecClient(stack.address("eagle")) as client:
+        stream = client.generate(LONG_PROMPT, max_new_tokens=400)
+        next(stream)
+        assert watch.opened(1) == {"verifier": 1, "drafter-eagle": 1}
+        stream.close()
+        assert watch.released() == {"verifier": 0, "drafter-eagle": 0}
+
+
+def test_deadline_exceeded_frees_both_sessions(stack):
+    watch = SessionWatch(stack, "verifier", "drafter-eagle")
+    verifies = Tap(stack.servicer("verifier").engine, "verify")
+    try:
+        with SpecdecClient(stack.address("eagle")) as client:
+            with pytest.raises(SpecdecDeadlineExceeded):
+                client.complete(LONG_PROMPT, max_new_tokens=400, timeout=0.3)
+        assert watch.released() == {"verifier": 0, "drafter-eagle": 0}
+    finally:
+        verifies.restore()
+    assert len(verifies.sessions) < 200            # cut short
+
+
+def test_drafter_lost_mid_run_goes_on_as_plain_decoding(stack, reference):
+    stack.add_drafter("lost", "eagle")
+    stack.add_orchestrator("orch-lost", drafter="lost", plane="direct")
+    drafts = Tap(stack.servicer("lost").drafter, "draft")
+    try:
+        drafts.close(after=3)
+        with SpecdecClient(stack.address("orch-lost"), timeout=60) as client:
+            gen = Background(client, LONG_PROMPT, max_new_tokens=N)
+            wait_for(lambda: drafts.held, what="a draft held in the drafter")
+            stack.stop("lost")                      # mid-step: the verifier's stream to it breaks
+            drafts.open()
+            got = gen.result()
+        assert got.token_ids == reference.run(LONG_PROMPT).tokens
+        assert got.stats.completion_tokens == N
+        assert stack.wait_sessions_closed("verifier") == {"verifier": 0}
+    finally:
+        drafts.restore()
+        stack.stop("orch-lost")
+
+
+@pytest.mark.timeout(120)
+def test_verifier_lost_mid_run_resumes_elsewhere(stack, reference):
+    for name in ("rv1", "rv2"):
+        stack.add_verifier(name)
+    stack.add_drafter("rd", "eagle")
+    add_orchestrator(stack, "ro", ["rv1", "rv2"], ["rd"], plane="direct")
+    taps = {n: Tap(stack.servicer(n).engine, "verify") for n in ("rv1", "rv2")}
+    moved = sample("specdec_failovers_total", role="verifier")
+    try:
+        for tap in taps.values():
+            tap.close(after=5)
+        with SpecdecClient(stack.address("ro"), timeout=60) as client:
+            gen = Background(client, LONG_PROMPT, max_new_tokens=N)
+            wait_for(lambda: any(t.held for t in taps.values()), what="a verify held")
+            victim = next(n for n, t in taps.items() if t.held)
+            other = next(n for n in taps if n != victim)
+            stack.stop(victim)
+            for tap in taps.values():
+                tap.open()
+            got = gen.result()
+        assert got.token_ids == reference.run(LONG_PROMPT).tokens
+        assert got.stats.completion_tokens == N and got.stats.finish_reason == "length"
+        assert sample("specdec_failovers_total", role="verifier") == moved + 1
+        assert taps[other].sessions
+        assert stack.wait_sessions_closed(other, "rd") == {other: 0, "rd": 0}
+    finally:
+        for tap in taps.values():
+            tap.restore()
+        for name in ("ro", "rv1", "rv2", "rd"):
+            if name in stack.servers:
+                stack.stop(name)
+
+
+def run_start(stack, reference, drafter=None, **policy):
+    ids = reference.tok(PROMPTS[0], add_special_tokens=True)["input_ids"]
+    prefill = verifier_pb2.VerifierPrefillRequest(session_id=f"run-{time.monotonic_ns()}", prompt_ids=ids,
+                                                  sampling=common_pb2.SamplingParams(), max_new_tokens=N)
+    start = verifier_pb2.RunStart(prefill=prefill, drafter=stack.address(drafter) if drafter else "", **policy)
+    return verifier_pb2.RunRequest(start=start)
+
+
+def run_events(address, *messages):
+    """The events of one Run call sending ``messages``."""
+    async def run():
+        async with open_channel(address) as channel:
+            call = VerifierServiceStub(channel).Run(iter(messages), timeout=60)
+            return [event async for event in call]
+
+    return asyncio.run(run())
+
+
+def test_run_stream_reports_each_commit_and_its_hops(stack, reference):
+    tree = wire.tree_params_to_proto(TreeParams(method="chain"))
+    events = run_events(stack.address("verifier"),
+                              run_start(stack, reference, "drafter-draft-lm", tree=tree))
+    commits, done = [e.commit for e in events[:-1]], events[-1].done
+    assert all(e.WhichOneof("step") == "commit" for e in events[:-1]) and events[-1].WhichOneof("step") == "done"
+    assert [t for c in commits for t in c.tokens] == reference.run(PROMPTS[0]).tokens
+    assert commits[0].nodes == 0 and commits[0].hops == 0          # the prefill
+    drafted = [c for c in commits[1:] if c.nodes > 1]
+    assert drafted and all(c.hops == 2 for c in drafted)           # a fresh tree: its commits out, the tree back
+    assert all(c.hops == 0 for c in commits[1:] if c.nodes == 1)   # a root-only cycle (the last token) asks nobody
+    assert done.drafts == len(drafted) and done.finish_reason == "length" and not done.fallback
+    assert stack.wait_sessions_closed("verifier", "drafter-draft-lm") == {"verifier": 0, "drafter-draft-lm": 0}
+
+
+def test_drafting_ahead_hits_skip_the_drafter(stack, reference):
+    """Greedy, drafting ahead on the direct plane with a drafter that is always
+    right: every cycle after the first finds its tree ready (no hop), the output
+    is plain decoding's."""
+    with SpecdecClient(stack.address("ahead")) as client:
+        got = client.complete(PROMPTS[0], max_new_tokens=40, method="chain", total_tokens=6, depth=5)
+    assert got.token_ids == reference.run(PROMPTS[0], n=40).tokens
+    s = got.stats
+    assert s.tau > 5.0 and s.ahead_hits == s.cycles - 1, s
+    assert 0 < s.ahead_committed < s.completion_tokens
+
+
+@pytest.mark.parametrize("policy,field", [
+    ({"lookahead": 9}, "lookahead"),
+    ({"verify_token_budget": -1}, "verify_token_budget"),
+    ({"min_tau": -1.0}, "min_tau"),
+    ({"eos_token_ids": [10 ** 6]}, "eos_token_ids"),
+    ({"tree": common_pb2.TreeParams(method=99)}, "tree.method"),
+])
+def test_a_bad_policy_is_invalid_argument_naming_the_field(stack, reference, policy, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run_events(stack.address("verifier"), run_start(stack, reference, "drafter-eagle", **policy))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+    assert stack.open_sessions("verifier") == {"verifier": 0}
+
+
+def test_a_run_opens_with_start(stack, reference):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run_events(stack.address("verifier"), verifier_pb2.RunRequest(stop=verifier_pb2.RunStop()))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start" in err.value.details()
+
+
+def test_the_verifier_reaches_a_tls_drafter_with_its_peer_credentials(tiny_family, certs, reference):
+    """Every backend behind TLS and a bearer token: a verifier given the peer
+    credentials drafts on the paired drafter; one without them cannot reach it
+    and goes on as plain decoding, the same output."""
+    tls = dict(tls_cert=certs["server.pem"], tls_key=certs["server.key"], auth_token="backend-secret")
+    client_tls = ClientTls(ca=certs["ca.pem"])
+    s = Stack(tiny_family)
+    try:
+        s.add_drafter("d", "draft-lm", **tls)
+        s.add_verifier("peered", peer_tls=client_tls, peer_token="backend-secret", **tls)
+        s.add_verifier("unpeered", **tls)
+        for name in ("peered", "unpeered"):
+            s.add_orchestrator(f"o-{name}", verifier=name, drafter="d", plane="direct", backend_tls=client_tls,
+                               backend_token="backend-secret")
+        plain = reference.run(PROMPTS[0]).tokens
+        with SpecdecClient(s.address("o-peered")) as client:
+            drafted = client.complete(PROMPTS[0], max_new_tokens=N, method="chain")
+        with SpecdecClient(s.address("o-unpeered")) as client:
+            undrafted = client.complete(PROMPTS[0], max_new_tokens=N, method="chain")
+        assert drafted.token_ids == plain and drafted.stats.draft_tokens > 0
+        assert undrafted.token_ids == plain and undrafted.stats.draft_tokens == 0
+        assert s.wait_sessions_closed("peered", "unpeered", "d") == {"peered": 0, "unpeered": 0, "d": 0}
+    finally:
+        s.close()
