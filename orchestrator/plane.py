@@ -19,8 +19,11 @@ NOT_FOUND) is replaced by another one, started with ``resume`` on the
 committed tokens (the prompt and every token this orchestrator has), which
 re-prefills the same drafter from them; with none left the request fails
 UNAVAILABLE. A lost drafter is the verifier's to notice: it goes on with
-plain decoding (``RunDone.fallback`` says why). The output is the one an
-undisturbed run gives (greedy), or a sample of the same distribution.
+plain decoding and says so (``RunDrafterLost``); the orchestrator pins
+another drafter, as the relayed loop's failover would, and pairs the run
+with it (``RunPair``): the verifier prefills it with every committed token
+and feature row and drafts there from the next cycle. The output is the one
+an undisturbed run gives (greedy), or a sample of the same distribution.
 
 Leases: both sessions are opened under this orchestrator's lease (the
 verifier passes the owner on to the drafter), so a dead orchestrator leaves
@@ -95,9 +98,13 @@ class DirectRun:
                     raise BackendError("verifier", "Run", grpc.StatusCode.UNAVAILABLE,
                                        "the run ended without its summary", v.endpoint.address)
                 self.wire_bytes += event.ByteSize()
-                if event.WhichOneof("step") == "done":
+                step = event.WhichOneof("step")
+                if step == "done":
                     self.finished(event.done)
                     break
+                if step == "drafter_lost":
+                    await self.repair(stream, event.drafter_lost.reason)
+                    continue
                 now = time.perf_counter()
                 await self.committed(event.commit, now - last, resume)
                 last = now
@@ -158,6 +165,20 @@ class DirectRun:
         final = dec.add(tokens, logprobs)
         v.committed = [*job.prompt_ids, *dec.tokens]
         await self.gen.committed(final)
+
+    async def repair(self, stream, reason: str) -> None:
+        """The paired drafter failed: pin another one (``RemoteDrafter.leave``: the
+        same rules as the relay's failover) and pair the run with it; none left:
+        the run goes on as plain decoding."""
+        d, sid = self.drafter, self.gen.job.session_id
+        if d is None or d.endpoint is None or self.dec.done:
+            return
+        lost = BackendError("drafter", "Draft", grpc.StatusCode.UNAVAILABLE, reason, d.endpoint.address)
+        if not await d.leave(lost, opening=False):
+            return
+        d.leases.hold(d.endpoint, sid)
+        d.sent_prefill = True
+        await stream.write(verifier_pb2.RunRequest(pair=verifier_pb2.RunPair(drafter=d.endpoint.address)))
 
     def finished(self, done: verifier_pb2.RunDone) -> None:
         """The run's summary: the sessions are released on both backends."""

@@ -111,6 +111,7 @@ class PairedDrafter:
         self.hops = 0                             # messages on the stream, both ways
         # seconds a DraftAhead may take (the verify it hides behind); None: no limit
         self.ahead_budget: Callable[[], float] | None = None
+        self.lost: Callable[[str], None] | None = None     # told why, when the drafter fails
 
     @property
     def needs_features(self) -> bool:
@@ -219,6 +220,8 @@ class PairedDrafter:
         self.peers.forget(self.peer)
         log.warning("paired drafter failed, going on with plain decoding",
                     extra={"session": self.session_id, "drafter": self.peer.address, "error": reason})
+        if self.lost is not None:
+            self.lost(reason)
 
     # -- what the drafter was told ---------------------------------------------------------------
     def fit(self, tree: TreeParams):

@@ -38,6 +38,7 @@ from specdec.request.errors import InvalidArgument
 from specdec.request.checks import check_count
 from specdec.request.params import LOOKAHEAD, TreeParams
 from specdec.request.speculative import Committed, Draft, Request, SelfDraft, SpeculativeLoop
+from specdec.request.wire import FeatureLog
 from specdec.v1 import common_pb2, verifier_pb2
 from verifier.paired import PairedDrafter
 
@@ -60,6 +61,8 @@ class ServedVerifier:
         self.opened = False
         self.last = 0                        # the last committed token (a root-only tree's root)
         self.verify_s = 0.0                  # the last verify's compute
+        # every feature row sent, while a drafter that needs them may be paired again (``PlaneLoop.pair``)
+        self.feature_log: FeatureLog | None = None
 
     @property
     def sessions(self) -> int:
@@ -72,6 +75,7 @@ class ServedVerifier:
         request.feature_layers[:] = self.feature_layers if features else []
         response = await self.service.Prefill(request, self.context)
         self.opened, self.last = True, response.token
+        self.keep(response.features if features else None)
         return Committed([response.token], [], response.features if features else None,
                          list(response.logprobs) if request.HasField("logprobs") else None,
                          prompt_logprobs=list(response.prompt_logprobs))
@@ -83,10 +87,15 @@ class ServedVerifier:
         response = await self.service.Verify(verifier_pb2.VerifyRequest(
             session_id=self.session_id, tree=tree, return_features=features, lookahead_depth=depth), self.context)
         self.last, self.verify_s = response.tokens[-1], response.compute_s
+        self.keep(response.features if features else None)
         return Committed(list(response.tokens), list(response.accepted_nodes),
                          response.features if features else None,
                          list(response.logprobs) if self.template.HasField("logprobs") else None,
                          response.verified_nodes)
+
+    def keep(self, features) -> None:
+        if self.feature_log is not None and features is not None:
+            self.feature_log.add(features)
 
     async def release(self) -> None:
         if self.opened:
@@ -106,6 +115,13 @@ class PlaneLoop(SpeculativeLoop):
         self.cycle: tuple[int, int, bool, int] | None = None     # nodes, accepted, drafted ahead, hops
         self.spent = (0.0, 0.0)                                  # draft-side and verify seconds so far
         self.fallback = ""                                       # why the run had no drafter from the start
+        self.paireds = [drafter] if drafter is not None else []  # every drafter paired, in order
+        self.pair_to: str | None = None                          # a drafter to pair with before the next cycle
+        self.pairing: tuple | None = None                        # (peers, owner, salt, deadline) of new pairs
+        if drafter is not None:
+            drafter.lost = self.drafter_lost
+            if drafter.needs_features:                           # kept for a drafter paired later
+                verifier.feature_log = FeatureLog()
 
     async def prefill(self) -> None:
         if not self.resume:
@@ -115,6 +131,42 @@ class PlaneLoop(SpeculativeLoop):
             req.prompt, req.sampling, self.dec.stop.max_new_tokens, self.wants_features))
         if self.drafter is not None and not self.dec.done:
             await self.timed("commit", self.drafter, self.drafter.prefill(req.prompt, first.features, req.sampling))
+
+    @property
+    def wants_features(self) -> bool:
+        # a drafter that needs features may be paired again: the rows keep coming
+        return self.verifier.feature_log is not None or super().wants_features
+
+    def drafter_lost(self, reason: str) -> None:
+        self.events.put_nowait(verifier_pb2.RunEvent(drafter_lost=verifier_pb2.RunDrafterLost(reason=reason)))
+
+    async def between_cycles(self) -> None:
+        """Pair the drafter the caller named (``RunPair``): it is prefilled with
+        every committed token (and feature row) and drafts from the next cycle on."""
+        address, self.pair_to = self.pair_to, None
+        if address is None or self.drafter is not None or self.pairing is None:
+            return
+        peers, owner, salt, deadline = self.pairing
+        try:
+            peer = await peers.get(address)
+        except grpc.aio.AioRpcError as exc:
+            self.drafter_lost(f"the drafter at {address} did not answer: {exc.code().name} {exc.details()}")
+            return
+        log_ = self.verifier.feature_log
+        if peer.info.needs_features and log_ is None:
+            self.drafter_lost(f"the drafter at {address} needs features this run did not keep")
+            return
+        drafter = PairedDrafter(peers, peer, self.verifier.session_id, owner, salt, deadline)
+        drafter.lost = self.drafter_lost
+        drafter.ahead_budget = self.paireds[0].ahead_budget if self.paireds else None
+        self.paireds.append(drafter)
+        self.backends.append(drafter)
+        req = self.request
+        await self.timed("commit", drafter, drafter.prefill(req.prompt + self.dec.tokens,
+                                                            log_.tensor() if log_ is not None else None,
+                                                            req.sampling))
+        if drafter.alive:
+            self.drafter, self.paired = drafter, drafter
 
     async def commit(self, draft: Draft | None, result: Committed) -> None:
         size = result.nodes or (draft.size if draft is not None else 1)
@@ -136,16 +188,16 @@ class PlaneLoop(SpeculativeLoop):
             msg.logprobs.extend(self.dec.logprobs[start:start + len(final)])
         if not start and self.dec.prompt_logprobs:
             msg.prompt_logprobs.extend(self.dec.prompt_logprobs)
-        self.events.put_nowait(msg)
+        self.events.put_nowait(verifier_pb2.RunEvent(commit=msg))
 
     def summary(self) -> verifier_pb2.RunDone:
-        paired = self.paired
+        paired = self.paireds
+        fallback = next((p.fallback for p in reversed(paired) if p.fallback), self.fallback)
         return verifier_pb2.RunDone(
             finish_reason=self.dec.finish_reason or "",
-            fallback=paired.fallback if paired is not None else self.fallback,
-            drafts=paired.drafts if paired is not None else 0, ahead_hits=self.dec.stats.ahead_hits,
-            ahead_draft_s=paired.ahead_s if paired is not None else 0.0,
-            wire_bytes=paired.wire_bytes if paired is not None else 0)
+            fallback=fallback if self.drafter is None else "",
+            drafts=sum(p.drafts for p in paired), ahead_hits=self.dec.stats.ahead_hits,
+            ahead_draft_s=sum(p.ahead_s for p in paired), wire_bytes=sum(p.wire_bytes for p in paired))
 
 
 async def first_message(requests: AsyncIterator) -> verifier_pb2.RunStart:
@@ -156,13 +208,18 @@ async def first_message(requests: AsyncIterator) -> verifier_pb2.RunStart:
     raise InvalidArgument("a run opens with start, got nothing")
 
 
-async def watch(requests: AsyncIterator, decoding: Decoding) -> None:
-    """Read the caller's later messages: a stop ends the run after the cycle in flight."""
+async def watch(requests: AsyncIterator, loop: PlaneLoop) -> None:
+    """Read the caller's later messages: a stop ends the run after the cycle in
+    flight, a pair names the drafter to go on with."""
+    decoding = loop.dec
     async for message in requests:
         step = message.WhichOneof("step")
+        if step == "pair" and message.pair.drafter:
+            loop.pair_to = message.pair.drafter
+            continue
         if step != "stop":
             decoding.finish_reason = decoding.finish_reason or "stopped"
-            raise InvalidArgument(f"a run takes one start and then stops only, got {step}")
+            raise InvalidArgument(f"a run takes one start, then stops and pairs with a drafter, got {step}")
         if not decoding.done:
             decoding.finish_reason = "stopped"
 
@@ -211,6 +268,8 @@ async def run(service, requests: AsyncIterator, context) -> AsyncIterator[verifi
     events: asyncio.Queue = asyncio.Queue()
     loop = PlaneLoop(verifier, drafter, request, decoding, events, prefill.resume)
     loop.fallback = unreached
+    if start.drafter and tree is not None and tree.method != LOOKAHEAD:
+        loop.pairing = (service.peers, prefill.owner, start.drafter_cache_salt, remaining)
 
     async def drive() -> None:
         try:
@@ -219,10 +278,10 @@ async def run(service, requests: AsyncIterator, context) -> AsyncIterator[verifi
             events.put_nowait(None)
 
     task = asyncio.ensure_future(drive())
-    watcher = asyncio.ensure_future(watch(requests, decoding))
+    watcher = asyncio.ensure_future(watch(requests, loop))
     try:
         while (event := await events.get()) is not None:
-            yield verifier_pb2.RunEvent(commit=event)
+            yield event
         await task
         if watcher.done() and watcher.exception() is not None:
             raise watcher.exception()

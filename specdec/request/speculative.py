@@ -215,6 +215,7 @@ class SpeculativeLoop:
         try:
             await self.prefill()
             while not self.dec.done:
+                await self.between_cycles()
                 tree = self.plan()
                 draft = await self.draft(tree)
                 result = await self.verify(draft, tree)
@@ -241,6 +242,9 @@ class SpeculativeLoop:
         if self.drafter is not None and not self.dec.done:
             await self.timed("commit", self.drafter, self.drafter.prefill(
                 req.prompt + first.tokens, first.features, req.sampling))
+
+    async def between_cycles(self) -> None:
+        """Before each cycle, with every commit so far taken in (a subclass's hook: nothing here)."""
 
     def plan(self) -> TreeParams | None:
         """This cycle's tree knobs; None: a root-only cycle."""

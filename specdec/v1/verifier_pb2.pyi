@@ -183,13 +183,21 @@ class RunStop(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RunPair(_message.Message):
+    __slots__ = ("drafter",)
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    def __init__(self, drafter: _Optional[str] = ...) -> None: ...
+
 class RunRequest(_message.Message):
-    __slots__ = ("start", "stop")
+    __slots__ = ("start", "stop", "pair")
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    PAIR_FIELD_NUMBER: _ClassVar[int]
     start: RunStart
     stop: RunStop
-    def __init__(self, start: _Optional[_Union[RunStart, _Mapping]] = ..., stop: _Optional[_Union[RunStop, _Mapping]] = ...) -> None: ...
+    pair: RunPair
+    def __init__(self, start: _Optional[_Union[RunStart, _Mapping]] = ..., stop: _Optional[_Union[RunStop, _Mapping]] = ..., pair: _Optional[_Union[RunPair, _Mapping]] = ...) -> None: ...
 
 class RunCommit(_message.Message):
     __slots__ = ("tokens", "logprobs", "accepted", "nodes", "ahead", "hops", "draft_s", "verify_s", "prompt_logprobs")
@@ -229,10 +237,18 @@ class RunDone(_message.Message):
     wire_bytes: int
     def __init__(self, finish_reason: _Optional[str] = ..., fallback: _Optional[str] = ..., drafts: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., ahead_draft_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
+class RunDrafterLost(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class RunEvent(_message.Message):
-    __slots__ = ("commit", "done")
+    __slots__ = ("commit", "done", "drafter_lost")
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_LOST_FIELD_NUMBER: _ClassVar[int]
     commit: RunCommit
     done: RunDone
-    def __init__(self, commit: _Optional[_Union[RunCommit, _Mapping]] = ..., done: _Optional[_Union[RunDone, _Mapping]] = ...) -> None: ...
+    drafter_lost: RunDrafterLost
+    def __init__(self, commit: _Optional[_Union[RunCommit, _Mapping]] = ..., done: _Optional[_Union[RunDone, _Mapping]] = ..., drafter_lost: _Optional[_Union[RunDrafterLost, _Mapping]] = ...) -> None: ...

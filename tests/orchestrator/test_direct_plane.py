@@ -305,3 +305,40 @@ def test_the_verifier_reaches_a_tls_drafter_with_its_peer_credentials(tiny_famil
         assert s.wait_sessions_closed("peered", "unpeered", "d") == {"peered": 0, "unpeered": 0, "d": 0}
     finally:
         s.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_drafter_is_replaced_and_the_run_drafts_on(stack, reference):
+    """The paired EAGLE drafter stopped mid-run: the verifier says so, the
+    orchestrator pairs the run with the other drafter, which is prefilled with
+    every committed token and feature row and drafts the rest; the output is
+    plain decoding's."""
+    for name in ("pd1", "pd2"):
+        stack.add_drafter(name, "eagle")
+    add_orchestrator(stack, "po", ["verifier"], ["pd1", "pd2"], plane="direct")
+    taps = {n: Tap(stack.servicer(n).drafter, "draft") for n in ("pd1", "pd2")}
+    moved = sample("specdec_failovers_total", role="drafter")
+    try:
+        for tap in taps.values():
+            tap.close(after=3)
+        with SpecdecClient(stack.address("po"), timeout=60) as client:
+            gen = Background(client, LONG_PROMPT, max_new_tokens=N)
+            wait_for(lambda: any(t.held for t in taps.values()), what="a draft held")
+            victim = next(n for n, t in taps.items() if t.held)
+            other = next(n for n in taps if n != victim)
+            drafted_before = len(taps[other].sessions)
+            stack.stop(victim)
+            for tap in taps.values():
+                tap.open()
+            got = gen.result()
+        assert got.token_ids == reference.run(LONG_PROMPT).tokens
+        assert got.stats.completion_tokens == N and got.stats.finish_reason == "length"
+        assert sample("specdec_failovers_total", role="drafter") == moved + 1
+        assert len(taps[other].sessions) > drafted_before       # the run drafted on there
+        assert stack.wait_sessions_closed("verifier", other) == {"verifier": 0, other: 0}
+    finally:
+        for tap in taps.values():
+            tap.restore()
+        for name in ("po", "pd1", "pd2"):
+            if name in stack.servers:
+                stack.stop(name)
