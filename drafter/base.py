@@ -167,6 +167,8 @@ class Drafter(ABC):
         self._append(sess, tokens, features, first=True)
         if self.prefix.on:
             self.prefill_prefix(sess, cache_salt)
+        else:
+            self.prefill_model(sess)
         self.sessions.add(sid, sess, replace=True)
 
     def commit(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
@@ -310,6 +312,10 @@ class Drafter(ABC):
 
     def prefill_prefix(self, sess: DraftSession, salt: str) -> None:
         """With the prefix cache on: feed the prompt now, cached blocks loaded (model drafters)."""
+
+    def prefill_model(self, sess: DraftSession) -> None:
+        """With the prefix cache off: feed the prompt now (model drafters), so that
+        a session's first draft feeds only what was committed since, as every later one."""
 
     def _append(self, sess: DraftSession, tokens: list[int], features, first: bool) -> None:
         bad = next((t for t in tokens if not 0 <= int(t) < self.vocab_size), None)

@@ -55,6 +55,12 @@ class CachedTreeDrafter(Drafter):
         self.prefix = pc.PrefixCache(max_tokens, exact=exact)
 
     @torch.inference_mode()
+    def prefill_model(self, sess: DraftSession) -> None:
+        sess.cache = self.new_cache()
+        if sess.fed < self._inputs_for(len(sess.tokens)):      # (a one-token prompt has no input yet)
+            sess.root_out = self.feed_pending(sess)
+
+    @torch.inference_mode()
     def prefill_prefix(self, sess: DraftSession, salt: str) -> None:
         """Feed the prompt's inputs at prefill (``PrefixCache.spans``), the
         longest cached prefix of blocks loaded instead of computed; then

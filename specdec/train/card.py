@@ -62,9 +62,7 @@ def step_costs(target_dir: Path, eagle_dir: Path, prefix: int = 200, frontier: i
 
         drafter = EagleDrafter(eagle_dir, target_dir)
         drafter.prefill("card", ids.tolist() + [1], feats)
-        sess = drafter.sessions.get("card")
-        sess.cache = drafter.new_cache()
-        drafter.feed_pending(sess)
+        sess = drafter.sessions.get("card")      # its prefill fed the prompt's pairs
         past = kv.seq_len(sess.cache)
 
         def head_step(k: int):
