@@ -57,7 +57,6 @@ class DirectRun:
         self.verifier = gen.remote_verifier
         self.drafter = None                 # the pinned RemoteDrafter (None: no drafting), set by ``Generation.pin``
         self.dec = gen.dec
-        self.summary = verifier_pb2.RunDone()
         self.wire_bytes = 0
         self.drafts = 0
         self.ahead_s = 0.0
@@ -131,7 +130,6 @@ class DirectRun:
             sampling=wire.sampling_to_proto(job.sampling), max_new_tokens=dec.stop.max_new_tokens - len(dec.tokens),
             resume=resume, owner=v.leases.owner, logprobs=job.logprobs, prompt_tokens=len(prompt) if resume else 0,
             prompt_logprobs=None if resume else job.prompt_logprobs, cache_salt=job.cache_salt)
-        v.sampling, v.prompt_len, v.max_new_tokens = prefill.sampling, len(prompt), dec.stop.max_new_tokens
         start = verifier_pb2.RunStart(prefill=prefill, lookahead=req.lookahead,
                                       verify_token_budget=req.verify_token_budget, min_tau=dec.gate.min_tau,
                                       eos_token_ids=sorted(dec.stop.eos_ids), drafter_cache_salt=job.cache_salt,
@@ -183,7 +181,6 @@ class DirectRun:
     def finished(self, done: verifier_pb2.RunDone) -> None:
         """The run's summary: the sessions are released on both backends."""
         v, d, sid = self.verifier, self.drafter, self.gen.job.session_id
-        self.summary = done
         self.drafts += done.drafts
         self.ahead_s += done.ahead_draft_s
         self.wire_bytes += done.wire_bytes

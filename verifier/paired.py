@@ -108,7 +108,6 @@ class PairedDrafter:
         self.drafts = 0                           # trees drafted (Draft steps answered)
         self.ahead_s = 0.0                        # drafter compute of the DraftAhead steps
         self.wire_bytes = 0
-        self.hops = 0                             # messages on the stream, both ways
         # seconds a DraftAhead may take (the verify it hides behind); None: no limit
         self.ahead_budget: Callable[[], float] | None = None
         self.lost: Callable[[str], None] | None = None     # told why, when the drafter fails
@@ -206,7 +205,6 @@ class PairedDrafter:
             wall = time.perf_counter() - start
             self.network_s += wall - min(getattr(response, "compute_s", wall), wall)
         self.wire_bytes += request.ByteSize() + response.ByteSize()
-        self.hops += 2
         return response
 
     def fail(self, reason: str) -> None:

@@ -111,7 +111,6 @@ class PlaneLoop(SpeculativeLoop):
         super().__init__(verifier, drafter, request, decoding)
         self.events = events
         self.resume = resume
-        self.paired = drafter
         self.cycle: tuple[int, int, bool, int] | None = None     # nodes, accepted, drafted ahead, hops
         self.spent = (0.0, 0.0)                                  # draft-side and verify seconds so far
         self.fallback = ""                                       # why the run had no drafter from the start
@@ -166,7 +165,7 @@ class PlaneLoop(SpeculativeLoop):
                                                             log_.tensor() if log_ is not None else None,
                                                             req.sampling))
         if drafter.alive:
-            self.drafter, self.paired = drafter, drafter
+            self.drafter = drafter
 
     async def commit(self, draft: Draft | None, result: Committed) -> None:
         size = result.nodes or (draft.size if draft is not None else 1)

@@ -216,10 +216,6 @@ def test_typed_errors_carry_code_and_details(stack):
     asyncio.run(run_async())
 
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @dataclass(frozen=True)
 class Tls:
     ca: str
@@ -227,16 +223,8 @@ class Tls:
     key: str | None = None
 
 
-def test_tls_and_mutual_tls(stack, tmp_path):
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test CA",
-             cwd=tmp_path)
-    (tmp_path / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for who, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}", cwd=tmp_path)
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.pem", "-days", "2", *ext, cwd=tmp_path)
-    pem = {name: str(tmp_path / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+def test_tls_and_mutual_tls(stack, certs):
+    pem = certs
     stack.add_orchestrator("mtls", drafter="drafter", tls_cert=pem["server.pem"], tls_key=pem["server.key"],
                            tls_client_ca=pem["ca.pem"])
     try:
