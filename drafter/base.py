@@ -49,6 +49,8 @@ class DraftSession:
     ahead: dict = field(default_factory=dict)   # commit tokens -> TreeRecord of a tree drafted ahead
     ahead_s_per_end: float = 0.0           # the last forest drafted ahead took this long per accepted path
     grammar: GrammarState | None = None    # a constrained session's matcher at the committed tokens
+    fresh: tuple | None = None             # the last commit as it arrived: (its first input, features [k, H],
+                                           # its tokens [k] on the device or None), fed as they are
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Drafter(ABC):
     drafts_ahead = False                   # draft_ahead can return trees
     samples_proposals = False              # can draw sampled proposals
     defers = True                          # draft(deferred=True) may leave a tree on the device, unread
+    takes_token_ids = True                 # commit(token_ids=...): the committed tokens on the device
 
     grammar_tokenizer = None               # llguidance's tokenizer (``specdec.tree.grammar``); None: unmasked drafts
 
@@ -171,11 +174,15 @@ class Drafter(ABC):
             self.prefill_model(sess)
         self.sessions.add(sid, sess, replace=True)
 
-    def commit(self, sid: str, tokens: list[int], features: torch.Tensor | None = None) -> None:
-        """tokens newly committed (accepted + bonus); features: [len(tokens), H]."""
+    def commit(self, sid: str, tokens: list[int], features: torch.Tensor | None = None,
+               token_ids: torch.Tensor | None = None) -> None:
+        """tokens newly committed (accepted + bonus); features: [len(tokens), H];
+        ``token_ids``: ``tokens`` on the device, where the verifier left them (in-process)."""
         sess = self.sessions.get(sid)
         with sess.lock:
             self._append(sess, tokens, features, first=False)
+            if sess.fresh is not None and token_ids is not None and token_ids.shape == (len(tokens),):
+                sess.fresh = (*sess.fresh[:2], on_device(token_ids, self.device))
             self._follow_grammar(sess, tokens)
             sess.record, sess.ahead = None, {}       # what was drafted ahead assumed other commits
 
@@ -187,7 +194,7 @@ class Drafter(ABC):
                 raise InvalidArgument(f"rollback length must be in [1, {len(sess.tokens)}], got {length}")
             del sess.tokens[length:]
             del sess.features[length - 1:]
-            sess.state = None
+            sess.state, sess.fresh = None, None
             sess.root_out = None
             sess.record, sess.ahead = None, {}
             if sess.grammar is not None:
@@ -326,5 +333,7 @@ class Drafter(ABC):
             if features is None or features.ndim != 2 or features.shape[0] != want:
                 got = None if features is None else tuple(features.shape)
                 raise InvalidArgument(f"EAGLE drafter needs features of shape [{want}, H], got {got}")
-            sess.features.extend(features.float().unbind(0))
+            features = features.float()
+            sess.fresh = None if first else (len(sess.features), features, None)
+            sess.features.extend(features.unbind(0))
         sess.tokens.extend(int(t) for t in tokens)

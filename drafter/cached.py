@@ -191,7 +191,8 @@ class CachedTreeDrafter(Drafter):
     def _on_outcome(self, sess: DraftSession, accepted: list[int], feats, cfg: TreeParams, exclude: list[int]):
         """Draft (recorded) as if ``accepted`` had been committed, with ``exclude``
         kept off the first level; then put the session back."""
-        n_tokens, n_feats, fed, root_out = len(sess.tokens), len(sess.features), sess.fed, sess.root_out
+        n_tokens, n_feats, fed, root_out, fresh = (len(sess.tokens), len(sess.features), sess.fed, sess.root_out,
+                                                   sess.fresh)
         try:
             if accepted:
                 self._append(sess, accepted, feats, first=False)
@@ -200,7 +201,7 @@ class CachedTreeDrafter(Drafter):
             del sess.tokens[n_tokens:]
             del sess.features[n_feats:]
             kv.truncate(sess.cache, fed)
-            sess.fed, sess.root_out = fed, root_out
+            sess.fed, sess.root_out, sess.fresh = fed, root_out, fresh
 
     @torch.inference_mode()
     def _build(self, sess: DraftSession, cfg: TreeParams, record: bool, exclude: list[int] | None = None,

@@ -131,7 +131,8 @@ class LocalVerifier:
             sizer.verified(self.sid, tree.size, time.perf_counter() - start, len(result.tokens))
             accepted = restore(result.accepted, keep)
         self.root = result.tokens[-1]
-        return Committed(result.tokens, accepted, result.features, result.logprobs, tree.size)
+        return Committed(result.tokens, accepted, result.features, result.logprobs, tree.size,
+                         token_ids=result.token_ids)
 
     async def release(self) -> None:
         self.engine.release(self.sid)
@@ -162,7 +163,11 @@ class LocalDrafter:
 
     async def draft(self, commits: list[Committed], tree: TreeParams, ahead: bool) -> Draft:
         if commits:
-            self.engine.commit(self.sid, *self.joined(commits))
+            ids = self.joined_ids(commits)
+            if ids is not None and getattr(self.engine, "takes_token_ids", False):  # ``drafter.base.Drafter``
+                self.engine.commit(self.sid, *self.joined(commits), token_ids=ids)
+            else:
+                self.engine.commit(self.sid, *self.joined(commits))
         # a tree drafted on the device stays there, unread, for the verifier here (``specdec.tree.placed``)
         if ahead:
             drafted = self.engine.draft(self.sid, tree, ahead=True)
@@ -182,10 +187,17 @@ class LocalDrafter:
         self.engine.release(self.sid)
 
     def joined(self, commits: list[Committed]) -> tuple[list[int], torch.Tensor | None]:
-        """Several cycles' commits as one: tokens, features [n, H] (None unless needed)."""
+        """Several cycles' commits as one: tokens, features [n, H] (None unless needed; one
+        commit's as they are)."""
         tokens = [t for c in commits for t in c.tokens]
-        features = torch.cat([c.features for c in commits]) if self.needs_features and commits else None
-        return tokens, features
+        if not self.needs_features or not commits:
+            return tokens, None
+        return tokens, commits[0].features if len(commits) == 1 else torch.cat([c.features for c in commits])
+
+    @staticmethod
+    def joined_ids(commits: list[Committed]) -> torch.Tensor | None:
+        """The commits' tokens on the verifier's device where one commit has them there (else None)."""
+        return commits[0].token_ids if len(commits) == 1 else None
 
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -148,8 +148,12 @@ class TargetSession:
             if state is not None:
                 self.generator.set_state(state)
             return None
-        return self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), features, logits,
-                         (counts, *ends) if ends else None)
+        result = self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), features, logits,
+                           (counts, *ends) if ends else None)
+        if not self.params.greedy:
+            return result
+        # the argmaxes along the path are the committed tokens (accepted ones, then the bonus)
+        return replace(result, token_ids=verdict.index_select(0, order[:len(result.tokens)]))
 
     def walk(self, placed: PlacedTree, logits: torch.Tensor, counts: TokenCounts | None,
              allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
@@ -227,6 +231,8 @@ class VerifyResult:
     features: torch.Tensor        # [len(accepted) + 1, F] at root + accepted nodes
     logprobs: list[TokenLogprob] | None = None   # one per committed token, when the session asked for them
     nodes: int = 0                # nodes of the tree the verifier drafted itself (lookahead); 0: the tree sent
+    token_ids: torch.Tensor | None = None   # ``tokens`` on the device (a greedy walk there): an in-process
+                                            # drafter feeds them without a host copy
 
 
 class TargetModel:

@@ -181,10 +181,11 @@ class CompiledHead:
         return out[0, :k], logp[0, :k]
 
     @torch.inference_mode()
-    def feed(self, cache, tokens: list[int], feats: torch.Tensor):
+    def feed(self, cache, tokens: list[int], feats: torch.Tensor, ids: torch.Tensor | None = None):
         """``step`` for committed pairs (tokens [k] Python ints, feats [k, H] on the
         device), each seeing the cached slots and the pairs before it, with no host
-        tensor: the tokens are filled into a device buffer, the causal mask and the
+        tensor: the tokens are filled into a device buffer (copied in one operator
+        where ``ids`` has them on the device already), the causal mask and the
         positions (the slots) made on the device. None where ``step`` would be."""
         k = len(tokens)
         fixed, width = fixed_buffers(cache), next((w for w in WIDTHS if w >= k), None)
@@ -195,8 +196,11 @@ class CompiledHead:
         if buf is None or buf.offsets.shape[1] != fixed.stack.shape[4]:
             buf = self.feeds[width] = FeedBuffers.new(width, fixed.stack.shape[4], self.drafter.hidden_size,
                                                       self.dtype, self.device)
-        for i, token in enumerate(tokens):
-            buf.tokens[0, i].fill_(token)
+        if ids is not None and ids.device == buf.tokens.device:
+            buf.tokens[0, :k].copy_(ids)
+        else:
+            for i, token in enumerate(tokens):
+                buf.tokens[0, i].fill_(token)
         buf.parent[0, :k].copy_(feats)
         slots = buf.rows + past                                                   # [width], the positions too
         # row i sees slots <= past + i; a pad row sees the same causal prefix (its output is dropped, and

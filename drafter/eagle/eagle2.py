@@ -72,16 +72,21 @@ class FeatureHeadDrafter(CachedTreeDrafter):
     def feed_pending(self, sess: DraftSession, end: int | None = None):
         start, end = sess.fed, len(sess.tokens) - 1 if end is None else end     # pairs (feature_t, x_{t+1})
         dev = self.device
-        feats = on_device(torch.stack(sess.features[start:end]), dev)     # the verifier's rows stay where they are
+        fresh = sess.fresh
+        if fresh is not None and fresh[0] == start and fresh[1].shape[0] == end - start:   # fed as it came
+            feats, ids = on_device(fresh[1], dev), fresh[2]
+        else:
+            feats, ids = on_device(torch.stack(sess.features[start:end]), dev), None  # the rows stay where they are
         done = None
         if self.compiled is not None and kv.seq_len(sess.cache) == start:
             # the new pairs see every fed one and each other causally: a compiled level where one applies,
             # its inputs made on the device
-            done = self.compiled.feed(sess.cache, sess.tokens[start + 1:end + 1], feats)
+            done = self.compiled.feed(sess.cache, sess.tokens[start + 1:end + 1], feats, ids)
         sess.fed = end
         if done is not None:
             return done[0][-1], done[1][-1]
-        tokens = torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long, device=dev)
+        tokens = ids if ids is not None else torch.tensor(sess.tokens[start + 1:end + 1], dtype=torch.long,
+                                                          device=dev)
         positions = torch.arange(start, end, device=dev)
         out = self.head(self.embed_tokens(tokens)[None], feats[None], positions[None], None, sess.cache)[0]
         return out[-1], self.logprobs(out[-1])

@@ -292,12 +292,13 @@ def reorder_tail(cache, prefix_len: int, order: torch.Tensor) -> None:
     how many to keep (``truncate`` then drops the rest). A compiled path's
     stacked buffer: one gather and one copy for every layer's K and V."""
     n = order.shape[0]
-    slots = order + prefix_len
     stack = stacked_buffer(cache)
     if stack is not None:
         with torch.inference_mode():
-            stack[:, :, :, :, prefix_len:prefix_len + n] = stack.index_select(4, slots)
+            tail = stack.narrow(4, prefix_len, n)
+            tail.copy_(tail.index_select(4, order))
         return
+    slots = order + prefix_len
     idx = None
     for layer in cache.layers:
         if hasattr(layer, "keep_after"):

@@ -72,6 +72,8 @@ class Committed:
     nodes: int = 0                      # nodes the verifier checked (fewer than drafted when it cut the tree
                                         # to its cost, ``specdec.tree.sizing``); 0: the draft's size
     prompt_logprobs: list | None = None  # prefill: one per prompt token but the first, when the session asked
+    token_ids: object = None            # ``tokens`` on the verifier's device, opaque here (in-process: the
+                                        # drafter feeds them with no upload); None: not there
 
 
 @dataclass(frozen=True)

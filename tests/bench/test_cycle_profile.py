@@ -207,9 +207,10 @@ def test_a_compiled_verify_reads_once_and_uploads_once(compiled_target, stack, p
 # read, of the draft and the verdict together (the tree drafted, placed and verified on the device:
 # ``specdec.tree.placed.DeviceTree``); a request's last, root-only cycles place their root (one upload)
 # and read its token (sampled: also the walk's; penalised: and commit its counts, one upload); the
-# eager operators outside the graphs. Penalties count each node's path on the device.
-WHOLE_CYCLE = {"greedy": {"syncs": 1.07, "ops": 29.53}, "sampled": {"syncs": 1.13, "ops": 78.0},
-               "penalised": {"syncs": 1.2, "ops": 97.67}}
+# eager operators outside the graphs (greedy: the committed tokens reach the drafter on the device).
+# Penalties count each node's path on the device.
+WHOLE_CYCLE = {"greedy": {"syncs": 1.07, "ops": 26.73}, "sampled": {"syncs": 1.07, "ops": 72.27},
+               "penalised": {"syncs": 1.07, "ops": 93.87}}
 PENALISED = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.5, seed=3)
 
 
@@ -226,3 +227,39 @@ def test_a_compiled_cycle_holds_its_ceiling(compiled_target, tiny_family, params
     assert per_cycle["ops"] <= WHOLE_CYCLE[kind]["ops"], record["op_sites"]
     sites = {s["site"] for s in record["sync_sites"]}
     assert "verifier/target.py:settle_unread" in sites and "drafter/compiled/whole_draft.py:draft" not in sites
+
+
+def test_a_greedy_cycle_feeds_the_drafter_the_tokens_it_left_on_the_device(compiled_target, tiny_family,
+                                                                           monkeypatch):
+    """In-process, a greedy verify on the device hands the drafter its committed tokens there
+    (``VerifyResult.token_ids``): the compiled feed copies them in one operator instead of filling
+    each from the host, and feeds exactly what the host's tokens feed (same pairs, same outputs)."""
+    from drafter.compiled.head_levels import CompiledHead
+    from specdec.local import LocalDrafter, generate
+
+    feed = CompiledHead.feed
+
+    def run(device_ids: bool):
+        fed = []
+
+        def spy(self, cache, tokens, feats, ids=None):
+            out = feed(self, cache, tokens, feats, ids)
+            fed.append((list(tokens), ids is not None, None if out is None else out[1].clone()))
+            return out
+
+        monkeypatch.setattr(CompiledHead, "feed", spy)
+        if not device_ids:
+            monkeypatch.setattr(LocalDrafter, "joined_ids", staticmethod(lambda commits: None))
+        drafter = EagleDrafter(str(tiny_family["eagle"]), str(tiny_family["target"]), compile="on")
+        use_budget(drafter, TREE)
+        decoding = generate(compiled_target, drafter, PROMPTS[0], SamplingParams(), STOP,
+                            replace(TREE, proposals="top"))
+        return decoding.tokens, fed
+
+    tokens, fed = run(device_ids=True)
+    host_tokens, host_fed = run(device_ids=False)
+    assert tokens == host_tokens
+    assert sum(on_device for _, on_device, _ in fed) >= 2 and not any(on_device for _, on_device, _ in host_fed)
+    assert [pairs for pairs, _, _ in fed] == [pairs for pairs, _, _ in host_fed]
+    for (_, _, got), (_, _, want) in zip(fed, host_fed):
+        assert got is not None and want is not None and torch.equal(got, want)
