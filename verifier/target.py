@@ -99,13 +99,13 @@ class TargetSession:
             counts, allowed = self.processors(tree, placed)
             order, verdict, ends = self.walk(placed, logits, counts, allowed)
             kv.reorder_tail(self.cache, prefix, order)
-            features = hidden.index_select(0, order)
             result = self.acceptance(tree, verdict.tolist())                       # the read
-            return self.keep(tree, prefix, result, features, logits, (counts, *ends) if ends else None)
+            return self.keep(tree, prefix, result, hidden, logits, (counts, *ends) if ends else None, order)
         result, logprobs = self.decide(tree, logits)
         path = [0] + result.accepted
         kv.keep_path(self.cache, prefix, path)
-        features = hidden[:len(path)] if path == list(range(len(path))) else hidden[path]
+        # a copy of the kept rows: the drafter may hold them for the whole session
+        features = hidden[:len(path)].clone() if path == list(range(len(path))) else hidden[path]
         committed = result.tokens(tree)
         self.commit(committed)
         return VerifyResult(result.accepted, committed, features, logprobs)
@@ -139,7 +139,6 @@ class TargetSession:
         counts = self.processors(tree, placed)[0]
         order, verdict, ends = self.walk(placed, logits, counts, None)
         kv.reorder_tail(self.cache, prefix, order)
-        features = hidden.index_select(0, order)
         values = torch.cat([tree.read, verdict]).tolist()        # the one read: the draft and its verdict
         split = tree.read.shape[0]
         drafted = tree.resolve(values[:split])
@@ -148,8 +147,8 @@ class TargetSession:
             if state is not None:
                 self.generator.set_state(state)
             return None
-        result = self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), features, logits,
-                           (counts, *ends) if ends else None)
+        result = self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), hidden, logits,
+                           (counts, *ends) if ends else None, order)
         if not self.params.greedy:
             return result
         # the argmaxes along the path are the committed tokens (accepted ones, then the bonus)
@@ -181,15 +180,19 @@ class TargetSession:
             return walk_greedy(tree, [int(v) for v in verdict])
         return order_acceptance(verdict)
 
-    def keep(self, tree: DraftTree, prefix: int, result: Acceptance, features: torch.Tensor,
-             logits: torch.Tensor, counted: tuple | None = None) -> VerifyResult:
-        """After a walk on the device (the cache's tail and ``features`` in its
-        order): the root and the accepted path kept, the tokens committed;
-        ``counted``: the walk's (counts, last, bonus), which commit the penalty
-        counts on the device."""
+    def keep(self, tree: DraftTree, prefix: int, result: Acceptance, hidden: torch.Tensor,
+             logits: torch.Tensor, counted: tuple | None = None, order: torch.Tensor | None = None
+             ) -> VerifyResult:
+        """After a walk on the device (the cache's tail in ``order``, the walk's
+        nodes, the kept ones first; None: a root-only tree): the root and the
+        accepted path kept, the tokens committed, their features gathered out of
+        ``hidden`` [n, F] in one operator (just those rows: a drafter may hold
+        them for the whole session); ``counted``: the walk's (counts, last,
+        bonus), which commit the penalty counts on the device."""
         kept = len(result.accepted) + 1
         kv.truncate(self.cache, prefix + kept)
-        features, logprobs = features[:kept], self.committed_logprobs(tree, result, logits)
+        features = hidden[:kept] if order is None else hidden.index_select(0, order[:kept])
+        logprobs = self.committed_logprobs(tree, result, logits)
         committed = result.tokens(tree)
         if counted is not None:
             self.history.advance(*counted)

@@ -233,16 +233,21 @@ def test_a_greedy_cycle_feeds_the_drafter_the_tokens_it_left_on_the_device(compi
                                                                            monkeypatch):
     """In-process, a greedy verify on the device hands the drafter its committed tokens there
     (``VerifyResult.token_ids``): the compiled feed copies them in one operator instead of filling
-    each from the host, and feeds exactly what the host's tokens feed (same pairs, same outputs)."""
+    each from the host, and feeds exactly what the host's tokens feed (same pairs, same outputs).
+    The features a commit hands over are its kept rows alone, not a view of the whole tree's (the
+    drafter holds them for the session)."""
     from drafter.compiled.head_levels import CompiledHead
     from specdec.local import LocalDrafter, generate
 
     feed = CompiledHead.feed
 
+    compact = []
+
     def run(device_ids: bool):
         fed = []
 
         def spy(self, cache, tokens, feats, ids=None):
+            compact.append(feats.untyped_storage().nbytes() == feats.numel() * feats.element_size())
             out = feed(self, cache, tokens, feats, ids)
             fed.append((list(tokens), ids is not None, None if out is None else out[1].clone()))
             return out
@@ -263,3 +268,4 @@ def test_a_greedy_cycle_feeds_the_drafter_the_tokens_it_left_on_the_device(compi
     assert [pairs for pairs, _, _ in fed] == [pairs for pairs, _, _ in host_fed]
     for (_, _, got), (_, _, want) in zip(fed, host_fed):
         assert got is not None and want is not None and torch.equal(got, want)
+    assert compact and all(compact)
