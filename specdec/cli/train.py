@@ -184,8 +184,8 @@ def run_eagle(args) -> int:
     given = [f"--{name.replace('_', '-')}" for name in other if getattr(args, name) is not None]
     if given:
         raise UsageError(f"{', '.join(given)} do not apply to --version {args.version}")
-    if (args.regenerate or args.heldout_chat) and not args.chat:
-        raise UsageError("--regenerate and --heldout-chat need --chat")
+    if (args.regenerate or args.heldout_chat or args.precision != "fp32") and not args.chat:
+        raise UsageError("--regenerate, --heldout-chat and --precision need --chat")
     if args.version == 3:
         return _run_eagle3(args)
     from specdec.train.eagle import EagleLoss, train_eagle

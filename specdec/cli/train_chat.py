@@ -24,6 +24,9 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
                    help="replace every assistant turn with the target's own answer (self-distillation; "
                         "written to <workdir>/regenerated-*.jsonl and reused on rerun)")
     _generation_flags(g, "regen-", max_new=256, temperature=0.0)
+    g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: the target's feature extraction and the head's forward under bf16 autocast "
+                        "(weights and optimizer state stay fp32); ~2x faster where the CPU or GPU has bf16")
 
 
 def _generation_flags(g, prefix: str, max_new: int, temperature: float) -> None:
@@ -56,6 +59,17 @@ def add_parsers(tsub) -> None:
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     _generation_flags(t, "", max_new=256, temperature=0.0)
     t.set_defaults(run=run_chat_regenerate)
+
+    t = tsub.add_parser("chat-card", help="measure a chat head on held-out chat prompts and write its MODEL_CARD.md")
+    t.add_argument("--target", required=True, help="chat model: a directory, a GGUF file or pypi:PACKAGE")
+    t.add_argument("--eagle", required=True, help="the head's directory (written by train eagle --chat)")
+    t.add_argument("--prompts", required=True, help="held-out chats (JSONL of messages; each up to its last user turn)")
+    t.add_argument("--n", type=int, default=24, help="prompts measured (the file's first N)")
+    t.add_argument("--max-new-tokens", type=int, default=96)
+    t.add_argument("--dtype", default="float32", help="the target's dtype while measuring")
+    t.add_argument("--out", help="where card.json, calibration.png and MODEL_CARD.md go (default: the head's parent)")
+    t.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    t.set_defaults(run=run_chat_card)
 
 
 def _generation(max_new: int, batch: int, temperature: float, seed: int = 0):
@@ -144,4 +158,27 @@ def run_eagle_chat(args, out: str, cfg, loss=None, opts=None) -> dict:
     return train_chat_head(3 if args.version == 3 else 2, Path(args.target), data, Path(out),
                            Path(args.workdir) if args.workdir else Path.home() / ".cache" / "specdec" / "train"
                            / f"{args.name}-chat", cfg, loss or EagleLoss(), opts or Eagle3Options(),
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, precision=args.precision)
+
+
+def run_chat_card(args) -> int:
+    import torch
+
+    from specdec.cli.options import model_dir
+    from specdec.train.chat_card import write_chat_card
+
+    if args.n < 1 or args.max_new_tokens < 1:
+        raise UsageError(f"--n and --max-new-tokens must be >= 1, got {args.n} and {args.max_new_tokens}")
+    if not Path(args.prompts).is_file():
+        raise UsageError(f"--prompts: file not found: {args.prompts}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = model_dir(args.target, "target", "target model", "--target")
+    head = Path(model_dir(args.eagle, "eagle", "EAGLE head", "--eagle"))
+    try:
+        out = write_chat_card(args.target, target, head, Path(args.prompts), Path(args.out) if args.out else head.parent,
+                              args.n, args.max_new_tokens, args.dtype)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"model card written to {out}")
+    return 0

@@ -35,6 +35,7 @@ from specdec.request.errors import UsageError
 from specdec.request.params import LOOKAHEAD, REQUEST_METHODS, VANILLA
 
 DEMO_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+DEMO_QUESTION = "What are three good habits for writing readable Python code?"   # a chat model's demo
 
 
 def add_parser(sub) -> None:
@@ -150,8 +151,7 @@ def run_up(args) -> int:
     if args.drafters < 0:
         raise UsageError(f"--drafters must be >= 0, got {args.drafters}")
     verifier_argv, drafter_argv, tokenizer = _model_argv(args)
-    if args.chat_template:
-        chat_template_from(args, tokenizer)       # a template that does not load is one line, before any process
+    chat = chat_template_from(args, tokenizer) is not None   # a template that does not load: one line, before any process
     if args.drafters == 0:
         drafter_argv = None
     internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-s", "2",
@@ -203,7 +203,7 @@ def run_up(args) -> int:
         if orchestrator.http_port is not None:
             print(f"specdec up: OpenAI-compatible API on http://127.0.0.1:{orchestrator.http_port}/v1", flush=True)
         if args.demo_generation:
-            _demo(orchestrator.address, args.demo_max_new_tokens)
+            _demo(orchestrator.address, args.demo_max_new_tokens, chat)
             if args.exit_after_demo:
                 return 0
         _watch(orchestrator, verifiers + drafters)
@@ -223,13 +223,20 @@ def run_up(args) -> int:
     return 0
 
 
-def _demo(address: str, max_new_tokens: int) -> None:
+def _demo(address: str, max_new_tokens: int, chat: bool) -> None:
+    """One generation streamed to stdout: a question in the chat template where
+    the target has one, else the start of a function for the code demo."""
     from specdec.client import SpecdecClient, SpecdecClientError     # grpc: only for the demo
 
     with SpecdecClient(address, timeout=120.0) as client:
         try:
-            stream = client.generate(DEMO_PROMPT, max_new_tokens=max_new_tokens)
-            sys.stdout.write(DEMO_PROMPT)
+            if chat:
+                stream = client.generate(messages=[{"role": "user", "content": DEMO_QUESTION}],
+                                         max_new_tokens=max_new_tokens)
+                sys.stdout.write(f"user: {DEMO_QUESTION}\nassistant: ")
+            else:
+                stream = client.generate(DEMO_PROMPT, max_new_tokens=max_new_tokens)
+                sys.stdout.write(DEMO_PROMPT)
             for chunk in stream:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

@@ -17,6 +17,7 @@ The steps, each resumable from ``workdir``:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -63,17 +64,28 @@ def conversations(target, tokenizer, data: ChatData, workdir: Path, progress: bo
     return out[0], out[1]
 
 
+def autocast(precision: str, device: str = "cpu"):
+    """The context a training forward runs in: bf16 autocast (matrix products in
+    bf16, reductions and the weights fp32) or nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision != "bf16":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return torch.autocast(device, dtype=torch.bfloat16)
+
+
 def cached(target, target_dir: Path, tokens: list[ChatTokens], workdir: Path, max_len: int,
-           layers: tuple[int, ...], progress: bool) -> tuple[FeatureCache, tuple[int, int]]:
+           layers: tuple[int, ...], progress: bool, precision: str = "fp32") -> tuple[FeatureCache, tuple[int, int]]:
     """The feature cache of ``tokens`` (step 2) and how many conversations and
     tokens this call put through the target."""
-    directory = cache_dir(workdir, target_dir, tokens, max_len, layers)
-    computed = extract(target, tokens, directory, max_len, layers, progress=progress)
+    directory = cache_dir(workdir, target_dir, tokens, max_len, layers, precision)
+    with autocast(precision, target.device.type):
+        computed = extract(target, tokens, directory, max_len, layers, progress=progress)
     return FeatureCache(directory), computed
 
 
 def prepare(target, tokenizer, target_dir: Path, data: ChatData, workdir: Path, max_len: int,
-            layers: tuple[int, ...], progress: bool):
+            layers: tuple[int, ...], progress: bool, precision: str = "fp32"):
     """Steps 1 and 2: the train and held-out caches, and what the feature
     extraction of this call did ({"conversations", "tokens", "seconds"})."""
     train_chats, held = conversations(target, tokenizer, data, workdir, progress)
@@ -81,7 +93,7 @@ def prepare(target, tokenizer, target_dir: Path, data: ChatData, workdir: Path, 
     for chats in (train_chats, held):
         t0 = time.perf_counter()
         cache, (n, tokens) = cached(target, target_dir, [chat_tokens(tokenizer, c) for c in chats], workdir,
-                                    max_len, layers, progress)
+                                    max_len, layers, progress, precision)
         caches.append(cache)
         done = {"conversations": done["conversations"] + n, "tokens": done["tokens"] + tokens,
                 "seconds": round(done["seconds"] + time.perf_counter() - t0, 2)}
@@ -136,9 +148,11 @@ def calibrate_chat(head, io: TargetHead, b: dict, out_dir: Path, version: int) -
 
 def train_chat_head(version: int, target_dir: Path, data: ChatData, out_dir: Path, workdir: Path,
                     cfg: TrainConfig, loss_cfg: EagleLoss = EagleLoss(), opts: Eagle3Options = Eagle3Options(),
-                    progress: bool = True) -> dict:
+                    progress: bool = True, precision: str = "fp32") -> dict:
     """Train (or resume) an EAGLE head (``version`` 2 or 3) from conversations; a
-    finished run writes the head, ``calibration.json`` and ``training_log.json``."""
+    finished run writes the head, ``calibration.json`` and ``training_log.json``.
+    ``precision`` "bf16" runs the target's and the head's forwards under bf16
+    autocast (``autocast``); the weights, gradients and optimizer stay fp32."""
     from drafter.eagle import eagle2_head, eagle3_head
 
     torch.manual_seed(cfg.seed)
@@ -147,7 +161,7 @@ def train_chat_head(version: int, target_dir: Path, data: ChatData, out_dir: Pat
     target, tokenizer = load_frozen(target_dir)
     layers = chosen_layers(target, opts) if version == 3 else ()
     train_cache, held_cache, computed = prepare(target, tokenizer, target_dir, data, workdir, max_len, layers,
-                                                progress)
+                                                progress, precision)
     io = TargetHead.of_model(target)
     vocab = None
     if version == 3:
@@ -160,16 +174,18 @@ def train_chat_head(version: int, target_dir: Path, data: ChatData, out_dir: Pat
 
     def loss_fn(step: int):
         b = train_cache.sample(cfg.batch, cfg.seed, step)
-        if version == 3:
-            return eagle3_batch_losses(head, io, b, opts.ttt_steps)
-        noise_gen.manual_seed(cfg.seed * 7919 + step)
-        return eagle_batch_losses(head, io, b, loss_cfg, noise_gen)
+        with autocast(precision, target.device.type):
+            if version == 3:
+                return eagle3_batch_losses(head, io, b, opts.ttt_steps)
+            noise_gen.manual_seed(cfg.seed * 7919 + step)
+            return eagle_batch_losses(head, io, b, loss_cfg, noise_gen)
 
     def eval_fn():
-        if version == 3:
-            _, metrics = eagle3_batch_losses(head, io, held, opts.ttt_steps)
-        else:
-            _, metrics = eagle_batch_losses(head, io, held, EagleLoss(loss_cfg.w_reg, loss_cfg.w_cls, 0.0))
+        with autocast(precision, target.device.type):
+            if version == 3:
+                _, metrics = eagle3_batch_losses(head, io, held, opts.ttt_steps)
+            else:
+                _, metrics = eagle_batch_losses(head, io, held, EagleLoss(loss_cfg.w_reg, loss_cfg.w_cls, 0.0))
         return {f"heldout_{k}": round(v, 4) for k, v in metrics.items()}
 
     log = train(cfg, [p for p in head.parameters() if p.requires_grad], {"head": head}, loss_fn, eval_fn,
@@ -182,7 +198,7 @@ def train_chat_head(version: int, target_dir: Path, data: ChatData, out_dir: Pat
     (eagle3_head if version == 3 else eagle2_head).save_head(head, out_dir)
     calibrate_chat(head, io, held, Path(out_dir), version)
     summary = {"target": str(target_dir), "chat_train": len(train_cache), "chat_heldout": len(held_cache),
-               "regenerated": data.regenerate is not None}
+               "regenerated": data.regenerate is not None, "precision": precision}
     if vocab is not None:
         summary |= {"feature_layers": list(head.layers), "ttt_steps": opts.ttt_steps, "init": opts.init,
                     "draft_vocab": len(vocab), "draft_vocab_assistant_coverage": round(vocab.coverage, 4)}

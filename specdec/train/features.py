@@ -13,8 +13,8 @@ conversation goes through the target once and its record is stored:
 Records are written in shards of ``SHARD`` conversations, each file written
 whole (temporary name, then renamed), in the conversations' order; a stopped
 extraction finds its complete shards and goes on with the next conversation.
-A cache directory belongs to one (target, conversations, max_len, layers): its
-name is their hash. Shards are read back memory-mapped, so a cache larger than
+A cache directory belongs to one (target, conversations, max_len, layers,
+precision): its name is their hash. Shards are read back memory-mapped, so a cache larger than
 memory trains.
 """
 
@@ -34,8 +34,9 @@ FEATURE_DTYPE = torch.bfloat16
 
 
 def cache_dir(root: Path, target_dir: Path, tokens: list[ChatTokens], max_len: int,
-              layers: tuple[int, ...]) -> Path:
-    key = hashlib.sha1(json.dumps([str(Path(target_dir).resolve()), max_len, list(layers)]).encode())
+              layers: tuple[int, ...], precision: str = "fp32") -> Path:
+    head = [str(Path(target_dir).resolve()), max_len, list(layers)] + ([precision] if precision != "fp32" else [])
+    key = hashlib.sha1(json.dumps(head).encode())
     for t in tokens:
         key.update(json.dumps([t.ids[:max_len], t.assistant[:max_len]]).encode())
     return Path(root) / f"features-{key.hexdigest()[:16]}"

@@ -53,6 +53,21 @@ def test_up_streams_a_demo_generation_and_exits(tiny_family):
     assert all(refused(p) for p in ports)          # every process is gone
 
 
+def test_the_demo_of_a_chat_target_is_a_chat_answer(tmp_path):
+    """A target with a chat template: the demo asks a question in it (the
+    orchestrator renders the template) instead of completing code."""
+    from chat_tiny import build_chat_target
+    from specdec.cli.up import DEMO_QUESTION
+
+    target = build_chat_target(tmp_path, "chatml")
+    cmd = [sys.executable, "-m", "specdec.cli.main", "up", "--port", "0", "--target", str(target), "--method",
+           "vanilla", "--demo-generation", "--exit-after-demo", "--demo-max-new-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"user: {DEMO_QUESTION}\nassistant: " in proc.stdout and "def fibonacci" not in proc.stdout
+    assert re.search(r"\[6 tokens in \d+ cycles", proc.stdout.splitlines()[-1])
+
+
 def test_up_stops_everything_on_sigterm(tiny_family):
     proc = subprocess.Popen(up_cmd(tiny_family, "--method", "vanilla"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env())

@@ -122,3 +122,53 @@ def test_regenerate_inside_a_training_run(chat, tmp_path):
     written = [json.loads(line)["messages"] for f in ("regenerated-train.jsonl", "regenerated-heldout.jsonl")
                for line in (tmp_path / "w" / f).read_text().splitlines()]
     assert len(written) == 6 and all([m["role"] for m in c] == ["user", "assistant"] for c in written)
+
+
+def test_bf16_precision_keeps_its_own_feature_cache_and_trains(chat, tmp_path):
+    """``--precision bf16``: the features come from a bf16-autocast forward into a
+    cache of their own (not mixed with fp32 records), close to the fp32 ones;
+    the head still trains to finite losses."""
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    assert main(args(chat, 3, fp32, tmp_path / "o32", "--steps", "2")) == 0
+    assert main(args(chat, 3, bf16, tmp_path / "o16", "--steps", "2", "--precision", "bf16")) == 0
+    names = {d.name for w in (fp32, bf16) for d in w.glob("features-*")}
+    assert len(names) == 4                                     # train and held-out, per precision
+    caches = [max((FeatureCache(d) for d in w.glob("features-*")), key=len) for w in (fp32, bf16)]  # the train sets
+    a, b = caches[0].record(0), caches[1].record(0)
+    assert torch.equal(a["tokens"], b["tokens"]) and not torch.equal(a["layers"], b["layers"])
+    torch.testing.assert_close(b["layers"].float(), a["layers"].float(), rtol=0.1, atol=0.1)
+    summary = json.loads((tmp_path / "o16" / "training_log.json").read_text())
+    assert summary["precision"] == "bf16"
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in summary["history_tail"])
+    with pytest.raises(SystemExit):
+        main(args(chat, 3, bf16, tmp_path / "o16", "--precision", "fp16"))
+    text_run = ["train", "eagle", "--version", "3", "--target", str(chat["target"]), "--out", str(tmp_path / "t"),
+                "--workdir", str(tmp_path / "tw"), "--precision", "bf16", *TINY]
+    assert main(text_run) == 2 and not (tmp_path / "tw").exists()          # text data: fp32 only
+
+
+def test_chat_card_measures_a_trained_head_on_held_out_chats(chat, tmp_path):
+    """`specdec train chat-card`: the head trained from chats, measured on
+    held-out prompts, greedy identical to plain decoding at every budget."""
+    head = tmp_path / "card" / "eagle3"
+    assert main(args(chat, 3, tmp_path / "w", head)) == 0
+    prompts = tmp_path / "held.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c[:3]}) + "\n" for c in conversations(3)))
+    assert main(["train", "chat-card", "--target", str(chat["target"]), "--eagle", str(head), "--prompts",
+                 str(prompts), "--n", "2", "--max-new-tokens", "10", "--threads", "1"]) == 0
+    card = json.loads((tmp_path / "card" / "card.json").read_text())
+    runs = card["heldout"]["trees"]
+    assert card["heldout"]["prompts"] == 2 and len(runs) == 3
+    assert all(r["identical"] == 2 and r["tau"] >= 1.0 for r in runs.values())
+    assert card["training"]["chat_train"] + card["training"]["chat_heldout"] == 12
+    page = (tmp_path / "card" / "MODEL_CARD.md").read_text()
+    assert "| total_tokens=16,depth=6,expand_k=4 |" in page and (tmp_path / "card" / "calibration.png").is_file()
+
+
+def test_chat_card_refuses_a_prompt_file_without_a_user_turn(chat, tmp_path):
+    prompts = tmp_path / "none.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "system", "content": "hi"}]}) + "\n")
+    head = tmp_path / "h"
+    assert main(args(chat, 3, tmp_path / "w", head, "--steps", "1")) == 0
+    assert main(["train", "chat-card", "--target", str(chat["target"]), "--eagle", str(head), "--prompts",
+                 str(prompts)]) == 2
