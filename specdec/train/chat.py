@@ -22,6 +22,7 @@ token it predicts, p + 1, is the assistant's (``loss_mask``).
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from dataclasses import dataclass
@@ -63,12 +64,19 @@ def check_messages(messages, where: str, need_assistant: bool = True) -> list[di
 
 
 def read_chats(path: str | Path, need_assistant: bool = True) -> list[list[dict]]:
-    """The conversations of a JSONL file, each checked (``check_messages``)."""
+    """The conversations of a JSONL file (gzipped when its name ends in .gz), each
+    checked (``check_messages``)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"chat data file not found: {path}")
+    try:
+        text = gzip.decompress(path.read_bytes()).decode("utf-8") if path.suffix == ".gz" else \
+            path.read_text(encoding="utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: not readable as {'gzipped ' if path.suffix == '.gz' else ''}UTF-8 JSONL ({exc})") \
+            from None
     chats = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path} line {n}"

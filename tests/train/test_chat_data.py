@@ -181,6 +181,21 @@ def test_bad_chat_lines_are_one_line_errors(targets, tmp_path, capsys, line, mes
     assert code == 2 and len(err.splitlines()) == 1 and message in err and str(data) in err
 
 
+def test_gzipped_chat_data_reads_as_the_plain_file(tmp_path):
+    import gzip
+
+    from specdec.request.errors import UsageError
+    from specdec.train.chat import read_chats
+
+    plain, packed, broken = tmp_path / "c.jsonl", tmp_path / "c.jsonl.gz", tmp_path / "b.jsonl.gz"
+    plain.write_text("".join(json.dumps({"messages": TWO_TURNS}) + "\n" for _ in range(3)))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    broken.write_bytes(gzip.compress(plain.read_bytes())[:-9])
+    assert read_chats(packed) == read_chats(plain) and len(read_chats(plain)) == 3
+    with pytest.raises(UsageError, match="not readable as gzipped"):
+        read_chats(broken)
+
+
 def test_a_target_without_a_chat_template_is_a_one_line_error(tiny_family, tmp_path, capsys):
     data = tmp_path / "c.jsonl"
     data.write_text(json.dumps({"messages": TWO_TURNS}) + "\n")
