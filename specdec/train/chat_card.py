@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 from specdec.bench.runner import device_name
+from specdec.model.pypi_models import FETCHED
 from specdec.request.params import TreeParams
+from specdec.train.card import _num, tree_name
 
 # the budgets measured: the default 16 nodes (root included), and a deeper and a wider one
 CHAT_TREES = (TreeParams(), TreeParams(total_tokens=16, depth=10), TreeParams(total_tokens=32, depth=6, expand_k=6))
@@ -48,24 +50,23 @@ def target_record(reference: str, model_dir: str) -> dict:
     source = source_of(model_dir)
     if source is not None and Path(source).is_file():
         record |= {"file": Path(source).name, "bytes": Path(source).stat().st_size, "sha256": _digest(Path(source))}
-        fetched = Path(source).parent / "specdec-fetched.json"
+        fetched = Path(source).parent / FETCHED
         if fetched.is_file():
             record["fetched"] = json.loads(fetched.read_text())
     return record
 
 
 def read_prompts(path: Path, n: int) -> list[list[dict]]:
-    """The first ``n`` chats of a JSONL file of ``{"messages": [...]}``, each up
-    to its last user turn (an answer given there is dropped: the target writes it)."""
+    """The first ``n`` chats of a JSONL file of ``{"messages": [...]}`` (checked
+    as training data is, ``specdec.train.chat.read_chats``), each up to its last
+    user turn (an answer given there is dropped: the target writes it)."""
+    from specdec.train.chat import read_chats
+
     chats = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        messages = json.loads(line)["messages"]
-        while messages and messages[-1].get("role") != "user":
-            messages = messages[:-1]
-        if messages:
-            chats.append(messages)
+    for messages in read_chats(path, need_assistant=False):
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+        if last_user >= 0:
+            chats.append(messages[:last_user + 1])
         if len(chats) == n:
             break
     if not chats:
@@ -89,9 +90,9 @@ def measure(target_dir: str, head_dir: str, chats: list[list[dict]], max_new_tok
     stop = StopCriteria(max_new_tokens=max_new_tokens, eos_ids=frozenset() if eos is None else frozenset([int(eos)]))
     prompts = [prompt_ids(stack.tokenizer, chat) for chat in chats]
     plain = [generate(stack.verifier, None, p, SamplingParams(), stop, None).tokens for p in prompts]
-    runs, recorder = {}, None
+    runs, recorder = {}, TreeRecorder(stack.verifier)
     for k, cfg in enumerate(trees):
-        engine = TreeRecorder(stack.verifier) if k == 0 else stack.verifier
+        engine = recorder if k == 0 else stack.verifier          # calibration: the default budget's trees
         committed = cycles = same = 0
         t0 = time.perf_counter()
         for p, want in zip(prompts, plain):
@@ -101,15 +102,9 @@ def measure(target_dir: str, head_dir: str, chats: list[list[dict]], max_new_tok
             same += dec.tokens == want
         runs[tree_name(cfg)] = {"tau": round(committed / max(cycles, 1), 3), "identical": same,
                                 "tokens": committed, "seconds": round(time.perf_counter() - t0, 1)}
-        if k == 0:
-            recorder = engine
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
             "plain_tokens": sum(len(t) for t in plain), "trees": runs,
             "calibration": calibration_bins(recorder.points())}
-
-
-def tree_name(cfg: TreeParams) -> str:
-    return f"total_tokens={cfg.total_tokens},depth={cfg.depth},expand_k={cfg.expand_k}"
 
 
 def collect(reference: str, target_dir: str, head_dir: Path, prompts_file: Path, n: int, max_new_tokens: int,
@@ -127,10 +122,6 @@ def collect(reference: str, target_dir: str, head_dir: Path, prompts_file: Path,
             "heldout_prompts": str(prompts_file),
             "heldout": measure(target_dir, str(head_dir), chats, max_new_tokens, dtype),
             "machine": {"platform": platform.platform(), "processor": device_name("cpu")}}
-
-
-def _fmt(x, spec=".3f") -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 def render(card: dict) -> str:
@@ -154,13 +145,13 @@ def render(card: dict) -> str:
               f"{'yes' if tr.get('regenerated') else 'no'}",
               f"- {tr.get('config', {}).get('steps', 'n/a')} steps of {tr.get('config', {}).get('batch', 'n/a')} "
               f"conversations (at most {tr.get('config', {}).get('seq_len', 'n/a')} tokens each), precision "
-              f"{tr.get('precision', 'fp32')}, {_fmt(tr.get('train_seconds'), '.0f')} s of training",
+              f"{tr.get('precision', 'fp32')}, {_num(tr.get('train_seconds'), '.0f')} s of training",
               f"- head: {cfg.get('num_hidden_layers', 1)} decoder layer, hidden {cfg.get('hidden_size')}, draft "
               f"vocabulary {tr.get('draft_vocab', cfg.get('draft_vocab_size'))} tokens (covering "
-              f"{_fmt(tr.get('draft_vocab_assistant_coverage'))} of the assistant tokens), feature layers "
+              f"{_num(tr.get('draft_vocab_assistant_coverage'))} of the assistant tokens), feature layers "
               f"{tr.get('feature_layers')}, {tr.get('ttt_steps')} training-time-test steps",
               f"- last held-out eval: `{json.dumps(card.get('last_eval'))}`",
-              f"- greedy value temperature: {_fmt(card['value_temperature'].get('greedy_value_temperature'))}",
+              f"- greedy value temperature: {_num(card['value_temperature'].get('greedy_value_temperature'))}",
               "", "## Held-out acceptance", "",
               f"{h['prompts']} held-out chat prompts (`{Path(card['heldout_prompts']).name}`), greedy, up to "
               f"{h['max_new_tokens']} new tokens, target in {h['dtype']} on {card['machine']['processor']}. "
@@ -172,7 +163,7 @@ def render(card: dict) -> str:
               "| draft confidence | nodes | accepted |", "|---|---|---|"]
     for b in h["calibration"]:
         if b["nodes"]:
-            lines.append(f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {_fmt(b['rate'])} |")
+            lines.append(f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {_num(b['rate'])} |")
     return "\n".join(lines) + "\n"
 
 
