@@ -174,7 +174,7 @@ def tree_name(cfg) -> str:
     return f"total_tokens={cfg.total_tokens},depth={cfg.depth},expand_k={cfg.expand_k}"
 
 
-def _num(x, spec: str = ".3f") -> str:
+def format_figure(x, spec: str = ".3f") -> str:
     return "–" if x is None else format(x, spec)
 
 
@@ -210,12 +210,12 @@ def render(card: dict) -> str:
         loss = ev.get("heldout_loss")
         lines.append(f"| {name} | {info['params'] / 1e6:.2f} M | {info['bytes_on_disk'] / 2**20:.1f} MiB | "
                      f"{info['steps']} × {info['batch']} × {info['seq_len']} | {info['train_seconds'] / 60:.0f} min | "
-                     f"{_num(loss)} | {_num(info.get('unigram_loss'))} |")
+                     f"{format_figure(loss)} | {format_figure(info.get('unigram_loss'))} |")
     eagle = (m.get("eagle") or {}).get("last_eval") or {}
     if eagle:
         lines += ["", f"EAGLE head on held-out text: top-1 agreement with the target "
-                      f"{_num(eagle.get('heldout_top1'))}, feature regression (smooth-L1) {_num(eagle.get('heldout_reg'))}, "
-                      f"soft cross-entropy to the target's distribution {_num(eagle.get('heldout_cls'))} "
+                      f"{format_figure(eagle.get('heldout_top1'))}, feature regression (smooth-L1) {format_figure(eagle.get('heldout_reg'))}, "
+                      f"soft cross-entropy to the target's distribution {format_figure(eagle.get('heldout_cls'))} "
                       "(includes the target's own entropy, so not comparable with the LM losses)."]
     lines += ["", "Train time is wall time on a 2-core machine shared with other work."]
     if "step_costs" in card:
@@ -229,21 +229,21 @@ def render(card: dict) -> str:
         steps = sorted(int(k.rsplit("_", 1)[1]) for k in eagle3 if k.startswith("heldout_top1_"))
         lines += ["", "EAGLE-3 head on held-out text, top-1 agreement with the target at each unrolled step "
                       "(step k drafts k + 1 tokens ahead, on its own earlier outputs): "
-                      + ", ".join(f"{k}: {_num(eagle3[f'heldout_top1_{k}'])}" for k in steps)
+                      + ", ".join(f"{k}: {format_figure(eagle3[f'heldout_top1_{k}'])}" for k in steps)
                       + f"; the target's argmax lies in its draft vocabulary at "
-                        f"{_num(eagle3.get('heldout_in_draft'))} of held-out positions."]
+                        f"{format_figure(eagle3.get('heldout_in_draft'))} of held-out positions."]
     medusa = (m.get("medusa") or {}).get("last_eval") or {}
     if medusa:
         heads = sorted(int(k.rsplit("_", 1)[1]) for k in medusa if k.startswith("heldout_top1_"))
         lines += ["", "Medusa heads on held-out text, top-1 agreement with the target's next tokens (head k "
                       "predicts the token k + 2 ahead of the feature it reads): "
-                      + ", ".join(f"{k}: {_num(medusa[f'heldout_top1_{k}'])}" for k in heads) + "."]
+                      + ", ".join(f"{k}: {format_figure(medusa[f'heldout_top1_{k}'])}" for k in heads) + "."]
     hydra = (m.get("hydra") or {}).get("last_eval") or {}
     if hydra:
         heads = sorted(int(k.rsplit("_", 1)[1]) for k in hydra if k.startswith("heldout_top1_"))
         lines += ["", "Hydra heads on held-out text, top-1 agreement with the target's next tokens (head k "
                       "predicts the token k + 2 ahead of the feature it reads, fed the true path before it): "
-                      + ", ".join(f"{k}: {_num(hydra[f'heldout_top1_{k}'])}" for k in heads) + "."]
+                      + ", ".join(f"{k}: {format_figure(hydra[f'heldout_top1_{k}'])}" for k in heads) + "."]
     runs = {head: card[heldout_key(head)] for head in HEADS if heldout_key(head) in card}
     if runs:
         first = next(iter(runs.values()))
@@ -252,7 +252,7 @@ def render(card: dict) -> str:
                       f"{first['max_new_tokens']} new tokens)", "",
                   "| tree | " + " | ".join(f"tau {n}" for n in names) + " |", "|---|" + "---|" * len(names)]
         for tree in first["tau"]:
-            lines.append(f"| {tree} | " + " | ".join(_num(r["tau"].get(tree), ".2f") for r in runs.values()) + " |")
+            lines.append(f"| {tree} | " + " | ".join(format_figure(r["tau"].get(tree), ".2f") for r in runs.values()) + " |")
         lines += ["", "tau counts the bonus token."]
         for head, run in runs.items():
             method, plot = HEADS[head]
@@ -269,7 +269,7 @@ def render(card: dict) -> str:
                           "probabilities, the values the tree was built from.", ""]
             lines += [f"![calibration of {method}]({plot})", "", "| confidence | nodes | accepted | rate |",
                       "|---|---|---|---|"]
-            lines += [f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {_num(b['rate'])} |"
+            lines += [f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {b['accepted']} | {format_figure(b['rate'])} |"
                       for b in run["calibration"]]
     lines += ["", f"Measured on: {card['machine']}.", ""]
     return "\n".join(lines)

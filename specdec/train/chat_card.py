@@ -26,7 +26,7 @@ from pathlib import Path
 from specdec.bench.runner import device_name
 from specdec.model.pypi_models import FETCHED
 from specdec.request.params import TreeParams
-from specdec.train.card import _num, tree_name
+from specdec.train.card import format_figure, tree_name
 
 # the budgets measured: the default 16 nodes (root included), and a deeper and a wider one
 CHAT_TREES = (TreeParams(), TreeParams(total_tokens=16, depth=10), TreeParams(total_tokens=32, depth=6, expand_k=6))
@@ -145,13 +145,13 @@ def render(card: dict) -> str:
               f"{'yes' if tr.get('regenerated') else 'no'}",
               f"- {tr.get('config', {}).get('steps', 'n/a')} steps of {tr.get('config', {}).get('batch', 'n/a')} "
               f"conversations (at most {tr.get('config', {}).get('seq_len', 'n/a')} tokens each), precision "
-              f"{tr.get('precision', 'fp32')}, {_num(tr.get('train_seconds'), '.0f')} s of training",
+              f"{tr.get('precision', 'fp32')}, {format_figure(tr.get('train_seconds'), '.0f')} s of training",
               f"- head: {cfg.get('num_hidden_layers', 1)} decoder layer, hidden {cfg.get('hidden_size')}, draft "
               f"vocabulary {tr.get('draft_vocab', cfg.get('draft_vocab_size'))} tokens (covering "
-              f"{_num(tr.get('draft_vocab_assistant_coverage'))} of the assistant tokens), feature layers "
+              f"{format_figure(tr.get('draft_vocab_assistant_coverage'))} of the assistant tokens), feature layers "
               f"{tr.get('feature_layers')}, {tr.get('ttt_steps')} training-time-test steps",
               f"- last held-out eval: `{json.dumps(card.get('last_eval'))}`",
-              f"- greedy value temperature: {_num(card['value_temperature'].get('greedy_value_temperature'))}",
+              f"- greedy value temperature: {format_figure(card['value_temperature'].get('greedy_value_temperature'))}",
               "", "## Held-out acceptance", "",
               f"{h['prompts']} held-out chat prompts (`{Path(card['heldout_prompts']).name}`), greedy, up to "
               f"{h['max_new_tokens']} new tokens, target in {h['dtype']} on {card['machine']['processor']}. "
@@ -163,7 +163,7 @@ def render(card: dict) -> str:
               "| draft confidence | nodes | accepted |", "|---|---|---|"]
     for b in h["calibration"]:
         if b["nodes"]:
-            lines.append(f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {_num(b['rate'])} |")
+            lines.append(f"| {b['lo']:.2f}–{b['hi']:.2f} | {b['nodes']} | {format_figure(b['rate'])} |")
     return "\n".join(lines) + "\n"
 
 

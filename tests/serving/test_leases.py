@@ -154,11 +154,11 @@ async def test_a_prefill_whose_rpc_ended_is_released_when_it_lands(tiny_family, 
                     call.cancel()
                 with pytest.raises((grpc.aio.AioRpcError, asyncio.CancelledError)):
                     await call
-                if timeout is None:
-                    # the client's cancel is local at once; the server learns of it a moment later. One
-                    # that reaches it only after the answer went out cannot be told from a success (an
-                    # owned session then lapses with its lease): hold the engine call until it arrives.
-                    await asyncio.wait_for(handler_cancelled.wait(), 30)
+                # the client's cancel (or its own deadline) ends the call there at once; the server learns
+                # of it a moment later. One that reaches it only after the answer went out cannot be told
+                # from a success (an owned session then lapses with its lease): hold the engine call until
+                # it arrives.
+                await asyncio.wait_for(handler_cancelled.wait(), 30)
                 go.set()
                 assert await eventually(lambda: sid in dict(landed))
                 assert dict(landed)[sid], f"the engine call did not open session {sid}"
