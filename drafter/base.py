@@ -281,11 +281,13 @@ class Drafter(ABC):
         want = "sampled" if sampled else "top"
         return cfg if cfg.proposals == want else replace(cfg, proposals=want)
 
-    def proposal_sampler(self, sess: DraftSession, cfg: TreeParams) -> ProposalSampler | None:
-        """What draws this draft's children (``cfg`` from ``session_config``); None: top tokens."""
+    def proposal_sampler(self, sess: DraftSession, cfg: TreeParams, device: str | torch.device = "cpu"
+                         ) -> ProposalSampler | None:
+        """What draws this draft's children (``cfg`` from ``session_config``), its
+        draws made on ``device``; None: top tokens."""
         if cfg.proposals != "sampled":
             return None
-        return ProposalSampler(sess.sampling, sess.seed, salt=len(sess.tokens))
+        return ProposalSampler(sess.sampling, sess.seed, salt=len(sess.tokens), device=device)
 
     @staticmethod
     def _follow_grammar(sess: DraftSession, tokens: list[int]) -> None:

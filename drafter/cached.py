@@ -17,13 +17,15 @@ from dataclasses import replace
 
 import torch
 
+from specdec.compile.forwards import width_bucket
 from specdec.model import kv
 from specdec.model import prefix_cache as pc
 from specdec.request.errors import FailedPrecondition
 from specdec.request.params import TreeParams
+from specdec.tree import drawn
 from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
 from specdec.tree.grammar import masked_expand
-from specdec.tree.placed import DeviceTree
+from specdec.tree.placed import DeviceTree, PlacedTree
 from drafter.ahead import draft_forest, likely_stops, stop_scores
 
 from drafter.base import Drafter, DraftSession, TreeRecord
@@ -92,6 +94,13 @@ class CachedTreeDrafter(Drafter):
         """One tree level: tokens [k], parent_hidden [k, H], positions [k]; allowed
         [k, cache + k] bool (which slots each node sees), key_positions [cache + k]
         (the position of the token in each slot). Returns hidden [k, H], log-probs [k, V]."""
+
+    def level_step(self, sess: DraftSession, tokens: torch.Tensor, parent_hidden: torch.Tensor,
+                   positions: torch.Tensor, allowed: torch.Tensor,
+                   key_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` with every input on the model's device already (a tree drafted
+        there, ``specdec.tree.drawn``); a model that can, copies nothing up."""
+        return self.step(sess, tokens, parent_hidden, positions, allowed, key_positions)
 
     def draft_whole(self, cache, root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor,
                     cfg: TreeParams, fallback=None) -> tuple[DraftTree | DeviceTree, torch.Tensor] | None:
@@ -203,6 +212,30 @@ class CachedTreeDrafter(Drafter):
             kv.truncate(sess.cache, fed)
             sess.fed, sess.root_out, sess.fresh = fed, root_out, fresh
 
+    def _draft_drawn(self, sess: DraftSession, cfg: TreeParams, sampler, committed: int, fallback=None
+                     ) -> DraftTree | DeviceTree | None:
+        """A sampled tree drafted on the device (``specdec.tree.drawn``), read
+        once; None where a draft distribution was not finite. With
+        ``fallback`` (the draft level by level, a callable), the tree stays on
+        the device, unread and placed for its verify (a ``DeviceTree``), where
+        a compiled verify is that wide."""
+        root_hidden, root_logp = sess.root_out
+        key_positions = torch.arange(committed, device=root_logp.device)
+
+        def level(tokens, parent_hidden, positions, allowed):
+            nonlocal key_positions
+            key_positions = torch.cat([key_positions, positions])
+            return self.level_step(sess, tokens, parent_hidden, positions, allowed, key_positions)
+
+        draft = drawn.draft_drawn(sess.tokens[-1], root_hidden, root_logp, level, committed, cfg, sampler)
+        width = width_bucket(draft.nodes)
+        if fallback is None or width is None:
+            return draft.resolve(draft.read.tolist())            # the draft's one read
+        prefix = len(sess.tokens) - 1                            # the verifier's
+        rows, table = draft.place(prefix, width)
+        return DeviceTree(draft.read, PlacedTree(rows, draft.nodes, prefix), sess.tokens[-1],
+                          len(drawn.level_widths(cfg)), fallback, parse=draft.resolve, table=table)
+
     @torch.inference_mode()
     def _build(self, sess: DraftSession, cfg: TreeParams, record: bool, exclude: list[int] | None = None,
                graph: bool = True, fallback=None) -> tuple[DraftTree | DeviceTree, TreeRecord | None]:
@@ -260,9 +293,15 @@ class CachedTreeDrafter(Drafter):
                 self.draft_whole(sess.cache, sess.tokens[-1], root_hidden, root_logp, cfg, fallback)
             if whole is not None:            # the whole draft in one graph (drafter.compiled.whole_draft)
                 return whole[0], TreeRecord(whole[0], whole[1]) if record else None
+            sampler = self.proposal_sampler(sess, cfg, root_logp.device)
+            if sampler is not None and not record and not exclude and sess.grammar is None and drawn.serves(cfg):
+                tree = self._draft_drawn(sess, cfg, sampler, committed, fallback)
+                if tree is not None:
+                    return tree, None
+                sampler = self.proposal_sampler(sess, cfg)      # (the host's builder names the problem)
             if sess.grammar is not None:
                 expand = masked_expand(expand, sess.grammar)
-            tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, self.proposal_sampler(sess, cfg))
+            tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, sampler)
             if not record:
                 return tree, None
             # a path the verifier may accept feeds the outputs of its nodes that have

@@ -24,7 +24,8 @@ from specdec.model.loading import ModelSpec, load_causal_lm
 from specdec.model.masks import tree_allowed
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.request.params import SamplingParams, TokenLogprob
-from specdec.tree.acceptance import Acceptance, accept, greedy_walk, order_acceptance, sampled_order, walk_greedy
+from specdec.tree.acceptance import (Acceptance, ProposalTable, accept, greedy_walk, order_acceptance, proposal_table,
+                                     sampled_order, walk_greedy)
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
@@ -90,14 +91,16 @@ class TargetSession:
         keeps the prefix, the root and the accepted path (anything after the
         tree's slots goes too) and the session commits the tokens. With the
         tree ``placed`` on the device, the walk runs there too (greedy:
-        ``greedy_order``; sampled over one-hot proposals: ``sampled_order``),
+        ``greedy_order``; sampled: ``sampled_order``, drawn proposals too),
         and the cache's compaction and the features' gather follow it there:
         the argmaxes, or the path and the bonus, are the one read."""
         if placed is not None and tree.size == 1 and self.grammar is None:
             return self.step_root(tree, prefix, hidden, logits)
-        if placed is not None and tree.size > 1 and (self.params.greedy or not getattr(tree, "proposals", None)):
+        if placed is not None and tree.size > 1:
             counts, allowed = self.processors(tree, placed)
-            order, verdict, ends = self.walk(placed, logits, counts, allowed)
+            drawn = not self.params.greedy and getattr(tree, "proposals", None)
+            table = proposal_table(tree, logits.device) if drawn else None
+            order, verdict, ends = self.walk(placed, logits, counts, allowed, table)
             kv.reorder_tail(self.cache, prefix, order)
             result = self.acceptance(tree, verdict.tolist())                       # the read
             return self.keep(tree, prefix, result, hidden, logits, (counts, *ends) if ends else None, order)
@@ -137,7 +140,7 @@ class TargetSession:
         prefix, placed = self.prefix_len, tree.placed
         state = None if self.params.greedy else self.generator.get_state()
         counts = self.processors(tree, placed)[0]
-        order, verdict, ends = self.walk(placed, logits, counts, None)
+        order, verdict, ends = self.walk(placed, logits, counts, None, None if self.params.greedy else tree.table)
         kv.reorder_tail(self.cache, prefix, order)
         values = torch.cat([tree.read, verdict]).tolist()        # the one read: the draft and its verdict
         split = tree.read.shape[0]
@@ -155,9 +158,11 @@ class TargetSession:
         return replace(result, token_ids=verdict.index_select(0, order[:len(result.tokens)]))
 
     def walk(self, placed: PlacedTree, logits: torch.Tensor, counts: TokenCounts | None,
-             allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
-        """Acceptance on the device (greedy: ``greedy_walk``; sampled over
-        one-hot proposals: ``sampled_order``): the nodes in order [n], the root
+             allowed: torch.Tensor | None, table: ProposalTable | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """Acceptance on the device (greedy: ``greedy_walk``; sampled:
+        ``sampled_order``, over the drawn proposals in ``table`` where the tree
+        has them, else one-hot ones): the nodes in order [n], the root
         and the accepted ones first; what the host reads of the verdict (the
         argmaxes, or the order and its tail); and, with ``counts`` (the
         session's penalties, per node), the path's last node and the bonus
@@ -170,7 +175,7 @@ class TargetSession:
             last = order.gather(0, on_path.sum().view(1) - 1)
             return order, best, (last, best.gather(0, last))
         probs = target_probs(logits, self.params, counts, allowed)
-        order, tail = sampled_order(placed, probs, self.generator)
+        order, tail = sampled_order(placed, probs, self.generator, table)
         ends = None if counts is None else (order.gather(0, tail[:1] - 1), tail[1:])
         return order, torch.cat([order, tail]), ends
 

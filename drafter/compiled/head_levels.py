@@ -153,16 +153,26 @@ class CompiledHead:
 
     @torch.inference_mode()
     def step(self, cache, tokens: torch.Tensor, parent_hidden: torch.Tensor, positions: torch.Tensor,
-             allowed: torch.Tensor):
+             allowed: torch.Tensor, resident: bool = False):
         """As ``FeatureHeadDrafter.step`` for tokens, positions [k], parent_hidden
         [k, H], allowed [k, past + k]: (outputs [k, H], log-probs [k, V]); None
-        where the compiled path does not apply (the caller runs eagerly)."""
+        where the compiled path does not apply (the caller runs eagerly).
+        ``resident``: every input is on the device already (a tree drafted
+        there, ``specdec.tree.drawn``): nothing is copied up."""
         k = tokens.shape[0]
         fixed, width = fixed_buffers(cache), next((w for w in WIDTHS if w >= k), None)
         past = kv.seq_len(cache)
         if fixed is None or width is None or past + width > fixed.stack.shape[4]:
             return None
         dev = self.device
+        if resident:
+            pad = width - k
+            mask = self.padded_mask(allowed, width, fixed.stack.shape[4])
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])[None]
+            positions = torch.cat([positions, positions[-1:].expand(pad)])[None]
+            parent = torch.cat([parent_hidden.to(self.dtype), parent_hidden.new_zeros(pad, parent_hidden.shape[1],
+                                                                                     dtype=self.dtype)])[None]
+            return self._run(cache, fixed, width, k, past, tokens, parent, positions, mask)
         mask = self.padded_mask(allowed, width, fixed.stack.shape[4]).to(dev)
         pad = width - k
         if tokens.device == positions.device and tokens.dtype == positions.dtype:
@@ -174,7 +184,11 @@ class CompiledHead:
             positions = torch.cat([positions.to(dev), positions[-1:].to(dev).expand(pad)])[None]
         parent = torch.cat([parent_hidden.to(dev, self.dtype),
                             parent_hidden.new_zeros(pad, parent_hidden.shape[1], device=dev, dtype=self.dtype)])[None]
-        slots = torch.arange(past, past + width, device=dev)
+        return self._run(cache, fixed, width, k, past, tokens, parent, positions, mask)
+
+    def _run(self, cache, fixed, width: int, k: int, past: int, tokens, parent, positions, mask):
+        """``step``'s level on its padded device inputs."""
+        slots = torch.arange(past, past + width, device=self.device)
         out, logp = self.graph(width, mask)(tokens, parent, positions, mask, slots, fixed.stack)
         k_view, v_view = fixed.views[0]
         kv.adopt(cache, 0, k_view, v_view, past + k)
@@ -215,10 +229,10 @@ class CompiledHead:
         """``specdec.compile.fixed_kv.pad_mask`` of the additive mask of ``allowed`` [k, past + k],
         built in one buffer: [1, 1, width, capacity]."""
         k, seen = allowed.shape
-        mask = torch.full((width, capacity), torch.finfo(self.dtype).min, dtype=self.dtype)
+        mask = torch.full((width, capacity), torch.finfo(self.dtype).min, dtype=self.dtype, device=allowed.device)
         mask[:k, :seen].masked_fill_(allowed, 0.0)
         if width > k:
-            pads = torch.arange(k, width)
+            pads = torch.arange(k, width, device=allowed.device)
             mask[pads, seen - k + pads] = 0.0          # a pad query sees only its own slot
         return mask[None, None]
 

@@ -104,13 +104,22 @@ class FeatureHeadDrafter(CachedTreeDrafter):
                                                                      allowed)
         return self.eager_step(sess.cache, tokens, parent_hidden, positions, allowed) if out is None else out
 
-    def eager_step(self, cache, tokens, parent_hidden, positions, allowed):
-        """One draft level run eagerly: (outputs [k, H], log-probs [k, V])."""
+    def level_step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
+        """``step`` with every input on the device already (``specdec.tree.drawn``)."""
+        out = None if self.compiled is None else self.compiled.step(sess.cache, tokens, parent_hidden, positions,
+                                                                     allowed, resident=True)
+        return self.eager_step(sess.cache, tokens, parent_hidden, positions, allowed, resident=True) \
+            if out is None else out
+
+    def eager_step(self, cache, tokens, parent_hidden, positions, allowed, resident: bool = False):
+        """One draft level run eagerly: (outputs [k, H], log-probs [k, V]);
+        ``resident``: the inputs are on the device already."""
         dev = self.device
-        tokens, positions = tokens.to(dev), positions.to(dev)
-        mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None].to(dev)   # one full-attention layer
-        out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None].to(dev), positions[None], mask,
-                        cache)[0]
+        mask = masks.additive(allowed, self.head.fc.weight.dtype)[None, None]      # one full-attention layer
+        if not resident:
+            tokens, positions, mask, parent_hidden = tokens.to(dev), positions.to(dev), mask.to(dev), \
+                parent_hidden.to(dev)
+        out = self.head(self.embed_tokens(tokens)[None], parent_hidden[None], positions[None], mask, cache)[0]
         return out, self.logprobs(out)
 
 

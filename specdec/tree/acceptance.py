@@ -158,16 +158,17 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
     rejected (or u is a leaf) the bonus is drawn from the residual. A second
     sibling carrying an already rejected token therefore has p[x] = 0 and is
     rejected with certainty. A tree of one-hot proposals (up to
-    ``MAX_WIDTH`` nodes) is walked on its device, every node at once, one
-    uniform per node drawn up front (``sampled_order``: the cycle's one
-    read); a tree with drawn proposals, or a wider one, node by node here,
-    one uniform per child tried. Only `generator` supplies randomness, so a
+    ``MAX_WIDTH`` nodes), drawn proposals or not, is walked on its device,
+    every node at once, one uniform per node drawn up front (``sampled_order``:
+    the cycle's one read); a wider one node by node here, one uniform per
+    child tried. Only `generator` supplies randomness, so a
     seed reproduces the result.
     """
     n = _check_shapes(tree, probs, "probs")
     proposals = getattr(tree, "proposals", None) or {}
-    if not proposals and 1 < n <= MAX_WIDTH:                  # one-hot proposals: every node at once
-        order, tail = sampled_order(place_tree(tree, 0, n, probs.device), probs, generator)
+    if 1 < n <= MAX_WIDTH:                                     # every node at once, on the device
+        table = proposal_table(tree, probs.device) if proposals else None
+        order, tail = sampled_order(place_tree(tree, 0, n, probs.device), probs, generator, table)
         return read_order(order, tail)
     tokens = tree.token_list
     parents = tree.parent_list
@@ -213,8 +214,8 @@ def accept_sampling(tree: TreeLike, probs: torch.Tensor, generator: torch.Genera
         node = nxt
 
 
-def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Generator
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Generator,
+                  table: ProposalTable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``accept_sampling``'s walk over one-hot proposals as tensor operations
     on the device, every node tried at once: ([n] node indices as
     ``greedy_order`` gives them, the root and the accepted nodes first in path
@@ -232,7 +233,15 @@ def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Gene
     walk took that one first); a node is on the path when every node of its
     path below the root steps. The bonus is drawn from the last path node's
     row with its children's tokens zeroed (all tried and rejected), or the row
-    itself where rounding left that residual no mass."""
+    itself where rounding left that residual no mass.
+
+    With ``table``, the nodes it names drew their children from their
+    proposals (``_accept_drawn``'s rule): child i of such a node is tried on
+    the residual p_i and the proposal q_i its i - 1 earlier siblings' rejection
+    left, which depend on those siblings alone, so every child's test again
+    runs at once: ``drawn_edges`` runs the recursion for every such node
+    together, ``table.most`` rounds. The bonus at such a node is drawn from
+    its last residual."""
     n, device = placed.n, probs.device
     index = torch.arange(n, device=device)
     parents, tokens = placed.row(PARENTS), placed.row(TOKENS)
@@ -243,17 +252,98 @@ def sampled_order(placed: PlacedTree, probs: torch.Tensor, generator: torch.Gene
                & (index[:, None] > 0) & (index[None, :] > 0))                      # [n, n]: c's earlier siblings
     left = mass[parents] - earlier.double() @ edge                                # R_c
     passes = (edge > 0) & (uniforms * left < edge)
+    if table is not None:
+        drawn, p_edge, q_edge, last_residual = drawn_edges(placed, probs, table, earlier)
+        passes = torch.where(drawn, (q_edge > 0) & (uniforms * q_edge < p_edge), passes)
     steps = passes & ~(earlier & passes[None, :]).any(-1)                         # the first to pass
     order, on_path = _path_first(placed, steps)
     kept = on_path.sum()
     last = order.gather(0, (kept - 1).view(1))                                    # [1]
-    children = ((parents == last) & (index > 0)).to(probs.dtype)
+    children = (parents == last) & (index > 0)
+    if table is not None:                 # a node the walk never takes (a dead draw) rejected nothing
+        children = children & (placed.row(STEP) != 0)
+    children = children.to(probs.dtype)
     rejected = torch.zeros(probs.shape[-1], dtype=probs.dtype, device=device).index_add_(0, tokens, children) > 0
     row = probs.index_select(0, last)[0]
     residual = _residual(row, rejected)
     residual = torch.where(residual.sum() > 0, residual, row)
+    if table is not None:                 # the last node drew its children: its last residual
+        at = last_residual.shape[0] - 1
+        slot = torch.full((n + 1,), at, dtype=torch.long, device=device).index_copy_(
+            0, table.nodes, torch.arange(at, device=device)).index_select(0, last)
+        residual = torch.where(slot < at, last_residual.index_select(0, slot)[0], residual.double())
     bonus = moved_to(torch.multinomial(moved_to(residual, generator.device), 1, generator=generator), device)
     return order, torch.cat([kept.view(1), bonus])
+
+
+@dataclass(frozen=True)
+class ProposalTable:
+    """A tree's drawn proposals on the device, for ``sampled_order``: ``nodes``
+    [m] int64 the nodes that drew their children (n: a row of no node), ``tokens`` [m, s] int64 and
+    ``probs`` [m, s] their proposals (zero probs pad a shorter one), and
+    ``most`` the most children any of them has."""
+
+    nodes: torch.Tensor
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    most: int
+
+
+def proposal_table(tree: TreeLike, device) -> ProposalTable:
+    """``tree.proposals`` (host ``Proposal``s, as the wire brings them) as a
+    ``ProposalTable`` on ``device``: one copy up."""
+    proposals = tree.proposals
+    nodes = sorted(proposals)
+    width = max(proposals[k].tokens.shape[0] for k in nodes)
+    host = torch.zeros(len(nodes), 1 + 2 * width, dtype=torch.float64)      # node, tokens, probs (ids < 2**53)
+    for row, k in enumerate(nodes):
+        m = proposals[k].tokens.shape[0]
+        host[row, 0] = k
+        host[row, 1:1 + m] = proposals[k].tokens
+        host[row, 1 + width:1 + width + m] = proposals[k].probs
+    children = [0] * len(tree.parent_list)
+    for p in tree.parent_list[1:]:
+        children[p] += 1
+    up = host.to(device)                                                       # the one copy up
+    return ProposalTable(up[:, 0].long(), up[:, 1:1 + width].long(), up[:, 1 + width:],
+                         max(children[k] for k in nodes))
+
+
+def drawn_edges(placed: PlacedTree, probs: torch.Tensor, table: ProposalTable, earlier: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_accept_drawn``'s recursion for every node of ``table`` at once, on the
+    device: for each tree node [n], whether its parent drew it (bool), and
+    p_i(x), q_i(x) of its test (fp64: the residual and the proposal its
+    earlier siblings' rejection left, at its token x); and each table node's
+    residual after all its children were rejected, [m + 1, V] fp64 (the last
+    row a pad). ``earlier`` [n, n]: ``sampled_order``'s earlier-sibling matrix."""
+    n, device, m = placed.n, probs.device, table.nodes.shape[0]
+    parents, tokens = placed.row(PARENTS), placed.row(TOKENS)
+    index = torch.arange(n, device=device)
+    row_of = torch.full((n + 1,), m, dtype=torch.long, device=device).index_copy_(
+        0, table.nodes, torch.arange(m, device=device))[:n]                   # node -> table row (m: none)
+    drawn = (index > 0) & (row_of[parents] < m) & (placed.row(STEP) != 0)     # (a node never taken: not drawn)
+    rank = earlier.sum(-1)                                                     # earlier siblings
+    most = max(table.most, 1)
+    # child_at[r, i]: the tree node that is row r's i-th child (n: none), through a spare last slot
+    where = torch.where(drawn, row_of[parents] * most + rank.clamp(max=most - 1), m * most)
+    child_at = torch.full((m * most + 1,), n, dtype=torch.long, device=device).scatter_(
+        0, where, torch.where(drawn, index, n))[:-1].view(m, most)
+    p = probs.index_select(0, table.nodes.clamp(max=n - 1)).double()      # (a table row of no node: any)
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.zeros_like(p).scatter_add_(-1, table.tokens, table.probs.double())   # (pads add 0)
+    q = q / q.sum(-1, keepdim=True)
+    spare_tokens = torch.cat([tokens, tokens.new_zeros(1)])
+    p_edge = torch.zeros(n + 1, dtype=torch.float64, device=device)
+    q_edge = torch.zeros(n + 1, dtype=torch.float64, device=device)
+    for i in range(most):
+        child = child_at[:, i]                                                 # [m]
+        x = spare_tokens[child]
+        p_edge.index_copy_(0, child, p.gather(-1, x[:, None])[:, 0])          # (rows with no i-th child: the spare)
+        q_edge.index_copy_(0, child, q.gather(-1, x[:, None])[:, 0])
+        has = (child < n)[:, None]
+        p, q = torch.where(has, _drawn_residual(p, q), p), torch.where(has, _without(q, x), q)
+    return drawn, p_edge[:n], q_edge[:n], torch.cat([p, p.new_zeros(1, p.shape[-1])])
 
 
 def _residual(row: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
@@ -292,24 +382,24 @@ def _accept_drawn(row: torch.Tensor, drawn: list[int], proposal, generator: torc
         if q_x > 0.0 and u * q_x < p_x:        # probability min(1, p(x) / q(x))
             return i, -1
         p = _drawn_residual(p, q)
-        q = _without(q, x)
+        q = _without(q, torch.tensor(x))
     return None, sample(p, generator)
 
 
-def _without(q: torch.Tensor, x: int) -> torch.Tensor:
-    """The next draw's distribution: q [V] with x drawn, renormalised."""
-    q = q.clone()
-    q[x] = 0.0
-    total = float(q.sum())
-    return q / total if total > 0.0 else q
+def _without(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The next draw's distribution: q [..., V] with x [...] drawn, renormalised
+    (left as it is where nothing else is left)."""
+    q = q.scatter(-1, x[..., None], 0.0)
+    total = q.sum(-1, keepdim=True)
+    return torch.where(total > 0.0, q / total, q)
 
 
 def _drawn_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) for p, q [V] normalised; p itself when that is empty
-    (p <= q everywhere means p == q, where a rejection is only rounding)."""
+    """norm(max(0, p - q)) for p, q [..., V] normalised; p itself where that is
+    empty (p <= q everywhere means p == q, where a rejection is only rounding)."""
     residual = (p - q).clamp_(min=0.0)
-    total = float(residual.sum())
-    return residual / total if total > 0.0 else p
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0.0, residual / total, p)
 
 
 def _draw_residual(row: torch.Tensor, rejected: set[int], generator: torch.Generator) -> int:

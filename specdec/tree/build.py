@@ -308,7 +308,9 @@ def _build_sampled(root_token: int, expand: ExpandFn, cfg: TreeParams,
             frontier = frontier[[bool(kids[n]) for n in frontier.tolist()]]
         if len(frontier) == 0 or (shape is None and (level >= len(budget) or budget[level] == 0)):
             break
-        tokens, q = sampler.proposals(pool.next_logp(frontier))  # [f, s] each
+        tokens, q = (t.cpu() for t in sampler.proposals(pool.next_logp(frontier)))  # [f, s] each
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("the draft distribution has NaN or infinite entries")
         support = (q > 0).sum(-1).tolist()  # [f]
         first = torch.log(0.5 + 0.5 * q[:, 0].double())  # [f] log prior of each parent's first draw
         if shape is not None:     # the shape fixes the counts; the priors only value the draws

@@ -110,6 +110,33 @@ def place_tree(tree, prefix_len: int, width: int, device) -> PlacedTree:
     return PlacedTree(packed, n, prefix_len)
 
 
+def place_rows(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, steps: torch.Tensor,
+               real: torch.Tensor, prefix_len: int, width: int, levels: int) -> torch.Tensor:
+    """``place_tree``'s rows built on the device from a tree there (tokens,
+    parents (the root's 0), depths [n], n <= width; ``steps`` [n] bool: the
+    nodes the walk may take, ``real`` [n] bool: the nodes whose outputs
+    count, the others placed as nodes nothing is accepted at; ``levels``: the
+    tree's depth at most) -> [ROWS, width] int64, nothing read."""
+    n, device = tokens.shape[0], tokens.device
+    index = torch.arange(n, device=device)
+    bit = torch.bitwise_left_shift(torch.ones_like(index), index)
+    path = torch.zeros_like(index)
+    for _ in range(levels):                                 # one more ancestor a round
+        path = torch.where(index > 0, bit | path[parents], 0)
+    columns = torch.arange(width, device=device)
+    bits = torch.bitwise_left_shift(torch.ones_like(columns), columns)
+
+    def wide(row, pad):
+        return torch.cat([row, pad.expand(width - n)])
+
+    last = prefix_len + torch.where(real, depths, 0).max()
+    rows = [wide(tokens, tokens.new_zeros(1)), wide(prefix_len + depths, last.view(1)), prefix_len + columns,
+            torch.where(columns < n, wide(path | 1, tokens.new_zeros(1)), bits), bits,
+            wide(parents, tokens.new_zeros(1)), wide(path, tokens.new_zeros(1)),
+            wide(torch.where(steps, bit, 0), tokens.new_zeros(1))]
+    return torch.stack(rows)
+
+
 _ROOT_ROWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -143,6 +170,10 @@ class DeviceTree:
     root: int                               # the tree's root token (the host knows it: the last committed)
     depth: int                              # the deepest node's depth at most
     fallback: Callable[[], DraftTree]       # the same draft level by level, where the graph flagged its own
+    # how ``read`` is laid out, where it is not as above: its values -> the tree (None: flagged), and the
+    # drawn proposals on the device (a sampled tree, ``specdec.tree.drawn``; its walk: ``sampled_order``)
+    parse: Callable[[list[float]], DraftTree | None] | None = None
+    table: object | None = None
     _tree: DraftTree | None = field(default=None, repr=False)
     _flagged: bool = field(default=False, repr=False)
 
@@ -153,6 +184,10 @@ class DeviceTree:
     def resolve(self, values: list[float]) -> DraftTree | None:
         """The tree out of ``read``'s values, read by whoever read it (None: the
         graph flagged its draft; ``materialize`` then drafts it again)."""
+        if self.parse is not None:
+            self._tree = self.parse(values)
+            self._flagged = self._tree is None
+            return self._tree
         if not values[0]:
             self._flagged = True
             return None

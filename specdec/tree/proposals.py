@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.request.params import SamplingParams
-from specdec.tree.sampling import target_probs
+from specdec.tree.sampling import moved_to, target_probs
 
 PROPOSAL_SUPPORT = 64    # tokens kept of a draft distribution before drawing from it
 _SUM_SLACK = 1e-3        # a proposal's probs must sum to 1 within this (fp32 on the wire)
@@ -77,7 +77,8 @@ class ProposalSampler:
     length, so a session redrafted at the same point (after a failover) draws
     the same tree."""
 
-    def __init__(self, params: SamplingParams, seed: int, salt: int = 0, support: int = PROPOSAL_SUPPORT):
+    def __init__(self, params: SamplingParams, seed: int, salt: int = 0, support: int = PROPOSAL_SUPPORT,
+                 device: str | torch.device = "cpu"):
         params.validate()
         if params.greedy:
             raise ValueError("sampled proposals need temperature > 0")
@@ -88,27 +89,32 @@ class ProposalSampler:
         # penalties need each node's path history, and acceptance is lossless
         # whatever q is. The bias keeps q near a target it bans or forces tokens of.
         self.params, self.support = params.without_penalties(), support
-        self.generator = torch.Generator().manual_seed(_mix(seed, salt))
+        self.generator = torch.Generator(device).manual_seed(_mix(seed, salt))
 
     def proposals(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logp: [f, V] draft log-probs -> (tokens [f, s] int64, probs [f, s] fp32):
+        """logp: [f, V] draft log-probs -> (tokens [f, s] int64, probs [f, s] fp32)
+        on their device, unchecked (a non-finite row gives non-finite probs):
         each row's proposal, most likely first; rows with fewer than s tokens
         left by the filters have prob-0 padding at the end."""
-        q = target_probs(logp.float().cpu(), self.params)   # log-probs are logits up to a constant
-        if not bool(torch.isfinite(q).all()):
-            raise ValueError("the draft distribution has NaN or infinite entries")
+        q = target_probs(logp.float(), self.params)          # log-probs are logits up to a constant
         s = min(self.support, q.shape[-1])
         probs, tokens = q.topk(s, dim=-1)                   # [f, s]
         probs = probs / probs.sum(-1, keepdim=True)
         return tokens, probs
 
+    def draw_order(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs: [f, s] proposals -> [f, s] each row's positions in draw order
+        (Gumbel-top-k: a row's first c are c draws without replacement), on
+        their device; positions of prob 0 come last."""
+        u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64, device=self.generator.device)
+        gumbel = moved_to(-torch.log(-torch.log(u.clamp(min=1e-300))), probs.device)
+        keys = torch.where(probs > 0, probs.double().log() + gumbel, -math.inf)
+        return keys.argsort(dim=-1, descending=True)
+
     def draw(self, probs: torch.Tensor, counts: list[int]) -> list[list[int]]:
         """probs: [f, s] proposals; counts[r]: draws for row r (at most its
         support). Returns, per row, the drawn positions in draw order."""
-        u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64)
-        gumbel = -torch.log(-torch.log(u.clamp(min=1e-300)))
-        keys = torch.where(probs > 0, probs.double().log() + gumbel, -math.inf)
-        order = keys.argsort(dim=-1, descending=True)
+        order = self.draw_order(probs)
         return [order[r, :c].tolist() for r, c in enumerate(counts)]
 
 

@@ -269,3 +269,26 @@ def test_a_greedy_cycle_feeds_the_drafter_the_tokens_it_left_on_the_device(compi
     for (_, _, got), (_, _, want) in zip(fed, host_fed):
         assert got is not None and want is not None and torch.equal(got, want)
     assert compact and all(compact)
+
+
+# The same stack drafting sampled proposals (children drawn from the draft's distribution,
+# ``specdec.tree.drawn``): the tree drafted, placed and verified on the device with its proposals, one read
+# a cycle as above (before it: ~90 host syncs a cycle, the draws shared out and read level by level). The
+# eager operators are the draft's bookkeeping on the device (~340: proposals, shares, draws, the next
+# level's inputs, the placing) and the walk over the proposals (~170): no graph holds them yet.
+DRAWN_CYCLE = {"sampled": {"syncs": 1.08, "ops": 510.4}, "penalised": {"syncs": 1.07, "ops": 535.1}}
+
+
+@pytest.mark.parametrize("params, kind", [(SAMPLED, "sampled"), (PENALISED, "penalised")],
+                         ids=["sampled", "penalised"])
+def test_a_compiled_cycle_of_drawn_proposals_holds_its_ceiling(compiled_target, tiny_family, params, kind):
+    drafter = EagleDrafter(str(tiny_family["eagle"]), str(tiny_family["target"]), compile="on")
+    tree = replace(TREE, proposals="sampled")
+    record = count_method("eagle2", LocalMethod(compiled_target, drafter, tree, params, STOP), PROMPTS,
+                          seed=3).record()
+    per_cycle = record["per_cycle"]
+    assert record["by_phase"]["draft"]["syncs_per_cycle"] == 0, record["sync_sites"]
+    assert per_cycle["syncs"] <= DRAWN_CYCLE[kind]["syncs"], record["sync_sites"]
+    assert per_cycle["ops"] <= DRAWN_CYCLE[kind]["ops"], record["op_sites"]
+    sites = {s["site"] for s in record["sync_sites"]}
+    assert "verifier/target.py:settle_unread" in sites and "drafter/cached.py:_draft_drawn" not in sites

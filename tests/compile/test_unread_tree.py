@@ -133,3 +133,26 @@ def test_plain_decoding_keeps_its_token_on_the_device_and_decodes_as_the_eager_s
     for prompt in PROMPTS:
         want = generate(eager, None, prompt, params, STOP, None).tokens
         assert generate(target, None, prompt, params, STOP, None).tokens == want
+
+
+DRAWN_TREE = replace(TREE, proposals="sampled")
+DRAWN = SamplingParams(temperature=0.8, seed=13)
+DRAWN_PENALISED = SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.4, seed=14)
+
+
+@pytest.mark.parametrize("params", [DRAWN, DRAWN_PENALISED], ids=["sampled", "penalised"])
+def test_trees_of_drawn_proposals_are_verified_unread_and_draw_what_a_read_tree_draws(stack, monkeypatch, params):
+    """Sampled proposals (``specdec.tree.drawn``): the tree drafted on the
+    device is verified before anyone reads it, with its proposals on the
+    device, and the run draws what it draws when each tree is read first and
+    placed by the verifier (no filter cuts a proposal short here, so the trees
+    have no dead nodes and the walks the same uniforms)."""
+    target, fast, _ = stack
+    reads = counting(monkeypatch, DeviceTree, "materialize")
+    unread = counting(monkeypatch, TargetSession, "settle_unread")
+    got = [generate(target, fast, p, params, STOP, DRAWN_TREE) for p in PROMPTS]
+    assert len(unread) > 0 and reads == []
+    assert all(g.finish().drafted > 0 for g in got)
+    monkeypatch.setattr(VerifierEngine, "_verify_unread", lambda self, sess, tree: None)    # read first
+    want = [generate(target, fast, p, params, STOP, DRAWN_TREE).tokens for p in PROMPTS]
+    assert [g.tokens for g in got] == want and len(reads) > 0

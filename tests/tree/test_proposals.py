@@ -7,6 +7,7 @@ times and check the committed tokens against the target's joint, for each tree
 method, and that planted bugs in the recursive rejection are caught."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from specdec.request.params import SamplingParams
 from specdec.request.params import TreeParams
 from specdec.tree.acceptance import accept_sampling
-from specdec.tree.build import build_tree, sampled_level_budget
+from specdec.tree.build import build_tree, sampled_level_budget, tree_from_lists
 from specdec.tree.proposals import Proposal, ProposalError, ProposalSampler, check_proposals
 from specdec.tree.sampling import make_generator, target_probs
 import specdec.tree.acceptance as acceptance
@@ -198,3 +199,43 @@ def test_level_budget_follows_the_priors():
     assert sampled_level_budget(100, 2, 2) == [2, 3]              # (1, 1): 0.6^2 * 0.01 < 0.03
     assert sampled_level_budget(1, 6, 4) == [0] * 6
     assert sampled_level_budget(100, 12, 1) == [1] * 6 + [0] * 6  # 0.6^7 = 0.028
+
+
+
+def _mixed_tree(root: int, g: torch.Generator):
+    """Under ``root``: two children drawn from a poor draft's distribution
+    (nodes 1, 2), node 1 with two one-hot children (tokens 1 and 4), node 2
+    with one child drawn from the draft's (node 3 or 5)."""
+    root_q = torch.softmax(POOR_DRAFT[root], -1)
+    first = torch.multinomial(root_q, 2, replacement=False, generator=g).tolist()      # draws in order
+    q2 = torch.softmax(DRAFT[first[1]], -1)
+    second = int(torch.multinomial(q2, 1, generator=g))
+    tree = tree_from_lists([root, *first, 1, 4, second], [-1, 0, 0, 1, 1, 2])
+    proposals = {0: Proposal(torch.arange(V), root_q), 2: Proposal(torch.arange(V), q2)}
+    return replace(tree, proposals=check_proposals(proposals, tree.token_list, tree.parent_list, V))
+
+
+def _mixed_runs(runs: int) -> Counter:
+    step = target_probs(TARGET, SamplingParams(1.0))                      # [V, V]: the target after each token
+    out = Counter()
+    for seed in range(runs):
+        g = make_generator(seed)
+        tokens = [ROOT]
+        while len(tokens) <= 2:
+            tree = _mixed_tree(tokens[-1], g)
+            tokens += accept_sampling(tree, step[tree.tokens], g).tokens(tree)
+        out[tuple(tokens[1:3])] += 1
+    return out
+
+
+def test_a_tree_mixing_drawn_and_one_hot_children_is_walked_losslessly_on_the_device(monkeypatch):
+    """The device walk (``sampled_order`` with a ``ProposalTable``) over trees
+    whose nodes drew their children or took them one-hot: the first two
+    tokens follow the target's joint; without the drawn residual the same
+    check fails."""
+    runs = chi2_runs(3000)
+    step = target_probs(TARGET, SamplingParams(1.0)).double()
+    joint = {(x, y): float(step[ROOT, x] * step[x, y]) for x in range(V) for y in range(V)}
+    assert chi2_pvalue(_mixed_runs(runs), joint, runs) > 1e-4
+    monkeypatch.setattr(acceptance, "_drawn_residual", lambda p, q: p)
+    assert chi2_pvalue(_mixed_runs(runs), joint, runs) < 1e-4
