@@ -22,10 +22,10 @@ from specdec.model import kv
 from specdec.model import prefix_cache as pc
 from specdec.request.errors import FailedPrecondition
 from specdec.request.params import TreeParams
-from specdec.tree import drawn
+from specdec.tree import drawn, ranked
 from specdec.tree.build import DraftTree, Frontier, build_tree_ids, subtree
 from specdec.tree.grammar import masked_expand
-from specdec.tree.placed import DeviceTree, PlacedTree
+from specdec.tree.placed import DeviceTree, PlacedTree, tree_of_read
 from drafter.ahead import draft_forest, likely_stops, stop_scores
 
 from drafter.base import Drafter, DraftSession, TreeRecord
@@ -236,6 +236,31 @@ class CachedTreeDrafter(Drafter):
         return DeviceTree(draft.read, PlacedTree(rows, draft.nodes, prefix), sess.tokens[-1],
                           len(drawn.level_widths(cfg)), fallback, parse=draft.resolve, table=table)
 
+    def _draft_ranked(self, sess: DraftSession, cfg: TreeParams, committed: int, fallback=None
+                      ) -> DraftTree | DeviceTree | None:
+        """A top-token tree drafted on the device (``specdec.tree.ranked``): with
+        ``fallback`` (the draft level by level, a callable) left there unread
+        and placed for its verify (a ``DeviceTree``, whose reader takes the
+        fallback where a tie flagged it), else read once; None where it was
+        flagged (the host's builder decides the ties)."""
+        root_hidden, root_logp = sess.root_out
+        key_positions = torch.arange(committed, device=root_logp.device)
+
+        def level(tokens, parent_hidden, positions, allowed):
+            nonlocal key_positions
+            key_positions = torch.cat([key_positions, positions])
+            return self.level_step(sess, tokens, parent_hidden, positions, allowed, key_positions)
+
+        prefix = len(sess.tokens) - 1                            # the verifier's
+        nodes = ranked.nodes(cfg)
+        width = width_bucket(nodes) if fallback is not None else None
+        read, rows, n = ranked.draft_ranked(sess.tokens[-1], root_hidden, root_logp, level, committed, cfg,
+                                            prefix, width)
+        if rows is None:
+            return tree_of_read(read.tolist(), n)                # the draft's one read
+        return DeviceTree(read, PlacedTree(rows, n, prefix), sess.tokens[-1], min(cfg.depth, cfg.total_tokens - 1),
+                          fallback)
+
     @torch.inference_mode()
     def _build(self, sess: DraftSession, cfg: TreeParams, record: bool, exclude: list[int] | None = None,
                graph: bool = True, fallback=None) -> tuple[DraftTree | DeviceTree, TreeRecord | None]:
@@ -294,11 +319,18 @@ class CachedTreeDrafter(Drafter):
             if whole is not None:            # the whole draft in one graph (drafter.compiled.whole_draft)
                 return whole[0], TreeRecord(whole[0], whole[1]) if record else None
             sampler = self.proposal_sampler(sess, cfg, root_logp.device)
-            if sampler is not None and not record and not exclude and sess.grammar is None and drawn.serves(cfg):
+            on_device = graph and not record and not exclude and sess.grammar is None
+            if sampler is not None and on_device and drawn.serves(cfg):
                 tree = self._draft_drawn(sess, cfg, sampler, committed, fallback)
                 if tree is not None:
                     return tree, None
+                kv.truncate(sess.cache, committed)
                 sampler = self.proposal_sampler(sess, cfg)      # (the host's builder names the problem)
+            if sampler is None and on_device and ranked.serves(cfg, root_logp.shape[-1]):
+                tree = self._draft_ranked(sess, cfg, committed, fallback)
+                if tree is not None:
+                    return tree, None
+                kv.truncate(sess.cache, committed)              # (flagged: the host's builder decides the ties)
             if sess.grammar is not None:
                 expand = masked_expand(expand, sess.grammar)
             tree, ids = build_tree_ids(sess.tokens[-1], expand, cfg, sampler)

@@ -39,11 +39,11 @@ class DraftLmDrafter(CachedTreeDrafter):
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.lm.logits(hidden), dim=-1)
 
-    def _run(self, sess, tokens, positions, mask):
+    def _run(self, sess, tokens, positions, mask, resident: bool = False):
         done = None
         if self.compiled is not None:
             self.compiled.fit(sess.cache, len(tokens))
-            done = self.compiled.forward(sess.cache, tokens[None], positions[None], mask)
+            done = self.compiled.forward(sess.cache, tokens[None], positions[None], mask, resident=resident)
         if done is not None:
             return done[0][0].to(self.lm.dtype), torch.log_softmax(done[1][0], dim=-1)
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]
@@ -66,3 +66,8 @@ class DraftLmDrafter(CachedTreeDrafter):
 
     def step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
         return self._run(sess, tokens, positions, self.lm.masks(allowed[None], positions[None], key_positions[None]))
+
+    def level_step(self, sess, tokens, parent_hidden, positions, allowed, key_positions):
+        """``step`` with every input on the device already (``specdec.tree.drawn``, ``ranked``)."""
+        mask = self.lm.masks(allowed[None], positions[None], key_positions[None], resident=True)
+        return self._run(sess, tokens, positions, mask, resident=True)

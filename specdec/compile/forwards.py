@@ -319,15 +319,18 @@ class CompiledForward:
         graphs = self.batched.get(bool(layers))
         return graphs is not None and graphs.serves(width, capacity) and len(layers) <= CAPTURED
 
-    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
+    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, resident: bool = False):
         """As ``CausalLm.hidden`` + ``logits`` for tokens, positions [1, n]:
         (features [1, n, H] fp32, logits [1, n, V]); None where the compiled
-        path does not apply (the caller runs eagerly)."""
-        out = self.run(cache, tokens, positions, mask)
+        path does not apply (the caller runs eagerly). ``resident``: the
+        inputs are on the device already (a tree drafted there): nothing is
+        copied up."""
+        out = self.run(cache, tokens, positions, mask, resident=resident)
         return None if out is None else (out[0], out[2])
 
     @torch.inference_mode()
-    def run(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...] = ()):
+    def run(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...] = (),
+            resident: bool = False):
         """``forward``, plus the residual streams entering ``layers`` (as
         ``CausalLm.hidden_and_layers``): (features, streams [1, n, len(layers)
         H] fp32 or None without layers, logits); None where the compiled path
@@ -347,7 +350,7 @@ class CompiledForward:
                 log.warning("no compiled graph for %d-wide forwards was built at start-up: those run eagerly "
                             "(verifier serve --compile-tree-tokens builds them)", width)
             return None
-        return self._step(cache, tokens, positions, mask, layers, width)
+        return self._step(cache, tokens, positions, mask, layers, width, resident)
 
     def built(self, width: int, capacity: int, captures: bool = False) -> bool:
         """Whether the one-session graph for (width, capacity) is open or on disk,
@@ -381,8 +384,10 @@ class CompiledForward:
             break
         return tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*outs))
 
-    def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int):
-        """One compiled forward padded to ``width`` (``run``; mask None: causal)."""
+    def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int,
+              resident: bool = False):
+        """One compiled forward padded to ``width`` (``run``; mask None: causal;
+        ``resident``: tokens, positions and mask on the device already)."""
         rows, n = tokens.shape
         past, capacity = kv.seq_len(cache), cache.fixed_buffers.stack.shape[4]
         if mask is None:                 # the causal mask, built on the host (where a tree's positions are)
@@ -391,7 +396,10 @@ class CompiledForward:
             mask = self.lm.masks(causal_allowed(n, past)[None], q_pos, k_pos)
         dev = self.lm.device
         pad = width - n
-        if tokens.device == positions.device and tokens.dtype == positions.dtype:
+        if resident:
+            tokens = torch.cat([tokens, tokens.new_zeros(rows, pad)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:].expand(rows, pad)], dim=1)
+        elif tokens.device == positions.device and tokens.dtype == positions.dtype:
             # padded where they are (the host, from a tree), then one copy to the device
             tokens, positions = torch.stack([torch.cat([tokens, tokens.new_zeros(rows, pad)], dim=1),
                                              torch.cat([positions, positions[:, -1:].expand(rows, pad)], dim=1)]

@@ -91,13 +91,16 @@ class CausalLm:
     def new_cache(self, capacity: int = 0):
         return kv.new_cache(self.config, capacity)
 
-    def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, resident: bool = False):
         """The ``attention_mask`` for allowed [B, q, k] bool, query positions [B, q]
         and the positions of the tokens in the key slots [B, k] (``specdec.model.masks``;
-        an ALiBi model's: ``specdec.model.alibi.AlibiMask``)."""
+        an ALiBi model's: ``specdec.model.alibi.AlibiMask``); ``resident``: the
+        inputs are on the device already, the mask is made there."""
         if self.alibi is not None:
             return self.alibi.mask(allowed, k_pos)
         out = self.layout.masks(allowed, q_pos, k_pos, self.dtype)
+        if resident:
+            return out
         if isinstance(out, dict):
             return {kind: m.to(self.device) for kind, m in out.items()}
         return out.to(self.device)

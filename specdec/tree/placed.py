@@ -188,15 +188,8 @@ class DeviceTree:
             self._tree = self.parse(values)
             self._flagged = self._tree is None
             return self._tree
-        if not values[0]:
-            self._flagged = True
-            return None
-        total, n = (len(values) - 1) // 4, self.placed.n
-        toks, pars, deps = ([int(v) for v in values[1 + i * total:1 + i * total + n]] for i in range(3))
-        structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read
-        self._tree = DraftTree(structure[0], structure[1], structure[2],
-                               torch.tensor(values[1 + 3 * total:1 + 3 * total + n], dtype=torch.float32),
-                               lists=(toks, pars, deps))
+        self._tree = tree_of_read(values, self.placed.n)
+        self._flagged = self._tree is None
         return self._tree
 
     def materialize(self) -> DraftTree:
@@ -206,6 +199,20 @@ class DeviceTree:
         if self._tree is None:
             self._tree = self.fallback()
         return self._tree
+
+
+def tree_of_read(values: list[float], n: int) -> DraftTree | None:
+    """The tree of a device draft's read values (``DeviceTree.read``'s layout:
+    the exact flag, then N tokens, parents, depths and values, of which the
+    first ``n`` are the tree); None where the draft was flagged."""
+    if not values[0]:
+        return None
+    total = (len(values) - 1) // 4
+    toks, pars, deps = ([int(v) for v in values[1 + i * total:1 + i * total + n]] for i in range(3))
+    structure = torch.tensor([toks, pars, deps], dtype=torch.int64)        # host copies of the read
+    return DraftTree(structure[0], structure[1], structure[2],
+                     torch.tensor(values[1 + 3 * total:1 + 3 * total + n], dtype=torch.float32),
+                     lists=(toks, pars, deps))
 
 
 _ROOT_ONLY = tree_from_lists([0], [-1])

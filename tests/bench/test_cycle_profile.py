@@ -27,8 +27,11 @@ TREE = TreeParams(total_tokens=12, depth=4)
 STOP = StopCriteria(max_new_tokens=16)
 
 # Per greedy cycle on the tiny family (eager, TREE): today's counts, the ceilings a test holds.
-# The aims (issue: the cycle on the device) are <= 1 sync and <= 30 eager operators.
-CEILINGS = {"vanilla": {"syncs": 4, "ops": 91}, "eagle2": {"syncs": 39.73, "ops": 382.0}}
+# The aims (issue: the cycle on the device) are <= 1 sync and <= 30 eager operators. eagle2 drafts its
+# tree on the device (``specdec.tree.ranked``: 39.7 syncs a cycle before, level by level on the host);
+# what is left is the eager verify's (the tree read, its mask built on the host, the argmaxes read) and
+# the eager head's own uploads.
+CEILINGS = {"vanilla": {"syncs": 4, "ops": 91}, "eagle2": {"syncs": 10.0, "ops": 402.93}}
 
 
 # The draft phase of a greedy eagle2 cycle with compiled levels and the whole-draft graph at TREE
@@ -176,12 +179,13 @@ def test_on_cuda_the_device_side_is_counted_too(tiny_family):
             assert record["per_cycle"]["replays"] == 1 and cuda.get("graph_launches", 0) >= 1, record
 
 
-# Per eagle2 cycle on the compiled tiny target (TREE): the verify phase's counts, held. The tree goes
-# up once (``specdec.tree.placed``) and the argmaxes (sampled: the path and the bonus) come back once; the
-# mask, the walk, the cache's compaction and the features' gather stay on the device (sampled: a request's
-# last, root-only cycles read their token: the 0.07).
-VERIFY_CEILING = {True: {"syncs_per_cycle": 2, "reads": 1, "uploads": 1, "shaped": 0, "ops": 17.47},
-                  False: {"syncs_per_cycle": 2.07, "reads": 1.07, "uploads": 1, "shaped": 0, "ops": 65.93}}
+# Per eagle2 cycle on the compiled tiny target (TREE), the drafter eager: the verify phase's counts, held.
+# The eager drafter drafts its tree on the device too (``specdec.tree.ranked``), placed there: the draft
+# and the argmaxes (sampled: the path and the bonus) come back in one read; the mask, the walk, the
+# cache's compaction and the features' gather stay on the device (a request's last, root-only cycles
+# place their root and read its token: the 0.07).
+VERIFY_CEILING = {True: {"syncs_per_cycle": 1.07, "reads": 1, "uploads": 0.07, "shaped": 0, "ops": 19.33},
+                  False: {"syncs_per_cycle": 1.07, "reads": 1, "uploads": 0.07, "shaped": 0, "ops": 64.87}}
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
 
 
@@ -191,7 +195,7 @@ def compiled_target(tiny_family):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
-def test_a_compiled_verify_reads_once_and_uploads_once(compiled_target, stack, params):
+def test_a_compiled_verify_reads_once(compiled_target, stack, params):
     """Greedy, and sampled over one-hot proposals (the walk on the device:
     ``specdec.tree.acceptance.sampled_order``, the path and the bonus read)."""
     tree = replace(TREE, proposals="top")

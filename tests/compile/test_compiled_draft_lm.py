@@ -58,8 +58,8 @@ def test_the_prompt_and_one_token_steps_take_the_compiled_path(drafters, monkeyp
     calls = []
     real = forwards.CompiledForward.forward
 
-    def counted(self, cache, tokens, positions, mask):
-        out = real(self, cache, tokens, positions, mask)
+    def counted(self, cache, tokens, positions, mask, **kwargs):
+        out = real(self, cache, tokens, positions, mask, **kwargs)
         calls.append((tokens.shape[1], out is not None))
         return out
 

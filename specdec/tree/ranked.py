@@ -1,0 +1,136 @@
+"""Top-token trees drafted on the device: ``specdec.tree.build``'s builders
+for the "eagle2", "no-value", "no-rerank" and "chain" methods with every
+decision kept on the model's device, for any drafter with a level function
+(an EAGLE head eager or compiled level by level, a draft LM).
+
+The level-by-level builder reads each level's top-k back to decide ties and
+to feed the next level (~15–20 host syncs a cycle of a chain). Its shapes
+are fixed by the budget: the root's ``k`` children, then ``width`` frontier
+nodes a level (``expand_k``, 1 for a chain) with ``k`` children each; the
+frontier is the ``width`` best children by value (by their own log-prob for
+"no-value"), ties to the earlier; the tree is the ``total_tokens - 1`` best
+nodes by value ("eagle2", "no-value": a parent is never below its child, so
+every kept node's parent is kept) or the chosen frontiers in order ("no-rerank",
+"chain"). What the host builder decides that a top-k on the device does not
+promise, ties between log-probs (the lower token id first), is flagged: each
+level takes one more than ``k`` and the draft is exact where every row's top
+entries are strictly decreasing and its best is a log-prob. A flagged draft is
+drafted again level by level (the reader's fallback), so every tree is the one
+the host builder drafts from the same log-probs.
+
+The tree comes back as ``drafter.compiled.whole_draft`` lays its read out
+(exact flag, then the tree's tokens, parents, depths and values), placed for
+its verify on the device as well (``specdec.tree.placed.place_rows``): an
+in-process verifier runs it unread (``DeviceTree``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.request.params import TreeParams
+from specdec.tree import placed
+from specdec.tree.build import LOGP_SLACK
+
+SERVED = ("eagle2", "no-value", "no-rerank", "chain")
+
+
+def serves(cfg: TreeParams, vocab: int) -> bool:
+    """Whether ``draft_ranked`` drafts ``cfg``'s top-token trees (a vocabulary
+    wider than a level's top-k plus one; the shaped "static" method stays on the host)."""
+    return cfg.method in SERVED and cfg.total_tokens >= 2 and cfg.depth >= 1 and cfg.expand_k + 1 < vocab
+
+
+def nodes(cfg: TreeParams) -> int:
+    """The size of ``draft_ranked``'s tree of ``cfg`` (known before drafting)."""
+    k = 1 if cfg.method == "chain" else cfg.expand_k
+    levels = min(cfg.depth, cfg.total_tokens - 1)
+    if cfg.method in ("eagle2", "no-value"):
+        return min(cfg.total_tokens, 1 + k + (levels - 1) * k * k)
+    return 1 + min(cfg.total_tokens - 1, levels * k)
+
+
+def _best(key: torch.Tensor, k: int) -> torch.Tensor:
+    """``specdec.tree.layout.best_positions`` on the device: the k largest keys'
+    positions (ties: earlier first), ascending."""
+    return torch.sort(key, descending=True, stable=True).indices[:k].sort().values
+
+
+def _top(logp: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's k best tokens [f, V] -> (value-tempered log-probs [f, k], tokens
+    [f, k], whether every row is free of ties and its best is a log-prob)."""
+    lp, tok = torch.topk(logp, k + 1, dim=-1)
+    ok = ((lp[:, 0] <= LOGP_SLACK) & (lp[:, :-1] > lp[:, 1:]).all(-1)).all()
+    lp, tok = lp[:, :k].float().clamp(max=0.0), tok[:, :k]
+    if temperature != 1.0:
+        lse = torch.logsumexp(logp.float() / temperature, dim=-1, keepdim=True)
+        lp = torch.where(torch.isfinite(lse), (lp / temperature - lse).clamp(max=0.0), lp)
+    return lp, tok, ok
+
+
+def draft_ranked(root_token: int, root_hidden: torch.Tensor, root_logp: torch.Tensor, level, committed: int,
+                 cfg: TreeParams, prefix: int, width: int | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The top-token tree of ``cfg`` under the root (its output ``root_hidden``
+    [H] and log-probs ``root_logp`` [V] on the device), drafted there through
+    ``level`` (``specdec.tree.drawn.LevelFn``) after ``committed`` cached slots
+    -> (the read [1 + 4n] fp64, the tree placed after ``prefix`` slots
+    ``width`` wide [ROWS, width] or None where ``width`` is None, n)."""
+    device = root_logp.device
+    k = 1 if cfg.method == "chain" else cfg.expand_k
+    levels = min(cfg.depth, cfg.total_tokens - 1)
+    temperature = float(cfg.value_temperature or 1.0)
+    by_value = cfg.method != "no-value"
+    lp, tok, ok = _top(root_logp[None], k, temperature)                     # [1, k]
+    tokens = torch.cat([torch.full((1,), root_token, dtype=torch.long, device=device), tok[0]])
+    parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), torch.zeros_like(tok[0])])
+    values = torch.cat([torch.zeros(1, device=device), lp[0]])
+    own = torch.cat([torch.zeros(1, device=device), lp[0]])                # each node's own log-prob
+    depths = [0] + [1] * k
+    key = values[1:] if by_value else own[1:]
+    pick = _best(key, k)                                                     # the first frontier, of the root's k
+    frontier = 1 + pick
+    chosen = [frontier]
+    hidden = root_hidden[None].expand(k, -1)
+    sees = torch.zeros(k, 0, dtype=torch.bool, device=device)                # each frontier node's drafted ancestors
+    for depth in range(2, levels + 1):
+        f = frontier.shape[0]
+        mine = torch.eye(f, dtype=torch.bool, device=device)
+        sees = torch.cat([sees, mine], dim=1)                                # its own slot, after its ancestors'
+        allowed = torch.cat([torch.ones(f, committed, dtype=torch.bool, device=device), sees], dim=1)
+        positions = torch.full((f,), committed - 2 + depth, dtype=torch.long, device=device)
+        out, logp = level(tokens[frontier], hidden, positions, allowed)
+        lp, tok, level_ok = _top(logp, k, temperature)                       # [f, k]
+        ok = ok & level_ok
+        kid_parents = frontier.repeat_interleave(k)
+        start = tokens.shape[0]
+        tokens = torch.cat([tokens, tok.flatten()])
+        parents = torch.cat([parents, kid_parents])
+        values = torch.cat([values, values[kid_parents] + lp.flatten()])
+        own = torch.cat([own, lp.flatten()])
+        depths += [depth] * (f * k)
+        kids = start + torch.arange(f * k, device=device)
+        pick = _best((values if by_value else own)[kids], k)
+        frontier = kids[pick]
+        chosen.append(frontier)
+        hidden, sees = out[pick // k], sees[pick // k]
+    if cfg.method in ("eagle2", "no-value"):
+        n = min(cfg.total_tokens, tokens.shape[0])
+        keep = _best(values[1:], n - 1) + 1
+    else:
+        keep = torch.cat(chosen)[:cfg.total_tokens - 1]
+        n = 1 + keep.shape[0]
+    ids = torch.cat([torch.zeros(1, dtype=torch.long, device=device), keep])   # [n], pool order
+    where = torch.full_like(tokens, -1).index_copy(0, ids, torch.arange(n, device=device))
+    tree_parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), where[parents[keep]]])
+    depth_of = torch.zeros(tokens.shape[0], dtype=torch.long, device=device)
+    for d in range(1, max(depths) + 1):                                      # (levels are runs of pool ids)
+        depth_of[depths.index(d):len(depths) - depths[::-1].index(d)].fill_(d)
+    tree_depths = depth_of[ids]
+    read = torch.cat([ok.reshape(1).double(), tokens[ids].double(), tree_parents.double(), tree_depths.double(),
+                      values[ids].double()])
+    if width is None:
+        return read, None, n
+    index = torch.arange(n, device=device)
+    rows = placed.place_rows(tokens[ids], tree_parents.clamp(min=0), tree_depths, index > 0,
+                             torch.ones(n, dtype=torch.bool, device=device), prefix, width, levels)
+    return read, rows, n
