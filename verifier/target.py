@@ -179,6 +179,28 @@ class TargetSession:
         ends = None if counts is None else (order.gather(0, tail[:1] - 1), tail[1:])
         return order, torch.cat([order, tail]), ends
 
+    def walk_placed(self, tree: DraftTree, placed: PlacedTree, logits: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """``walk`` of ``tree`` placed on the device, its verdict unread
+        (``acceptance`` takes it read), for a verify that reads several
+        sessions' verdicts at once (``verifier.batch``): a root-only tree draws
+        as ``step_root`` does; -> (order [n], verdict, the counts ``keep``
+        commits or None)."""
+        counts, allowed = self.processors(tree, placed)
+        if tree.size == 1:
+            if self.params.greedy:
+                token = greedy_tokens(logits, self.params, counts, allowed)                    # [1]
+                verdict = token
+            else:
+                token = draw(target_probs(logits, self.params, counts, allowed)[0], self.generator)
+                verdict = torch.cat([torch.zeros_like(token), torch.ones_like(token), token])   # order, kept, bonus
+            return torch.zeros_like(token), verdict, None if counts is None else (counts, torch.zeros_like(token),
+                                                                                    token)
+        drawn = not self.params.greedy and getattr(tree, "proposals", None)
+        table = proposal_table(tree, logits.device) if drawn else None
+        order, verdict, ends = self.walk(placed, logits, counts, allowed, table)
+        return order, verdict, (counts, *ends) if ends else None
+
     def acceptance(self, tree: DraftTree, verdict: list) -> Acceptance:
         """The acceptance out of ``walk``'s verdict, read."""
         if self.params.greedy:
@@ -348,9 +370,10 @@ class TargetModel:
         if self.compiled is not None:
             self.compiled.fit(cache, n)
 
-    def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
-        """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]."""
-        return self.lm.masks(allowed, q_pos, k_pos)
+    def masks(self, allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, resident: bool = False):
+        """The attention mask for allowed [B, q, k], query positions [B, q], key positions [B, k]
+        (``resident``: made on the device, where they are)."""
+        return self.lm.masks(allowed, q_pos, k_pos, resident=resident)
 
     def forward_tree(self, cache, tree: DraftTree, prefix_len: int, layers: tuple[int, ...] = (),
                      root: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, PlacedTree | None]:
@@ -400,15 +423,17 @@ class TargetModel:
 
     @torch.inference_mode()
     def run(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-            layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            layers: tuple[int, ...] = (), resident: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One forward: the final hidden state [B, n, H] (fp32: EAGLE-1/2's
         feature), the residual stream entering each of ``layers`` (HF
         ``output_hidden_states`` indices: EAGLE-3's features) concatenated
         [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
         The compiled forward runs where it applies (``specdec.compile.forwards``;
-        with layers, where its capturing graphs were built)."""
+        with layers, where its capturing graphs were built); ``resident``:
+        tokens, positions and mask are on the device already."""
         self.fit(cache, tokens.shape[1])
-        out = None if self.compiled is None else self.compiled.run(cache, tokens, positions, mask, layers)
+        out = None if self.compiled is None else self.compiled.run(cache, tokens, positions, mask, layers, resident)
         if out is not None:
             return out
         if layers and self.compiled is not None and not self.compiled.captures(layers) and not self._told_eager_layers:

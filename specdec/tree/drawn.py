@@ -49,9 +49,9 @@ LevelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tup
 
 
 def serves(cfg: TreeParams) -> bool:
-    """Whether ``draft_drawn`` drafts ``cfg``'s sampled trees (the shaped
-    "static" method stays level by level on the host)."""
-    return cfg.method in ("eagle2", "no-value", "no-rerank", "chain")
+    """Whether ``draft_drawn`` drafts ``cfg``'s sampled trees: a budget with a
+    draw at least (the shaped "static" method stays level by level on the host)."""
+    return cfg.method in ("eagle2", "no-value", "no-rerank", "chain") and bool(level_widths(cfg))
 
 
 def level_widths(cfg: TreeParams) -> list[int]:

@@ -84,6 +84,13 @@ def place_tree(tree, prefix_len: int, width: int, device) -> PlacedTree:
     """``tree`` (a ``DraftTree``: its host lists) after ``prefix_len`` cached
     slots, padded to ``width`` (n <= width <= ``MAX_WIDTH``), on ``device``:
     the verify's one upload."""
+    packed = torch.tensor(placed_lists(tree, prefix_len, width), dtype=torch.long, device=device)
+    return PlacedTree(packed, tree.size, prefix_len)
+
+
+def placed_lists(tree, prefix_len: int, width: int) -> list[list[int]]:
+    """``place_tree``'s rows as host lists ([ROWS][width]): what several trees
+    placed together go up in (a batch's one upload)."""
     tokens, parents, depths = tree.token_list, tree.parent_list, tree.depth_list
     n = len(tokens)
     if not n <= width <= MAX_WIDTH:
@@ -106,8 +113,7 @@ def place_tree(tree, prefix_len: int, width: int, device) -> PlacedTree:
             [max(p, 0) for p in parents] + [0] * len(pad),
             [_signed(b) for b in path] + [0] * len(pad),
             [_signed(b) for b in step] + [0] * len(pad)]
-    packed = torch.tensor(rows, dtype=torch.long, device=device)
-    return PlacedTree(packed, n, prefix_len)
+    return rows
 
 
 def place_rows(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, steps: torch.Tensor,

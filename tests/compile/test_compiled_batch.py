@@ -191,3 +191,33 @@ def test_batch_buffers_are_kept_for_the_latest_shapes_only(engines):
         with torch.inference_mode():
             forward.reuse(fixed_kv.stacked_cache(forward.lm.new_cache(), forward.new_stack(forwards.MIN_CAPACITY, rows)))
     assert list(forward.spare) == [(rows, forwards.MIN_CAPACITY) for rows in range(3, 3 + forwards.SPARE_BATCHES)]
+
+
+@pytest.mark.parametrize("sizes, graphs", [((16, 9, 12), "batched"), ((5, 3), "rows")], ids=["batched", "rows"])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9,
+                                                                     repetition_penalty=1.2, seed=4)],
+                         ids=["greedy", "penalised"])
+def test_a_batch_step_reads_back_once_whatever_its_size(engines, rows_seen, sizes, graphs, params):
+    """A batch step costs what one session's verify does (``specdec bench
+    profile --cycle``'s counts): the trees go up in one copy and every row's
+    verdict comes back in one read, on the batched graphs and row by row."""
+    from specdec.bench.cycle_profile import Tally, counting
+
+    _, fast = engines
+    sids = [f"sync-{graphs}-{params.greedy}-{i}" for i in range(len(PROMPTS))]
+    for sid, prompt in zip(sids, PROMPTS):
+        fast.prefill(sid, prompt, params, 40)
+    try:
+        for cycle in range(3):
+            trees = [_tree(fast.committed_tokens(sid)[-1], sizes[(cycle + i) % len(sizes)], 10 * cycle + i)
+                     for i, sid in enumerate(sids)]
+            tally = Tally()
+            with counting(tally):
+                results = fast.verify_batch(list(zip(sids, trees)))
+            assert not any(isinstance(r, Exception) for r in results), results
+            kinds = tally.phases["loop"].kinds
+            assert (kinds["reads"], kinds["uploads"], kinds["shaped"]) == (1, 1, 0), tally.phases["loop"].sites
+    finally:
+        for sid in sids:
+            fast.release(sid)
+    assert set(rows_seen) == ({len(PROMPTS)} if graphs == "batched" else {1})
