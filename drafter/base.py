@@ -338,4 +338,6 @@ class Drafter(ABC):
             features = features.float()
             sess.fresh = None if first else (len(sess.features), features, None)
             sess.features.extend(features.unbind(0))
+        else:
+            sess.fresh = None if first else (len(sess.tokens), None, None)
         sess.tokens.extend(int(t) for t in tokens)

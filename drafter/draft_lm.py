@@ -35,6 +35,10 @@ class DraftLmDrafter(CachedTreeDrafter):
     def new_cache(self):
         return self.lm.new_cache() if self.compiled is None else self.compiled.new_cache()
 
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
     def logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.lm.logits(hidden), dim=-1)
@@ -51,8 +55,20 @@ class DraftLmDrafter(CachedTreeDrafter):
 
     def feed_pending(self, sess: DraftSession, end: int | None = None):
         start, end = sess.fed, len(sess.tokens) if end is None else end
-        tokens = torch.tensor(sess.tokens[start:end], dtype=torch.long)
-        out, logp = self._run(sess, tokens, torch.arange(start, end), None)
+        fresh = sess.fresh
+        if (self.compiled is not None and fresh is not None and fresh[2] is not None and fresh[0] == start
+                and fresh[2].shape[0] == end - start):
+            # the last commit's tokens as the verifier left them on the device (in-process): its causal
+            # mask and positions made there too, nothing copied up
+            ids, n = fresh[2], end - start
+            positions = torch.arange(start, end, device=ids.device)
+            allowed = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril(start)
+            mask = self.lm.masks(allowed[None], positions[None], torch.arange(end, device=ids.device)[None],
+                                 resident=True)
+            out, logp = self._run(sess, ids, positions, mask, resident=True)
+        else:
+            tokens = torch.tensor(sess.tokens[start:end], dtype=torch.long)
+            out, logp = self._run(sess, tokens, torch.arange(start, end), None)
         sess.fed = end
         return out[-1], logp[-1]
 

@@ -296,3 +296,22 @@ def test_a_compiled_cycle_of_drawn_proposals_holds_its_ceiling(compiled_target, 
     assert per_cycle["ops"] <= DRAWN_CYCLE[kind]["ops"], record["op_sites"]
     sites = {s["site"] for s in record["sync_sites"]}
     assert "verifier/target.py:settle_unread" in sites and "drafter/cached.py:_draft_drawn" not in sites
+
+
+# A compiled draft LM's chain (sps) and a compiled head's chain on the compiled target: the chain drafted on
+# the device (``specdec.tree.ranked``; before: ~15 syncs a level) and verified unread, the draft LM fed its
+# commit from the verifier's tokens on the device (the rest: a request's first feed, its last root-only cycles).
+CHAIN_CYCLE = {"sps": 1.2, "chain": 1.1}
+
+
+@pytest.mark.parametrize("name", ["sps", "chain"])
+def test_a_chain_drafted_on_the_device_reads_once_a_cycle(compiled_target, stack, tiny_family, name):
+    from drafter.draft_lm import DraftLmDrafter
+
+    drafter = DraftLmDrafter(ModelSpec(str(tiny_family["draft-lm"]), compile="on")) if name == "sps" else \
+        EagleDrafter(str(tiny_family["eagle"]), str(tiny_family["target"]), compile="on")
+    tree = TreeParams(method="chain", total_tokens=6, depth=5, proposals="top")
+    record = count_method(name, LocalMethod(compiled_target, drafter, tree, SamplingParams(), STOP), PROMPTS,
+                          seed=3).record()
+    assert record["by_phase"]["draft"]["syncs_per_cycle"] <= 0.2, record["sync_sites"]
+    assert record["per_cycle"]["syncs"] <= CHAIN_CYCLE[name], record["sync_sites"]
