@@ -59,6 +59,7 @@ from specdec.request.params import TreeParams
 from specdec.serving.batching import BatchScheduler
 from specdec.tree.build import DraftTree, Frontier, build_tree, tree_from_lists
 from specdec.tree.grammar import masked_expand
+from specdec.tree.placed import DeviceTree
 from drafter.base import Drafter, DraftSession
 from drafter.cached import CachedTreeDrafter
 from drafter.draft_lm import DraftLmDrafter
@@ -209,11 +210,15 @@ def draft_batch(drafter: Drafter, items: list[DraftItem]) -> list[DraftTree | Ex
     if isinstance(drafter, (MedusaDrafter, HydraDrafter)) and len(todo) > 1:
         drafter.prepare([sid for _, sid, _ in todo])      # the first level in one forward (Medusa: all of it)
     if model is None:                    # nothing to share a forward with
+        unread = []
         for i, sid, cfg in todo:
             try:
-                results[i] = drafter.draft(sid, cfg)
+                results[i] = drafter.draft(sid, cfg, deferred=True)
+                if isinstance(results[i], DeviceTree):
+                    unread.append(i)
             except Exception as exc:  # noqa: BLE001
                 results[i] = exc
+        _read_together(results, unread)
         return results
 
     rows: list[_Row] = []
@@ -235,6 +240,23 @@ def draft_batch(drafter: Drafter, items: list[DraftItem]) -> list[DraftTree | Ex
     for row in rows:
         results[row.item] = row.tree if row.error is None else row.error
     return results
+
+
+def _read_together(results: list, unread: list[int]) -> None:
+    """The trees left on the device (``DeviceTree``s at ``unread``), read in one
+    read: a batch of drafts costs what one draft does; a flagged one is
+    drafted again level by level (its reader's fallback)."""
+    if not unread:
+        return
+    values = torch.cat([results[i].read for i in unread]).tolist()               # the batch's one read
+    at = 0
+    for i in unread:
+        tree, size = results[i], results[i].read.shape[0]
+        try:
+            results[i] = tree.resolve(values[at:at + size]) or tree.materialize()
+        except Exception as exc:  # noqa: BLE001 - reported per item
+            results[i] = exc
+        at += size
 
 
 @torch.inference_mode()

@@ -5,6 +5,7 @@ hold only committed inputs afterwards."""
 
 import asyncio
 import random
+from contextlib import nullcontext
 
 import grpc
 import pytest
@@ -274,3 +275,39 @@ def test_drafter_serve_batch_flags(monkeypatch):
     assert (args.batch_window_ms, args.max_batch) == (0.0, 4)
     args = build_parser().parse_args(["drafter", "serve", "--ngram", "--batch-window-ms", "5", "--max-batch", "3"])
     assert (args.batch_window_ms, args.max_batch) == (5.0, 3)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_a_batch_of_compiled_drafts_reads_back_once(tiny_family, kind):
+    """Compiled drafters draft one by one (module doc), each tree left on the
+    device, and the batch reads them all in one read: a batch of drafts costs
+    the syncs of one; every tree is the one drafted alone."""
+    from specdec.bench.cycle_profile import Tally, counting
+    from specdec.model.loading import ModelSpec
+    from drafter.draft_lm import DraftLmDrafter
+    from drafter.eagle.eagle2 import EagleDrafter
+
+    def build():
+        if kind == "eagle":
+            return EagleDrafter(str(tiny_family["eagle"]), str(tiny_family["target"]), compile="on")
+        return DraftLmDrafter(ModelSpec(str(tiny_family["draft-lm"]), compile="on"))
+
+    drafter, reference = build(), build()
+    s = Sessions(drafter, reference, 5)
+    sids = [f"c{i}" for i in range(3)]
+    for i, (sid, n) in enumerate(zip(sids, PROMPT_LENGTHS)):
+        s.prefill(sid, n, greedy=i != 1, sampling=SamplingParams(0.9, seed=i) if i == 1 else None)
+    configs = [c for c in CONFIGS if c.method != "static" and c.total_tokens > 1]
+    for cycle in range(4):
+        items = [(sid, [], None, configs[(cycle + j) % len(configs)]) for j, sid in enumerate(sids)]
+        tally = Tally()
+        with counting(tally) if cycle else nullcontext():     # (the first builds the compiled levels)
+            got = draft_batch(drafter, items)
+        if cycle:
+            assert tally.phases["loop"].kinds["reads"] == 1, tally.phases["loop"].sites
+        for (sid, tokens, feats, cfg), tree in zip(items, got):
+            assert_same_tree(tree, s.want(sid, tokens, feats, cfg))
+        for sid in sids:                                   # the next cycle's root: a committed token
+            tokens, feats = s.tokens(1), s.features(1)
+            for d in (drafter, reference):
+                d.commit(sid, tokens, feats)
