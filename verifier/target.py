@@ -29,7 +29,7 @@ from specdec.tree.acceptance import (Acceptance, ProposalTable, accept, greedy_w
 from specdec.tree.build import DraftTree
 from specdec.tree.grammar import GrammarState
 from specdec.tree.lookahead import LookaheadState
-from specdec.tree.placed import SEEN, TOKENS, DeviceTree, PlacedTree, place_root, place_tree
+from specdec.tree.placed import PARENTS, SEEN, TOKENS, DeviceTree, PlacedTree, place_root, place_tree
 from specdec.tree.sampling import History, TokenCounts, draw, greedy_tokens, target_probs, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,10 @@ class TargetSession:
     grammar: GrammarState | None = None    # a constrained session's matcher at the committed tokens
     lookahead: LookaheadState | None = None  # its pool and window, once it verified by lookahead decoding
     root_device: torch.Tensor | None = None  # the pending root's token [1] on the device, where the last step drew it
+    # a walk's logprobs, made on the device with its verdict (``walk``): where they start in the read, and
+    # what the read gave of them (``committed_logprobs``)
+    logprobs_at: int | None = field(default=None, repr=False)
+    logprob_values: list | None = field(default=None, repr=False)
 
     @property
     def prefix_len(self) -> int:
@@ -82,7 +86,37 @@ class TargetSession:
         if self.logprobs is None:
             return None
         path = [0] + result.accepted
-        return token_logprobs(logits[path], result.tokens(tree), self.logprobs)
+        tokens = result.tokens(tree)
+        values, self.logprob_values = self.logprob_values, None
+        if values is None:
+            return token_logprobs(logits[path], tokens, self.logprobs)
+        n, k = logits.shape[0], self.logprobs          # read with the verdict (``logprob_parts``)
+        edge, bonus, top_values, top_ids = values[:n], values[n], values[n + 1:n + 1 + n * k], values[n + 1 + n * k:]
+        return [TokenLogprob(t, edge[result.accepted[j]] if j < len(result.accepted) else bonus,
+                             tuple(int(i) for i in top_ids[u * k:(u + 1) * k]), tuple(top_values[u * k:(u + 1) * k]))
+                for j, (t, u) in enumerate(zip(tokens, path))]
+
+    def logprob_parts(self, logits: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
+                      last: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """What ``committed_logprobs`` needs of a walk, made on the device to be
+        read with its verdict, whatever the path (fp64): every node's token's
+        logprob at its parent [n], the bonus token's at the last node [1], and
+        every node's ``logprobs`` best alternatives (logprobs, then ids [n k]):
+        ``token_logprobs``' values (log-softmax of the fp32 logits)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        k = min(self.logprobs, logp.shape[-1])
+        top_values, top_ids = logp.topk(k, dim=-1)
+        return torch.cat([logp[parents, tokens].double(), logp[last, bonus].double(),
+                          top_values.flatten().double(), top_ids.flatten().double()])
+
+    def with_logprobs(self, verdict: torch.Tensor, logits: torch.Tensor, parents: torch.Tensor,
+                      tokens: torch.Tensor, last: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """``verdict`` with the walk's logprob parts after it where the session
+        asked for logprobs (``acceptance`` splits them off): one read for both."""
+        if self.logprobs is None:
+            return verdict
+        self.logprobs_at = verdict.shape[0]
+        return torch.cat([verdict.double(), self.logprob_parts(logits, parents, tokens, last, bonus)])
 
     def settle(self, tree: DraftTree, prefix: int, hidden: torch.Tensor, logits: torch.Tensor,
                placed: PlacedTree | None = None) -> VerifyResult:
@@ -123,7 +157,11 @@ class TargetSession:
             token = greedy_tokens(logits, self.params, counts, allowed)                # [1] on the device
         else:
             token = draw(target_probs(logits, self.params, counts, allowed)[0], self.generator)
-        result = Acceptance(accepted=[], bonus=int(token))                             # the read
+        root = torch.zeros_like(token)
+        values = self.with_logprobs(token, logits, root, root, root, token).tolist()     # the read
+        self.logprobs_at = None
+        self.logprob_values = values[1:] if self.logprobs is not None else None
+        result = Acceptance(accepted=[], bonus=int(values[0]))
         counted = None if counts is None else (counts, torch.zeros_like(token), token)
         verified = self.keep(tree, prefix, result, hidden, logits, counted)
         self.root_device = token
@@ -146,6 +184,7 @@ class TargetSession:
         split = tree.read.shape[0]
         drafted = tree.resolve(values[:split])
         if drafted is None:
+            self.logprobs_at = None
             kv.truncate(self.cache, prefix)
             if state is not None:
                 self.generator.set_state(state)
@@ -155,7 +194,8 @@ class TargetSession:
         if not self.params.greedy:
             return result
         # the argmaxes along the path are the committed tokens (accepted ones, then the bonus)
-        return replace(result, token_ids=verdict.index_select(0, order[:len(result.tokens)]))
+        best = verdict if verdict.dtype == torch.long else verdict[:placed.n].long()
+        return replace(result, token_ids=best.index_select(0, order[:len(result.tokens)]))
 
     def walk(self, placed: PlacedTree, logits: torch.Tensor, counts: TokenCounts | None,
              allowed: torch.Tensor | None, table: ProposalTable | None = None
@@ -167,17 +207,23 @@ class TargetSession:
         argmaxes, or the order and its tail); and, with ``counts`` (the
         session's penalties, per node), the path's last node and the bonus
         token ([1] each) that ``History.advance`` commits (else None)."""
+        wanted = counts is not None or self.logprobs is not None
         if self.params.greedy:
             best = greedy_tokens(logits, self.params, counts, allowed)              # [n] on the device
             order, on_path = greedy_walk(placed, best)
-            if counts is None:
+            if not wanted:
                 return order, best, None
             last = order.gather(0, on_path.sum().view(1) - 1)
-            return order, best, (last, best.gather(0, last))
-        probs = target_probs(logits, self.params, counts, allowed)
-        order, tail = sampled_order(placed, probs, self.generator, table)
-        ends = None if counts is None else (order.gather(0, tail[:1] - 1), tail[1:])
-        return order, torch.cat([order, tail]), ends
+            ends, verdict = (last, best.gather(0, last)), best
+        else:
+            probs = target_probs(logits, self.params, counts, allowed)
+            order, tail = sampled_order(placed, probs, self.generator, table)
+            verdict = torch.cat([order, tail])
+            if not wanted:
+                return order, verdict, None
+            ends = (order.gather(0, tail[:1] - 1), tail[1:])
+        verdict = self.with_logprobs(verdict, logits, placed.row(PARENTS), placed.row(TOKENS), *ends)
+        return order, verdict, ends if counts is not None else None
 
     def walk_placed(self, tree: DraftTree, placed: PlacedTree, logits: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
@@ -194,15 +240,20 @@ class TargetSession:
             else:
                 token = draw(target_probs(logits, self.params, counts, allowed)[0], self.generator)
                 verdict = torch.cat([torch.zeros_like(token), torch.ones_like(token), token])   # order, kept, bonus
-            return torch.zeros_like(token), verdict, None if counts is None else (counts, torch.zeros_like(token),
-                                                                                    token)
+            root = torch.zeros_like(token)
+            verdict = self.with_logprobs(verdict, logits, root, root, root, token)
+            return root, verdict, None if counts is None else (counts, root, token)
         drawn = not self.params.greedy and getattr(tree, "proposals", None)
         table = proposal_table(tree, logits.device) if drawn else None
         order, verdict, ends = self.walk(placed, logits, counts, allowed, table)
         return order, verdict, (counts, *ends) if ends else None
 
     def acceptance(self, tree: DraftTree, verdict: list) -> Acceptance:
-        """The acceptance out of ``walk``'s verdict, read."""
+        """The acceptance out of ``walk``'s verdict, read (the logprobs read with
+        it kept for ``committed_logprobs``)."""
+        if self.logprobs_at is not None:
+            verdict, self.logprob_values = verdict[:self.logprobs_at], verdict[self.logprobs_at:]
+            self.logprobs_at = None
         if self.params.greedy:
             return walk_greedy(tree, [int(v) for v in verdict])
         return order_acceptance(verdict)

@@ -156,3 +156,38 @@ def test_trees_of_drawn_proposals_are_verified_unread_and_draw_what_a_read_tree_
     monkeypatch.setattr(VerifierEngine, "_verify_unread", lambda self, sess, tree: None)    # read first
     want = [generate(target, fast, p, params, STOP, DRAWN_TREE).tokens for p in PROMPTS]
     assert [g.tokens for g in got] == want and len(reads) > 0
+
+
+@pytest.mark.parametrize("params, tree", [(SamplingParams(), TREE), (DRAWN, DRAWN_TREE), (SAMPLED, TREE)],
+                         ids=["greedy", "drawn", "one-hot"])
+def test_logprobs_come_back_with_the_verdict_and_equal_the_eager_ones(stack, tiny_family, params, tree):
+    """Logprobs asked for: every node's are made on the device with the walk
+    and read with its verdict, one read a cycle (``TargetSession.logprob_parts``);
+    they are the eager engine's for the same tokens (the raw model's
+    log-softmax and its top alternatives)."""
+    from specdec.bench.cycle_profile import Tally, counting
+
+    target, fast, _ = stack
+    eager = VerifierEngine(TargetModel(ModelSpec(str(tiny_family["target"]))))
+    for prompt in PROMPTS:
+        tally = Tally()
+        with counting(tally):
+            got = generate(target, fast, prompt, params, STOP, tree, logprobs=3)
+        cycles = got.finish().cycles
+        assert len(got.logprobs) == len(got.tokens) > 0
+        # the eager engine's logprobs of the same tokens: teacher-forced, one forward over the generation
+        ids = prompt + got.tokens
+        sess = eager.prefill("lp", ids, SamplingParams(), 1, prompt_logprobs=3)
+        try:
+            expect = sess.prompt_logprobs[len(prompt) - 1:]
+        finally:
+            eager.release("lp")
+        assert len(expect) == len(got.logprobs)
+        for g, w in zip(got.logprobs, expect):
+            assert g.token == w.token and g.top_tokens == w.top_tokens
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+            assert g.top_logprobs == pytest.approx(w.top_logprobs, abs=1e-4)
+        # one read a cycle, and the prefill's: its token, and its first token's logprobs read apart
+        reads = sum(n for (kind, site), n in tally.phases["loop"].sites.items()
+                    if kind == "reads" and site != "specdec/tree/sampling.py:token_logprobs")
+        assert reads <= cycles + 1, [(k, n) for k, n in tally.phases["loop"].sites.items() if k[0] != "ops"]
