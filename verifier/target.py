@@ -157,11 +157,13 @@ class TargetSession:
             token = greedy_tokens(logits, self.params, counts, allowed)                # [1] on the device
         else:
             token = draw(target_probs(logits, self.params, counts, allowed)[0], self.generator)
-        root = torch.zeros_like(token)
-        values = self.with_logprobs(token, logits, root, root, root, token).tolist()     # the read
-        self.logprobs_at = None
-        self.logprob_values = values[1:] if self.logprobs is not None else None
-        result = Acceptance(accepted=[], bonus=int(values[0]))
+        if self.logprobs is None:
+            result = Acceptance(accepted=[], bonus=int(token))                         # the read
+        else:                                                                           # the read, logprobs too
+            root = torch.zeros_like(token)
+            values = self.with_logprobs(token, logits, root, root, root, token).tolist()
+            self.logprobs_at, self.logprob_values = None, values[1:]
+            result = Acceptance(accepted=[], bonus=int(values[0]))
         counted = None if counts is None else (counts, torch.zeros_like(token), token)
         verified = self.keep(tree, prefix, result, hidden, logits, counted)
         self.root_device = token
