@@ -212,6 +212,18 @@ class CachedTreeDrafter(Drafter):
             kv.truncate(sess.cache, fed)
             sess.fed, sess.root_out, sess.fresh = fed, root_out, fresh
 
+    def _levels_on_device(self, sess: DraftSession, committed: int):
+        """The level function a tree drafted on the device calls (``specdec.tree.drawn.LevelFn``):
+        ``level_step`` after ``committed`` cached slots, the key positions kept on the device."""
+        key_positions = torch.arange(committed, device=sess.root_out[1].device)
+
+        def level(tokens, parent_hidden, positions, allowed):
+            nonlocal key_positions
+            key_positions = torch.cat([key_positions, positions])
+            return self.level_step(sess, tokens, parent_hidden, positions, allowed, key_positions)
+
+        return level
+
     def _draft_drawn(self, sess: DraftSession, cfg: TreeParams, sampler, committed: int, fallback=None
                      ) -> DraftTree | DeviceTree | None:
         """A sampled tree drafted on the device (``specdec.tree.drawn``), read
@@ -220,13 +232,7 @@ class CachedTreeDrafter(Drafter):
         the device, unread and placed for its verify (a ``DeviceTree``), where
         a compiled verify is that wide."""
         root_hidden, root_logp = sess.root_out
-        key_positions = torch.arange(committed, device=root_logp.device)
-
-        def level(tokens, parent_hidden, positions, allowed):
-            nonlocal key_positions
-            key_positions = torch.cat([key_positions, positions])
-            return self.level_step(sess, tokens, parent_hidden, positions, allowed, key_positions)
-
+        level = self._levels_on_device(sess, committed)
         draft = drawn.draft_drawn(sess.tokens[-1], root_hidden, root_logp, level, committed, cfg, sampler)
         width = width_bucket(draft.nodes)
         if fallback is None or width is None:
@@ -244,13 +250,7 @@ class CachedTreeDrafter(Drafter):
         fallback where a tie flagged it), else read once; None where it was
         flagged (the host's builder decides the ties)."""
         root_hidden, root_logp = sess.root_out
-        key_positions = torch.arange(committed, device=root_logp.device)
-
-        def level(tokens, parent_hidden, positions, allowed):
-            nonlocal key_positions
-            key_positions = torch.cat([key_positions, positions])
-            return self.level_step(sess, tokens, parent_hidden, positions, allowed, key_positions)
-
+        level = self._levels_on_device(sess, committed)
         prefix = len(sess.tokens) - 1                            # the verifier's
         nodes = ranked.nodes(cfg)
         width = width_bucket(nodes) if fallback is not None else None

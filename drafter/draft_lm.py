@@ -47,7 +47,8 @@ class DraftLmDrafter(CachedTreeDrafter):
         done = None
         if self.compiled is not None:
             self.compiled.fit(sess.cache, len(tokens))
-            done = self.compiled.forward(sess.cache, tokens[None], positions[None], mask, resident=resident)
+            out = self.compiled.run(sess.cache, tokens[None], positions[None], mask, resident=resident)
+            done = None if out is None else (out[0], out[2])
         if done is not None:
             return done[0][0].to(self.lm.dtype), torch.log_softmax(done[1][0], dim=-1)
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]

@@ -26,7 +26,8 @@ from specdec.request.errors import FailedPrecondition
 from specdec.tree.build import DraftTree
 from specdec.tree.placed import BITS, POSITIONS, ROWS, SEEN, TOKENS, PlacedTree, placed_lists
 import specdec.serving.batching
-from verifier.target import TargetSession, VerifyResult, check_tree, select_features
+from verifier.session import TargetSession, VerifyResult
+from verifier.target import check_tree, select_features
 
 
 @dataclass

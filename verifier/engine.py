@@ -36,7 +36,8 @@ from specdec.tree.sizing import TreeSizer
 from verifier.batch import verify_batch
 from verifier.lookahead import lookahead_step
 from verifier.prefix import TargetPrefixCache
-from verifier.target import PrefillResult, TargetModel, TargetSession, VerifyResult, check_tokens, check_tree
+from verifier.session import PrefillResult, TargetSession, VerifyResult
+from verifier.target import TargetModel, check_tokens, check_tree
 
 __all__ = ["PrefillResult", "TargetModel", "TargetSession", "VerifierEngine", "VerifyResult"]
 

@@ -25,7 +25,8 @@ from specdec.model.masks import tree_allowed
 from specdec.tree.build import DraftTree
 from specdec.request.lookahead import LookaheadParams
 from specdec.tree.lookahead import LookaheadState, lookahead_allowed, window_layout, window_offsets
-from verifier.target import TargetModel, TargetSession, VerifyResult, check_tree
+from verifier.session import TargetSession, VerifyResult
+from verifier.target import TargetModel, check_tree
 
 
 def lookahead_inputs(tree: DraftTree, cells: list[int], params: LookaheadParams,

@@ -319,13 +319,11 @@ class CompiledForward:
         graphs = self.batched.get(bool(layers))
         return graphs is not None and graphs.serves(width, capacity) and len(layers) <= CAPTURED
 
-    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, resident: bool = False):
+    def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
         """As ``CausalLm.hidden`` + ``logits`` for tokens, positions [1, n]:
         (features [1, n, H] fp32, logits [1, n, V]); None where the compiled
-        path does not apply (the caller runs eagerly). ``resident``: the
-        inputs are on the device already (a tree drafted there): nothing is
-        copied up."""
-        out = self.run(cache, tokens, positions, mask, resident=resident)
+        path does not apply (the caller runs eagerly)."""
+        out = self.run(cache, tokens, positions, mask)
         return None if out is None else (out[0], out[2])
 
     @torch.inference_mode()
@@ -384,10 +382,8 @@ class CompiledForward:
             break
         return tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*outs))
 
-    def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers: tuple[int, ...], width: int,
-              resident: bool = False):
-        """One compiled forward padded to ``width`` (``run``; mask None: causal;
-        ``resident``: tokens, positions and mask on the device already)."""
+    def _step(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask, layers, width: int, resident=False):
+        """One compiled forward padded to ``width`` (``run``; mask None: causal; ``resident``: on the device)."""
         rows, n = tokens.shape
         past, capacity = kv.seq_len(cache), cache.fixed_buffers.stack.shape[4]
         if mask is None:                 # the causal mask, built on the host (where a tree's positions are)
@@ -396,14 +392,11 @@ class CompiledForward:
             mask = self.lm.masks(causal_allowed(n, past)[None], q_pos, k_pos)
         dev = self.lm.device
         pad = width - n
-        if resident:
-            tokens = torch.cat([tokens, tokens.new_zeros(rows, pad)], dim=1)
-            positions = torch.cat([positions, positions[:, -1:].expand(rows, pad)], dim=1)
-        elif tokens.device == positions.device and tokens.dtype == positions.dtype:
-            # padded where they are (the host, from a tree), then one copy to the device
-            tokens, positions = torch.stack([torch.cat([tokens, tokens.new_zeros(rows, pad)], dim=1),
-                                             torch.cat([positions, positions[:, -1:].expand(rows, pad)], dim=1)]
-                                            ).to(dev)
+        if resident or (tokens.device == positions.device and tokens.dtype == positions.dtype):
+            # padded where they are (the host, from a tree: then one copy to the device; resident: there)
+            both = torch.stack([torch.cat([tokens, tokens.new_zeros(rows, pad)], dim=1),
+                                torch.cat([positions, positions[:, -1:].expand(rows, pad)], dim=1)])
+            tokens, positions = both if resident else both.to(dev)
         else:
             tokens = torch.cat([tokens.to(dev), tokens.new_zeros(rows, pad, device=dev)], dim=1)
             positions = torch.cat([positions.to(dev), positions[:, -1:].to(dev).expand(rows, pad)], dim=1)

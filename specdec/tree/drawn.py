@@ -63,6 +63,15 @@ def level_widths(cfg: TreeParams) -> list[int]:
     return widths[:next((i for i, w in enumerate(widths) if w == 0), len(widths))]
 
 
+def pool_depths(depths: list[int], device) -> torch.Tensor:
+    """A pool's depths (host ints, each level a run of pool ids) as a device
+    tensor made there, nothing copied up: [len(depths)] int64."""
+    out = torch.zeros(len(depths), dtype=torch.long, device=device)
+    for d in range(1, max(depths) + 1):
+        out[depths.index(d):len(depths) - depths[::-1].index(d)].fill_(d)
+    return out
+
+
 @dataclass(frozen=True)
 class DrawnDraft:
     """A sampled draft on the device, unread: ``read`` [R] fp64 (``resolve``),
@@ -88,10 +97,7 @@ class DrawnDraft:
         kept = real.long().cumsum(0)
         where = torch.where(real, kept - 1, kept[-1] + (~real).long().cumsum(0) - 1)   # pool id -> tree index
         order = torch.empty_like(index).index_copy_(0, where, index)                   # tree index -> pool id
-        depth = torch.zeros(n, dtype=torch.long, device=device)
-        for d in range(1, max(depths) + 1):                          # (levels are runs of pool ids)
-            depth[depths.index(d):len(depths) - depths[::-1].index(d)].fill_(d)
-        depth = depth[order]
+        depth = pool_depths(depths, device)[order]
         parent = torch.where(parents[order] >= 0, where[parents[order].clamp(min=0)], 0)
         live = real[order] & (index > 0)
         rows = placed.place_rows(tokens[order], parent, depth, live, real[order], prefix, width, max(depths))

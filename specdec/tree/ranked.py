@@ -31,6 +31,8 @@ import torch
 from specdec.request.params import TreeParams
 from specdec.tree import placed
 from specdec.tree.build import LOGP_SLACK
+from specdec.tree.drawn import pool_depths
+from specdec.tree.layout import best_positions
 
 SERVED = ("eagle2", "no-value", "no-rerank", "chain")
 
@@ -48,12 +50,6 @@ def nodes(cfg: TreeParams) -> int:
     if cfg.method in ("eagle2", "no-value"):
         return min(cfg.total_tokens, 1 + k + (levels - 1) * k * k)
     return 1 + min(cfg.total_tokens - 1, levels * k)
-
-
-def _best(key: torch.Tensor, k: int) -> torch.Tensor:
-    """``specdec.tree.layout.best_positions`` on the device: the k largest keys'
-    positions (ties: earlier first), ascending."""
-    return torch.sort(key, descending=True, stable=True).indices[:k].sort().values
 
 
 def _top(logp: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,7 +83,7 @@ def draft_ranked(root_token: int, root_hidden: torch.Tensor, root_logp: torch.Te
     own = torch.cat([torch.zeros(1, device=device), lp[0]])                # each node's own log-prob
     depths = [0] + [1] * k
     key = values[1:] if by_value else own[1:]
-    pick = _best(key, k)                                                     # the first frontier, of the root's k
+    pick = best_positions(key, k)                                                     # the first frontier, of the root's k
     frontier = 1 + pick
     chosen = [frontier]
     hidden = root_hidden[None].expand(k, -1)
@@ -109,23 +105,20 @@ def draft_ranked(root_token: int, root_hidden: torch.Tensor, root_logp: torch.Te
         own = torch.cat([own, lp.flatten()])
         depths += [depth] * (f * k)
         kids = start + torch.arange(f * k, device=device)
-        pick = _best((values if by_value else own)[kids], k)
+        pick = best_positions((values if by_value else own)[kids], k)
         frontier = kids[pick]
         chosen.append(frontier)
         hidden, sees = out[pick // k], sees[pick // k]
     if cfg.method in ("eagle2", "no-value"):
         n = min(cfg.total_tokens, tokens.shape[0])
-        keep = _best(values[1:], n - 1) + 1
+        keep = best_positions(values[1:], n - 1) + 1
     else:
         keep = torch.cat(chosen)[:cfg.total_tokens - 1]
         n = 1 + keep.shape[0]
     ids = torch.cat([torch.zeros(1, dtype=torch.long, device=device), keep])   # [n], pool order
     where = torch.full_like(tokens, -1).index_copy(0, ids, torch.arange(n, device=device))
     tree_parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), where[parents[keep]]])
-    depth_of = torch.zeros(tokens.shape[0], dtype=torch.long, device=device)
-    for d in range(1, max(depths) + 1):                                      # (levels are runs of pool ids)
-        depth_of[depths.index(d):len(depths) - depths[::-1].index(d)].fill_(d)
-    tree_depths = depth_of[ids]
+    tree_depths = pool_depths(depths, device)[ids]
     read = torch.cat([ok.reshape(1).double(), tokens[ids].double(), tree_parents.double(), tree_depths.double(),
                       values[ids].double()])
     if width is None:

@@ -230,7 +230,7 @@ def test_a_compiled_cycle_holds_its_ceiling(compiled_target, tiny_family, params
     assert per_cycle["syncs"] <= WHOLE_CYCLE[kind]["syncs"], record["sync_sites"]
     assert per_cycle["ops"] <= WHOLE_CYCLE[kind]["ops"], record["op_sites"]
     sites = {s["site"] for s in record["sync_sites"]}
-    assert "verifier/target.py:settle_unread" in sites and "drafter/compiled/whole_draft.py:draft" not in sites
+    assert "verifier/session.py:settle_unread" in sites and "drafter/compiled/whole_draft.py:draft" not in sites
 
 
 def test_a_greedy_cycle_feeds_the_drafter_the_tokens_it_left_on_the_device(compiled_target, tiny_family,
@@ -295,7 +295,7 @@ def test_a_compiled_cycle_of_drawn_proposals_holds_its_ceiling(compiled_target, 
     assert per_cycle["syncs"] <= DRAWN_CYCLE[kind]["syncs"], record["sync_sites"]
     assert per_cycle["ops"] <= DRAWN_CYCLE[kind]["ops"], record["op_sites"]
     sites = {s["site"] for s in record["sync_sites"]}
-    assert "verifier/target.py:settle_unread" in sites and "drafter/cached.py:_draft_drawn" not in sites
+    assert "verifier/session.py:settle_unread" in sites and "drafter/cached.py:_draft_drawn" not in sites
 
 
 # A compiled draft LM's chain (sps) and a compiled head's chain on the compiled target: the chain drafted on

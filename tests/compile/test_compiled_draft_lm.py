@@ -56,14 +56,14 @@ def test_compiled_steps_draft_the_eager_trees(drafters, sampled):
 def test_the_prompt_and_one_token_steps_take_the_compiled_path(drafters, monkeypatch):
     fast, _ = drafters
     calls = []
-    real = forwards.CompiledForward.forward
+    real = forwards.CompiledForward.run
 
-    def counted(self, cache, tokens, positions, mask, **kwargs):
-        out = real(self, cache, tokens, positions, mask, **kwargs)
+    def counted(self, cache, tokens, positions, mask, *args, **kwargs):
+        out = real(self, cache, tokens, positions, mask, *args, **kwargs)
         calls.append((tokens.shape[1], out is not None))
         return out
 
-    monkeypatch.setattr(forwards.CompiledForward, "forward", counted)
+    monkeypatch.setattr(forwards.CompiledForward, "run", counted)
     tree = TreeParams(total_tokens=8, depth=3, expand_k=2)
     fast.prefill("one", [1, 2, 3, 4, 5])
     fast.draft("one", tree)

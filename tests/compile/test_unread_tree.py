@@ -26,7 +26,7 @@ from drafter.compiled import whole_draft
 from drafter.compiled.whole_draft import use_budget
 from drafter.eagle.eagle2 import EagleDrafter
 from verifier.engine import TargetModel, VerifierEngine
-from verifier.target import TargetSession
+from verifier.session import TargetSession
 
 TREE = TreeParams(total_tokens=12, depth=4, proposals="top")
 STOP = StopCriteria(max_new_tokens=24, eos_ids=frozenset())
