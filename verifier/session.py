@@ -63,8 +63,9 @@ class TargetSession:
         """Acceptance of ``tree`` on its target logits [n, V] (every node
         penalised with its own path's history and masked by the grammar along
         its own path), and the logprobs of the tokens it commits when the
-        session asked for them. Plain decoding (root-only trees), the batched
-        and the tensor-parallel verifiers all decide here."""
+        session asked for them: ``settle``'s path for a tree not placed on the
+        device (eager forwards, trees wider than the compiled ones)."""
+        self.logprobs_at = self.logprob_values = None          # (nothing read with a walk's verdict here)
         result = accept(tree, logits, self.params, self.generator, *self.processors(tree))
         return result, self.committed_logprobs(tree, result, logits)
 
