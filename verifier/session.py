@@ -181,11 +181,13 @@ class TargetSession:
             return None
         result = self.keep(drafted, prefix, self.acceptance(drafted, values[split:]), hidden, logits,
                            (counts, *ends) if ends else None, order)
-        if not self.params.greedy:
-            return result
+        n, kept = placed.n, len(result.tokens)
+        if not self.params.greedy:        # the accepted nodes' tokens, then the bonus (after the order and kept)
+            bonus = verdict[n + 1:n + 2].long()
+            return replace(result, token_ids=torch.cat([placed.row(TOKENS).index_select(0, order[1:kept]), bonus]))
         # the argmaxes along the path are the committed tokens (accepted ones, then the bonus)
-        best = verdict if verdict.dtype == torch.long else verdict[:placed.n].long()
-        return replace(result, token_ids=best.index_select(0, order[:len(result.tokens)]))
+        best = verdict if verdict.dtype == torch.long else verdict[:n].long()
+        return replace(result, token_ids=best.index_select(0, order[:kept]))
 
     def walk(self, placed: PlacedTree, logits: torch.Tensor, counts: TokenCounts | None,
              allowed: torch.Tensor | None, table: ProposalTable | None = None

@@ -17,7 +17,7 @@ unused, and they draw nothing). Per level, on the device:
 - the draws' worth (parent's path value plus the draw's prior, as the host
   values them) and the level's ``width`` best of them, ties to the earlier
   parent and the earlier draw, so each parent's draws are a prefix of its
-  Gumbel order (``ProposalSampler.draw``), in parent order;
+  Gumbel order (``ProposalSampler.draw_order``), in parent order;
 - the next frontier's inputs: tokens, their parents' outputs, positions and
   the attention rows (each node sees the committed slots, its ancestors'
   draft slots and its own).
@@ -162,16 +162,17 @@ def draft_drawn(root_token: int, root_hidden: torch.Tensor, root_logp: torch.Ten
     front_hidden, logp = root_hidden[None], root_logp[None]
     sees = torch.zeros(1, 0, dtype=torch.bool, device=device)        # each row's ancestors' draft slots
     row_nodes, row_counts, row_tokens, row_probs = [], [], [], []
+    slots = torch.arange(min(k, sampler.support, root_logp.shape[-1]), device=device)   # a row's draws
+    slot_steps = slots.double() * step                               # each draw's log prior after the first
+    committed_seen = torch.ones(max(widths), committed, dtype=torch.bool, device=device)
     for depth, width in enumerate(widths, start=1):
         f = frontier.shape[0]
         prop_tokens, q = sampler.proposals(logp)                     # [f, s]
         ok = ok & torch.isfinite(q).all()
-        s = q.shape[-1]
         support = (q > 0).sum(-1)                                    # [f]
         first = torch.log(0.5 + 0.5 * q[:, 0].double())              # [f] log prior of each row's first draw
         key = (values if by_value else gains)[frontier].double() + first
-        slots = torch.arange(min(k, s), device=device)
-        worth = key[:, None] + slots.double() * step                 # [f, k]
+        worth = key[:, None] + slot_steps                            # [f, k]
         valid = (slots[None] < support[:, None]) & real[frontier][:, None]
         flat = torch.where(valid, worth, -math.inf).flatten()
         chosen = torch.sort(flat, descending=True, stable=True).indices[:width]   # ties: earlier row, draw
@@ -180,9 +181,9 @@ def draft_drawn(root_token: int, root_hidden: torch.Tensor, root_logp: torch.Ten
         taken = valid.flatten()[chosen]
         row, rank = chosen // slots.shape[0], chosen % slots.shape[0]
         counts = torch.zeros(f, dtype=torch.long, device=device).index_add_(0, row, taken.long())
-        order = sampler.draw_order(q)                                # [f, s] each row's Gumbel order
+        order = sampler.draw_order(q)                                # [f, s] each row's draw order
         drawn = prop_tokens[row, order[row, rank]]                   # [width]
-        gain = (first[row] + rank.double() * step).float()
+        gain = (first[row] + slot_steps[rank]).float()
         row_nodes.append(frontier)
         row_counts.append(counts)
         row_tokens.append(prop_tokens)
@@ -197,7 +198,7 @@ def draft_drawn(root_token: int, root_hidden: torch.Tensor, root_logp: torch.Ten
             break
         own = torch.eye(width, dtype=torch.bool, device=device)
         sees = torch.cat([sees[row], own], dim=1)                    # [width, drafted + width]
-        allowed = torch.cat([torch.ones(width, committed, dtype=torch.bool, device=device), sees], dim=1)
+        allowed = torch.cat([committed_seen[:width], sees], dim=1)
         positions = torch.full((width,), committed - 1 + depth, dtype=torch.long, device=device)
         front_hidden, logp = level(tokens[-width:], front_hidden[row], positions, allowed)
         frontier = torch.arange(tokens.shape[0] - width, tokens.shape[0], device=device)

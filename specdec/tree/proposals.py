@@ -36,7 +36,6 @@ Vocabulary:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +68,10 @@ def _mix(seed: int, salt: int) -> int:
 class ProposalSampler:
     """Draws a tree's sampled children: the draft distribution under the
     session's sampling params (as the target's is filtered), cut to
-    ``support`` tokens, drawn from without replacement by Gumbel-top-k (the
-    order of Gumbel-perturbed log-probs is a sequential draw without
-    replacement; Kool et al., 2019, arXiv:1903.06059).
+    ``support`` tokens, drawn from without replacement by Gumbel-top-k, run as
+    an exponential race (``draw_order``; the order of Gumbel-perturbed
+    log-probs is a sequential draw without replacement; Kool et al., 2019,
+    arXiv:1903.06059).
 
     ``seed`` and ``salt`` fix the draws: a drafter salts with the committed
     length, so a session redrafted at the same point (after a failover) draws
@@ -104,12 +104,13 @@ class ProposalSampler:
 
     def draw_order(self, probs: torch.Tensor) -> torch.Tensor:
         """probs: [f, s] proposals -> [f, s] each row's positions in draw order
-        (Gumbel-top-k: a row's first c are c draws without replacement), on
-        their device; positions of prob 0 come last."""
-        u = torch.rand(probs.shape, generator=self.generator, dtype=torch.float64, device=self.generator.device)
-        gumbel = moved_to(-torch.log(-torch.log(u.clamp(min=1e-300))), probs.device)
-        keys = torch.where(probs > 0, probs.double().log() + gumbel, -math.inf)
-        return keys.argsort(dim=-1, descending=True)
+        (an exponential race: E_i / p_i ascending, E_i ~ Exp(1), is a
+        sequential draw without replacement, the order Gumbel-top-k gives:
+        log p_i - log E_i is log p_i plus a Gumbel; a row's first c are c
+        draws), on their device; positions of prob 0 come last."""
+        race = torch.empty(probs.shape, dtype=torch.float64, device=self.generator.device)
+        race = moved_to(race.exponential_(generator=self.generator), probs.device)
+        return (race / probs.double()).argsort(dim=-1)
 
     def draw(self, probs: torch.Tensor, counts: list[int]) -> list[list[int]]:
         """probs: [f, s] proposals; counts[r]: draws for row r (at most its
