@@ -196,7 +196,12 @@ class TargetModel:
         with layers, where its capturing graphs were built); ``resident``:
         tokens, positions and mask are on the device already."""
         self.fit(cache, tokens.shape[1])
-        out = None if self.compiled is None else self.compiled.run(cache, tokens, positions, mask, layers, resident)
+        if self.compiled is None:
+            out = None
+        elif resident:
+            out = self.compiled.run(cache, tokens, positions, mask, layers, resident=True)
+        else:
+            out = self.compiled.run(cache, tokens, positions, mask, layers)
         if out is not None:
             return out
         if layers and self.compiled is not None and not self.compiled.captures(layers) and not self._told_eager_layers:
