@@ -36,9 +36,11 @@ def test_same_values_same_logits_and_tied_weights_stay_one():
     assert input_major_linears(model) == 0                      # laid out once
 
 
-def test_loading_on_cpu_lays_out_unless_turned_off(tiny_family, monkeypatch):
+def test_loading_on_cpu_lays_out_float32_unless_turned_off(tiny_family, monkeypatch):
     laid = load_causal_lm(ModelSpec(str(tiny_family["target"])))
     assert not laid.model.layers[0].mlp.down_proj.weight.is_contiguous()
+    half = load_causal_lm(ModelSpec(str(tiny_family["target"]), dtype="bfloat16"))
+    assert half.model.layers[0].mlp.down_proj.weight.is_contiguous()      # oneDNN's layout kept in half precision
     monkeypatch.setenv(LINEAR_LAYOUT_ENV, "off")
     plain = load_causal_lm(ModelSpec(str(tiny_family["target"])))
     assert plain.model.layers[0].mlp.down_proj.weight.is_contiguous()
