@@ -129,7 +129,9 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
                    "--weights", args.weights, "--compile", args.compile]
     else:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
-        drafter = ["--eagle", eagle, "--target", target, "--dtype", args.dtype, "--compile", args.compile]
+        # an EAGLE head drafts in float32 whatever the target's dtype: a half-precision head's logits tie
+        # often, and a tie sends a draft from the whole-draft graph back level by level (docs/models.md)
+        drafter = ["--eagle", eagle, "--target", target, "--compile", args.compile]
         verifier += feature_layer_flags(eagle, args.compile)
     verifier += ["--tokenizer", target]              # structured output: the grammar's tokens
     if drafter is not None:

@@ -73,6 +73,23 @@ class Frontier:
 ExpandFn = Callable[[Frontier], torch.Tensor]
 
 
+EXP_FLOOR = -80.0       # a term of a log-sum-exp this far below its row's best counts as this far
+
+
+def logsumexp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``torch.logsumexp(x, dim, keepdim=True)``, each term more than
+    ``EXP_FLOOR`` below its row's maximum taken at ``EXP_FLOOR`` (adding under
+    1e-30 to a sum of at least 1: the same float32 result). The CPU's vectorized
+    exp leaves its fast path where a result underflows: an exp of -inf costs ~4x
+    a finite one, of a value below ~-88 10-30x, and a reduced draft vocabulary
+    (EAGLE-3: every other token -inf) or a low value temperature hits it on most
+    of a row. An all -inf row stays -inf, a NaN or +inf best stays as it is."""
+    best = x.amax(dim, keepdim=True)
+    finite = torch.isfinite(best)
+    shifted = (x - torch.where(finite, best, torch.zeros_like(best))).clamp(min=EXP_FLOOR)
+    return torch.where(finite, best + torch.log(torch.exp(shifted).sum(dim, keepdim=True)), best)
+
+
 def _top_tokens(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k most likely next tokens of each row, best first; ties go to the lower id.
 
@@ -145,7 +162,7 @@ class _Pool:
         t = self.value_temperature
         if t != 1.0:
             # log softmax(logits / t) at the same tokens (order unchanged); an all -inf row stays -inf, not NaN
-            lse = torch.logsumexp(logp.float() / t, dim=-1, keepdim=True).cpu()  # [f, 1]
+            lse = logsumexp(logp.float() / t).cpu()  # [f, 1]
             lp = torch.where(torch.isfinite(lse), (lp / t - lse).clamp(max=0.0), lp)
         return lp, tok
 

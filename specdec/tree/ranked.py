@@ -30,7 +30,7 @@ import torch
 
 from specdec.request.params import TreeParams
 from specdec.tree import placed
-from specdec.tree.build import LOGP_SLACK
+from specdec.tree.build import LOGP_SLACK, logsumexp
 from specdec.tree.drawn import pool_depths
 from specdec.tree.layout import best_positions
 
@@ -59,7 +59,7 @@ def _top(logp: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, 
     ok = ((lp[:, 0] <= LOGP_SLACK) & (lp[:, :-1] > lp[:, 1:]).all(-1)).all()
     lp, tok = lp[:, :k].float().clamp(max=0.0), tok[:, :k]
     if temperature != 1.0:
-        lse = torch.logsumexp(logp.float() / temperature, dim=-1, keepdim=True)
+        lse = logsumexp(logp.float() / temperature)
         lp = torch.where(torch.isfinite(lse), (lp / temperature - lse).clamp(max=0.0), lp)
     return lp, tok, ok
 

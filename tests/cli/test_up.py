@@ -237,3 +237,16 @@ def test_up_rejects_a_missing_chat_template_in_one_line(tiny_family, tmp_path, c
                  "--chat-template", str(tmp_path / "none.jinja")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "chat template file not found" in err[0]
+
+
+def test_a_half_precision_targets_eagle_head_drafts_in_float32(tiny_family):
+    """As in process: a half-precision head's logits tie often, and a tie sends a
+    draft from the whole-draft graph back level by level."""
+    from specdec.cli.main import build_parser
+    from specdec.cli.up import _model_argv
+
+    target, eagle = str(tiny_family["target"]), str(tiny_family["eagle"])
+    verifier, drafter, _ = _model_argv(build_parser().parse_args(["up", "--target", target, "--eagle", eagle,
+                                                                  "--dtype", "bfloat16"]))
+    assert build_parser().parse_args(["verifier", "serve", *verifier]).dtype == "bfloat16"
+    assert build_parser().parse_args(["drafter", "serve", *drafter]).dtype == "float32"

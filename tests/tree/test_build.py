@@ -452,3 +452,20 @@ def test_tree_properties(draft_spec, cfg, root):
         check_static(tree, draft, cfg, vocab)
     else:
         check_dynamic(tree, draft, cfg, vocab)
+
+
+def test_the_floored_logsumexp_is_torchs_in_float32():
+    """Terms that would underflow are floored (the CPU's exp is slow there), which
+    must not change a float32 result: a reduced vocabulary's -inf entries, a low
+    value temperature's spread, and rows that are all -inf, hold +inf or NaN."""
+    from specdec.tree.build import logsumexp
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4096, generator=gen) * 8
+    x[1, 1024:] = -math.inf                     # a reduced draft vocabulary
+    x[2] = x[2] / 0.05                          # a low temperature: most terms below exp's range
+    x[3] = -math.inf
+    x[4, 17] = math.inf
+    x[5, 3] = math.nan
+    torch.testing.assert_close(logsumexp(x), torch.logsumexp(x, dim=-1, keepdim=True), rtol=0, atol=1e-6,
+                               equal_nan=True)
