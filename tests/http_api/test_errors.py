@@ -244,9 +244,10 @@ def test_a_client_leaving_a_stream_frees_both_sessions(api):
     with verifies_held(api, after=2) as tap:
         with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True},
                           timeout=60) as resp:
+            assert resp.status_code == 200
             next(resp.iter_raw())
-            assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1,
-                                                                                     "drafter-eagle": 1}
+            # (a generous wait: a loaded machine can take seconds to open both sessions)
+            assert api.stack.wait_sessions(*BACKENDS, count=1, timeout=60) == {"verifier": 1, "drafter-eagle": 1}
         tap.open()                          # the held verify returns to a cancelled request
         assert_left_early(api, tap, watch)
 
@@ -263,8 +264,7 @@ def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
         sock = socket.create_connection((host, int(port)))
         try:
             sock.sendall(head + body)
-            assert api.stack.wait_sessions("verifier", "drafter-eagle", count=1) == {"verifier": 1,
-                                                                                     "drafter-eagle": 1}
+            assert api.stack.wait_sessions(*BACKENDS, count=1, timeout=60) == {"verifier": 1, "drafter-eagle": 1}
         finally:
             sock.close()
         tap.open()
