@@ -18,12 +18,13 @@ the tree:
   ``expand_k`` best children by value (ties to the earlier), and the tree the
   ``total_tokens - 1`` best nodes of the pool, in pool order;
 - exactness: ``specdec.tree.build`` gives tied log-probs to the lower token id,
-  which a compiled top-k does not promise; the graph takes one more than
-  ``expand_k`` and flags a row whose top entries are not strictly decreasing
-  (a tie inside them or at the boundary) or whose best is not a log-prob. A
+  which a compiled top-k does not promise; the graph ranks each row's
+  candidates by an integer key that does (``specdec.tree.ranked.top_untied``:
+  a half-precision head's logits tie often) and flags a row whose best is not
+  a log-prob or whose tie at the k-th place runs past its candidates. A
   flagged draft is thrown away and drafted again level by level (the Python
-  builder decides ties and raises its errors), so every tree is the one the
-  level-by-level path drafts from the same log-probs;
+  builder raises its errors), so every tree is the one the level-by-level
+  path drafts from the same log-probs;
 - the graph also places the tree for its verify (``specdec.tree.placed``:
   tokens, positions, slots, and the mask's and the walk's bit sets, built
   from the parents), so an in-process verifier runs it before anything is
@@ -57,8 +58,8 @@ from specdec.compile.fixed_kv import FixedLayer, fixed_buffers
 from specdec.model import kv
 from specdec.request.params import TreeParams
 from specdec.compile.forwards import width_bucket
-from specdec.tree import placed
-from specdec.tree.build import LOGP_SLACK, DraftTree
+from specdec.tree import placed, ranked
+from specdec.tree.build import DraftTree
 from specdec.tree.placed import DeviceTree, PlacedTree
 from drafter.base import on_device
 from drafter.compiled import head_levels
@@ -115,12 +116,9 @@ class TreeDraftStep(torch.nn.Module):
 
     def _top(self, logp: torch.Tensor, temperature: torch.Tensor):
         """The k best tokens of each row [f, V] (value-tempered log-probs
-        [f, k], tokens [f, k]) and whether every row is free of ties and
-        NaNs (``specdec.tree.build._top_tokens`` otherwise decides)."""
-        k = self.k
-        lp, tok = torch.topk(logp, k + 1, dim=-1)
-        ok = ((lp[:, 0] <= LOGP_SLACK) & (lp[:, :-1] > lp[:, 1:]).all(-1)).all()
-        lp, tok = lp[:, :k].float().clamp(max=0.0), tok[:, :k]
+        [f, k], tokens [f, k]) and whether the ranking is exact
+        (``specdec.tree.ranked.top_untied``; ``specdec.tree.build._top_tokens`` otherwise decides)."""
+        lp, tok, ok = ranked.top_untied(logp, self.k)
         lse = torch.logsumexp(logp.float() / temperature, dim=-1, keepdim=True)
         tempered = torch.where(torch.isfinite(lse), (lp / temperature - lse).clamp(max=0.0), lp)
         return torch.where(temperature == 1.0, lp, tempered), tok, ok
@@ -207,9 +205,9 @@ class CompiledTree:
         self.tempered = 1.0                      # what ``temperature`` holds
         self.width = width_bucket(self.total)    # None: too wide for a placed tree (``specdec.tree.placed``)
         step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total, self.width).eval()
-        # keyed as the levels' packages are, and by the level module it reads the head through
+        # keyed as the levels' packages are, and by the level module it reads the head through and its top-k's
         sources = tuple({inspect.getfile(type(m)) for m in self.drafter.head.modules()}
-                        | {inspect.getfile(type(self.drafter)), inspect.getfile(head_levels)})
+                        | {inspect.getfile(type(self.drafter)), inspect.getfile(head_levels), inspect.getfile(ranked)})
         self.graphs = FixedGraphs(step, HeadKey(self.drafter), head.dtype, head.device, ahead_of_time=True,
                                   packed=head.steps.packed, sources=sources,
                                   packaged_capacities=(HEAD_CAPACITY,),

@@ -129,8 +129,9 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
                    "--weights", args.weights, "--compile", args.compile]
     else:
         eagle = model_dir(args.eagle, "eagle", "EAGLE head", "--eagle")
-        # an EAGLE head drafts in float32 whatever the target's dtype: a half-precision head's logits tie
-        # often, and a tie sends a draft from the whole-draft graph back level by level (docs/models.md)
+        # an EAGLE head drafts in float32 whatever the target's dtype, as in process: on CPU its float32
+        # products take the faster layout, and the draft's precision never touches what is committed
+        # (docs/models.md, "Precision")
         drafter = ["--eagle", eagle, "--target", target, "--compile", args.compile]
         verifier += feature_layer_flags(eagle, args.compile)
     verifier += ["--tokenizer", target]              # structured output: the grammar's tokens

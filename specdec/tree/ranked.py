@@ -11,12 +11,12 @@ frontier is the ``width`` best children by value (by their own log-prob for
 "no-value"), ties to the earlier; the tree is the ``total_tokens - 1`` best
 nodes by value ("eagle2", "no-value": a parent is never below its child, so
 every kept node's parent is kept) or the chosen frontiers in order ("no-rerank",
-"chain"). What the host builder decides that a top-k on the device does not
-promise, ties between log-probs (the lower token id first), is flagged: each
-level takes one more than ``k`` and the draft is exact where every row's top
-entries are strictly decreasing and its best is a log-prob. A flagged draft is
-drafted again level by level (the reader's fallback), so every tree is the one
-the host builder drafts from the same log-probs.
+"chain"). Ties between log-probs go to the lower token id, as the host builder
+gives them, without a read (``top_untied``: a top-k does not promise that order
+by itself). What the device cannot decide is flagged: a row whose best is not a
+log-prob, or whose tie at the k-th place may run past its 2k candidates. A flagged
+draft is drafted again level by level (the reader's fallback), so every tree is
+the one the host builder drafts from the same log-probs.
 
 The tree comes back as ``drafter.compiled.whole_draft`` lays its read out
 (exact flag, then the tree's tokens, parents, depths and values), placed for
@@ -52,12 +52,30 @@ def nodes(cfg: TreeParams) -> int:
     return 1 + min(cfg.total_tokens - 1, levels * k)
 
 
+def top_untied(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's k best tokens [f, V] ranked as ``specdec.tree.build._top_tokens``
+    ranks them (best first, equal log-probs to the lower token id) with no read:
+    a top-k takes 2k candidates, and an integer key a candidate (its log-prob's
+    order above its id's) ranks them with no tie left. -> (log-probs [f, k] fp32,
+    tokens [f, k], whether that is exact: every row's best is a log-prob, and its
+    last candidate is below its k-th, so no token left out ties with the k-th)."""
+    m = min(2 * k, logp.shape[-1])
+    lp, tok = torch.topk(logp, m, dim=-1)                              # NaNs rank first: lp[:, 0] tells
+    lp = lp.float()
+    ok = (lp[:, 0] <= LOGP_SLACK).all()
+    if m < logp.shape[-1]:
+        ok = ok & (lp[:, m - 1] < lp[:, k - 1]).all()                  # nothing left out equals the k-th
+    bits = (lp + 0.0).view(torch.int32)                                # (+ 0.0: -0.0 ranks with 0.0)
+    order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                         # a float32's order as an int32's
+    key = order.long() * (1 << 32) + ((1 << 32) - 1 - tok)            # then the lower id first
+    pick = torch.topk(key, k, dim=-1).indices
+    return lp.gather(-1, pick).clamp(max=0.0), tok.gather(-1, pick), ok
+
+
 def _top(logp: torch.Tensor, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's k best tokens [f, V] -> (value-tempered log-probs [f, k], tokens
-    [f, k], whether every row is free of ties and its best is a log-prob)."""
-    lp, tok = torch.topk(logp, k + 1, dim=-1)
-    ok = ((lp[:, 0] <= LOGP_SLACK) & (lp[:, :-1] > lp[:, 1:]).all(-1)).all()
-    lp, tok = lp[:, :k].float().clamp(max=0.0), tok[:, :k]
+    [f, k], whether the ranking is exact: ``top_untied``)."""
+    lp, tok, ok = top_untied(logp, k)
     if temperature != 1.0:
         lse = logsumexp(logp.float() / temperature)
         lp = torch.where(torch.isfinite(lse), (lp / temperature - lse).clamp(max=0.0), lp)

@@ -240,8 +240,7 @@ def test_up_rejects_a_missing_chat_template_in_one_line(tiny_family, tmp_path, c
 
 
 def test_a_half_precision_targets_eagle_head_drafts_in_float32(tiny_family):
-    """As in process: a half-precision head's logits tie often, and a tie sends a
-    draft from the whole-draft graph back level by level."""
+    """As in process: the head keeps float32 under a bfloat16 target (docs/models.md, "Precision")."""
     from specdec.cli.main import build_parser
     from specdec.cli.up import _model_argv
 

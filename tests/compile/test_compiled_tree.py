@@ -1,8 +1,9 @@
 """The whole EAGLE-2 draft in one graph (``drafter.compiled.whole_draft``): it drafts
 the level-by-level trees (values and the records drafting ahead reads
-included), hands ties and the drafts it was not built for to the level path,
-keeps generations plain greedy decoding, and a graph that fails to build or
-to match the level path is dropped with one log line."""
+included), decides ties as the level path does, hands the ties it cannot decide
+and the drafts it was not built for to the level path, keeps generations plain
+greedy decoding, and a graph that fails to build or to match the level path is
+dropped with one log line."""
 
 from __future__ import annotations
 
@@ -100,7 +101,27 @@ def test_drafting_ahead_after_a_whole_draft_matches_the_level_path(drafters):
         assert_same_tree(tree_a, tree_b)
 
 
-def test_ties_in_a_top_k_hand_the_draft_to_the_level_path(drafters):
+def test_ties_in_a_top_k_are_decided_in_the_graph_as_the_level_path_decides_them(drafters):
+    """Root log-probs whose two best tie (a half-precision head's often do): the
+    graph serves the draft, and its tree is the level path's (the lower id first)."""
+    fast, levels, _ = drafters
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    feed((fast, levels), "tied", rng, gen, 9)
+    hidden, logp = fast.sessions.get("tied").root_out
+    tied = logp.clone()
+    best = tied.topk(2).indices
+    tied[best[1]] = float(tied[best[0]])
+    tied = tied - torch.logsumexp(tied, -1)
+    for d in (fast, levels):
+        d.sessions.get("tied").root_out = (hidden, tied)
+    served = fast.compiled_tree.drafts
+    trees = [d.draft("tied", DEFAULT) for d in (fast, levels)]
+    assert fast.compiled_tree.drafts == served + 1
+    assert_same_tree(*trees)
+    assert trees[0].tokens[1:3].tolist() == sorted(best.tolist())
+
+
+def test_ties_the_graph_cannot_decide_hand_the_draft_to_the_level_path(drafters):
     fast, _, _ = drafters
     whole = fast.compiled_tree
     cache = fast.new_cache()
@@ -109,7 +130,7 @@ def test_ties_in_a_top_k_hand_the_draft_to_the_level_path(drafters):
                   torch.arange(3)[None], None, cache)
     root = torch.zeros(fast.hidden_size)
     tied = torch.full((fast.vocab_size,), -float("inf"))
-    tied[[4, 9]] = torch.log(torch.tensor(0.5))                    # two tokens tied for the best
+    tied[[4, 9]] = torch.log(torch.tensor(0.5))                    # every other token ties at the k-th place
     served = whole.drafts
     assert whole.draft(cache, 3, root, tied, 1.0) is None
     nan = torch.log_softmax(torch.randn(fast.vocab_size), dim=-1)

@@ -1,8 +1,9 @@
 """Top-token trees drafted on the device (``specdec.tree.ranked``): for every
 method it serves, an eager head's and a draft LM's, the tree is the one the
 host's level-by-level builder drafts from the same log-probs, values
-included, and left unread it is placed as the verifier places it; a tie in
-a level's top-k flags the draft, whose reader takes the level-by-level one."""
+included, and left unread it is placed as the verifier places it; ties in a
+level's top-k are decided there as the host decides them, and one it cannot
+decide flags the draft, whose reader takes the level-by-level one."""
 
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ from trees import assert_same_tree
 
 from specdec.model.loading import ModelSpec
 from specdec.request.params import SamplingParams, TreeParams
-from specdec.tree import ranked
+from specdec.tree import build, ranked
 from specdec.tree.placed import DeviceTree, place_tree
 from drafter.draft_lm import DraftLmDrafter
 from drafter.eagle.eagle2 import EagleDrafter
@@ -66,10 +67,34 @@ def test_the_device_draft_is_the_host_builders_tree_placed_as_the_verifier_place
             drafter.release(sid)
 
 
-def test_a_tie_flags_the_draft_and_its_reader_takes_the_level_by_level_one(drafters, monkeypatch):
-    """Root log-probs with a tie inside the top-k: the device draft is flagged
-    (read at once: None, the host's builder drafts it; unread: the reader's
-    fallback), and the tree is the host builder's, ties to the lower token id."""
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_the_untied_top_k_ranks_as_the_host_builder_does(k):
+    """Half-precision log-probs tie often: wherever ``top_untied`` calls its
+    ranking exact it is ``_top_tokens``'s (best first, ties to the lower id),
+    and it is inexact only where the tokens at or above the k-th place fill
+    its 2k candidates (one more might tie)."""
+    gen = torch.Generator().manual_seed(k)
+    exact = 0
+    for coarse in (8.0, 2.0, 0.5):                                 # steps of the logits: ties from rare to many
+        logits = torch.round(torch.randn(64, 300, generator=gen) * 4 / coarse) * coarse
+        logp = torch.log_softmax(logits, -1).to(torch.bfloat16)
+        lp, tok, ok = ranked.top_untied(logp, k)
+        for row in range(logp.shape[0]):
+            want_lp, want_tok = build._top_tokens(logp[row:row + 1], k)
+            kth = logp[row].float().topk(k).values[-1]
+            past = int((logp[row].float() > kth).sum() + (logp[row].float() == kth).sum()) >= 2 * k
+            row_ok = bool(ranked.top_untied(logp[row:row + 1], k)[2])
+            assert row_ok == (not past)
+            if row_ok:
+                exact += 1
+                assert tok[row].tolist() == want_tok[0].tolist() and torch.equal(lp[row], want_lp[0])
+        assert bool(ok) == all(bool(ranked.top_untied(logp[r:r + 1], k)[2]) for r in range(logp.shape[0]))
+    assert exact > 64                                              # (most rows are decided on the device)
+
+
+def test_a_tie_in_the_top_k_is_decided_on_the_device_as_the_host_builder_decides_it(drafters, monkeypatch):
+    """Root log-probs whose two best tie: the device draft is not flagged and is
+    the host builder's tree, the lower token id first."""
     drafter, cfg = drafters["eagle"], CASES[0]
     sid = "ranked-tie"
     _session(drafter, sid, 7)
@@ -83,6 +108,33 @@ def test_a_tie_flags_the_draft_and_its_reader_takes_the_level_by_level_one(draft
         sess.root_out = (hidden, tied)
         want = _host_tree(drafter, sid, cfg, monkeypatch)
         assert want.tokens[1:3].tolist() == sorted(best.tolist())
+        unread = drafter.draft(sid, cfg, deferred=True)
+        assert isinstance(unread, DeviceTree)
+        assert_same_tree(unread.resolve(unread.read.tolist()), want)      # not flagged
+        assert_same_tree(drafter.draft(sid, cfg), want)
+    finally:
+        drafter.release(sid)
+
+
+def test_a_tie_past_the_candidates_flags_the_draft_and_its_reader_takes_the_level_by_level_one(drafters,
+                                                                                              monkeypatch):
+    """Root log-probs where more tokens tie at the k-th place than the device
+    ranks (2k candidates): the draft is flagged (read at once: the host's
+    builder drafts it; unread: the reader's fallback), and the tree is the host
+    builder's, ties to the lower token id."""
+    drafter, cfg = drafters["eagle"], CASES[0]
+    sid = "ranked-tie-wide"
+    _session(drafter, sid, 7)
+    try:
+        sess = drafter.sessions.get(sid)
+        hidden, logp = sess.root_out
+        tied = logp.clone()
+        many = tied.topk(3 * cfg.expand_k).indices
+        tied[many] = float(tied[many[0]])                                 # 3k tokens tie for the best
+        tied = tied - torch.logsumexp(tied, -1)
+        sess.root_out = (hidden, tied)
+        want = _host_tree(drafter, sid, cfg, monkeypatch)
+        assert want.tokens[1:1 + cfg.expand_k].tolist() == sorted(many.tolist())[:cfg.expand_k]
         unread = drafter.draft(sid, cfg, deferred=True)
         assert isinstance(unread, DeviceTree)
         assert unread.resolve(unread.read.tolist()) is None               # flagged
