@@ -75,6 +75,10 @@ def threads_per_process(torch_processes: int) -> int:
 # shorter spins make every barrier inside a forward a futex wake-up (on 2
 # cores, 1,000 spins cut eagle2 through the services from 1.05x to 0.82x).
 SOLO_SPINCOUNT = "30000"
+# how long `up`, `soak` and `bench --grpc` wait for their services to be ready: a first start of a real
+# model builds its compiled graphs (SmolLM2 in bf16 with an EAGLE-3 head: ~30 packages, ~1 min each here),
+# and a child that dies is seen at once whatever the wait
+STARTUP_TIMEOUT_S = 1800.0
 
 
 def solo_threads(share: int, torch_processes: int) -> int:

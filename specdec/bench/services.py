@@ -37,7 +37,6 @@ from specdec.bench.runner import (AHEAD_SUFFIX, DIRECT_SUFFIX, GRPC_SUFFIX, SELF
 from specdec.client import SpecdecClient, SpecdecClientError
 from specdec.request.errors import UsageError
 
-STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -129,7 +128,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
 
     internal = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "off", "--drain-s", "1",
                 "--log-level", "WARNING"]
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + cfg.startup_timeout_s
     mine = []
     # The same core budget as the in-process methods, split between the two
     # torch processes (oversubscribed OpenMP threads spin on each other); the

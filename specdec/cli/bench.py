@@ -20,7 +20,7 @@ from pathlib import Path
 from specdec.cli.options import (PREFIX_CACHE_TOKENS, add_compile_flag, add_lookahead_flag, add_tree_flags,
                                  add_tree_sizing_flag, add_weights_flag, hydra_dir, medusa_dir, model_dir,
                                  prefix_cache_tokens, read_prompts, resolved_min_tau)
-from specdec.procs import pinned_cores
+from specdec.procs import STARTUP_TIMEOUT_S, pinned_cores
 from specdec.request.errors import UsageError
 
 BUNDLED_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -113,6 +113,9 @@ def add_parser(sub) -> None:
                    help="with --grpc: also run each method through a twin of each orchestrator on the direct "
                         "plane (the verifier runs the loop and calls the drafter itself), as METHOD@grpc-direct "
                         "(and METHOD@grpc-aheadN-direct)")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="S",
+                   help="with --grpc: seconds to wait for the services to be ready (a first start builds the "
+                        "compiled graphs)")
     p.add_argument("--compare-unary", action="store_true",
                    help="with --grpc: also run each speculative method through an orchestrator that sends every "
                         "per-cycle step as a unary call instead of on the session streams, as METHOD@grpc-unary")
@@ -197,6 +200,8 @@ def config_from(args, sweep: bool):
     for flag in ("pin", "compare_unary", "compare_plane"):
         if getattr(args, flag) and not args.grpc:
             raise UsageError(f"--{flag.replace('_', '-')} needs --grpc")
+    if not args.startup_timeout > 0:
+        raise UsageError(f"--startup-timeout must be > 0 seconds, got {args.startup_timeout}")
     if args.pin and args.threads not in (None, 1):
         raise UsageError(f"--pin runs one torch thread per process, got --threads {args.threads}")
     if args.pin:
@@ -234,7 +239,7 @@ def config_from(args, sweep: bool):
                        compare_tree_sizing=args.compare_tree_sizing and not sweep,
                        min_tau=resolved_min_tau(args.min_tau),
                        lookahead=tuple(dict.fromkeys(args.lookahead)), compare_unary=args.compare_unary,
-                       compare_plane=args.compare_plane,
+                       compare_plane=args.compare_plane, startup_timeout_s=args.startup_timeout,
                        pin=args.pin and args.grpc and not sweep, openai_url=args.openai_url,
                        openai_model=args.openai_model, openai_key=args.openai_key,
                        prefix_cache_tokens=args.prefix_cache_tokens or 0, prefix_cache_exact=args.prefix_cache_exact,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from specdec.cli.generate import add_model_flags
 from specdec.cli.options import medusa_drafter_argv, model_dir
-from specdec.procs import feature_layer_flags
+from specdec.procs import STARTUP_TIMEOUT_S, feature_layer_flags
 from specdec.request.errors import UsageError
 from specdec.soak.run import DEFAULT_KILLS, Backend, Soak, SoakConfig, SoakError
 from specdec.soak.stack import ROLES, Models, SoakStack, StackError
@@ -63,7 +63,8 @@ def add_parser(sub) -> None:
                    help="fail when a process that was not killed grew its RSS by more (default 0.10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' request mix")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON here ('-': stdout)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the stack to be ready")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                   help="seconds for the stack to be ready (a first start builds the compiled graphs)")
     p.add_argument("--log-level", default="WARNING", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log level of the services (their logs go to files in the soak's work directory)")
     p.set_defaults(run=run_soak)

@@ -28,8 +28,8 @@ from pathlib import Path
 from specdec.cli.http_flags import add_up_http_flag, chat_template_from, up_http_port
 from specdec.cli.options import add_model_flags, add_tree_sizing_flag, env, medusa_drafter_argv, model_dir
 from specdec.cli.stack import ORCHESTRATOR_PORTS
-from specdec.procs import (Child, ChildDied, check_alive, feature_layer_flags, ignore_stop_signals, solo_env,
-                           solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
+from specdec.procs import (STARTUP_TIMEOUT_S, Child, ChildDied, check_alive, feature_layer_flags, ignore_stop_signals,
+                           solo_env, solo_threads, spawn, stop, threads_per_process, wait_listening, wait_serving)
 from specdec.request import knobs
 from specdec.request.errors import UsageError
 from specdec.request.params import LOOKAHEAD, REQUEST_METHODS, VANILLA
@@ -63,7 +63,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state", metavar="FILE",
                    help="once all are ready, write JSON {orchestrator, drafters: [{addr, pid}], verifiers: [...]} "
                         "here (removed on exit)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all to be ready")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                   help="seconds to wait for all to be ready (a first start builds the compiled graphs)")
     p.add_argument("--log-level", default="WARNING", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level of the services")
 

@@ -61,11 +61,21 @@ def test_tau_of_cycles_with_a_tree_drafted_ahead_and_of_the_others():
     (["--pin"], "--pin needs --grpc"),
     (["--compare-unary"], "--compare-unary needs --grpc"),
     (["--grpc", "--pin", "--threads", "2"], "--pin runs one torch thread per process"),
+    (["--grpc", "--startup-timeout", "0"], "--startup-timeout must be > 0 seconds"),
 ])
 def test_pin_flags_are_checked(tiny_family, prompt_file, tmp_path, capsys, extra, needle):  # noqa: F811
     args = ["bench", *model_flags(tiny_family), "--prompts", str(prompt_file), "--json", str(tmp_path / "x.json")]
     assert main(args + extra) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_services_not_ready_within_the_startup_timeout_end_the_run_with_one_line(tiny_family, prompt_file, tmp_path,
+                                                                                  capsys):  # noqa: F811
+    args = ["bench", *model_flags(tiny_family), "--prompts", str(prompt_file), "--max-new-tokens", "4",
+            "--methods", "eagle2", "--grpc", "--startup-timeout", "0.01", "--json", str(tmp_path / "x.json")]
+    assert main(args) != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[bench]")]
+    assert len(errors) == 1 and "timed out waiting for" in errors[0], errors
 
 
 @pytest.mark.skipif(not TWO_CORES, reason="pinning needs 2 CPUs")
