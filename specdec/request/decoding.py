@@ -29,6 +29,9 @@ class StopCriteria:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
 
 
+PACE_SMOOTHING = 0.25      # weight of the newest cycle in a paced gate's mean cycle time
+
+
 @dataclass
 class DecodeStats:
     cycles: int = 0
@@ -72,9 +75,9 @@ class SpeculationGate:
     the deployment's draft + verify cost against a one-token step) the
     session pauses drafting and runs root-only cycles.
 
-    Deterministic: it looks at committed-token counts only, never at clocks,
-    so a seeded request gives the same output every run and in-process and
-    through the services. The mean over the last ``window`` drafted cycles
+    Deterministic by default: it looks at committed-token counts only, never at
+    clocks, so a seeded request gives the same output every run and in-process
+    and through the services. The mean over the last ``window`` drafted cycles
     decides; a pause lasts ``window`` cycles and doubles while the session
     keeps failing (up to ``max_pause``); after a pause a fresh window of
     drafted cycles decides again. (Judging a single new cycle together with
@@ -82,7 +85,17 @@ class SpeculationGate:
     paused far more than its mean deserves: simulated with sampled τ of mean
     2.4 and a threshold of 2, it drafted 17% of cycles instead of 59%.) ``min_tau`` 0:
     always draft. Output is unchanged either way: a root-only cycle is plain
-    decoding."""
+    decoding.
+
+    *Paced* (``paced``, set for greedy sessions, whose output never depends on
+    which cycles draft): the break-even τ is also measured, as the session's
+    drafted cycle time over its root-only cycle time (averages of the cycles'
+    ``seconds``), and the threshold is the larger of it and ``min_tau``. Where
+    a 16-node verify costs four one-token steps (int4 weights on a CPU) a
+    fixed ``min_tau`` of 2 keeps drafting at a loss; paced, the first pause
+    times the plain cycles and the session stays paused, probing a window of
+    drafted cycles now and then. A session that never pauses never times a
+    plain cycle and keeps ``min_tau``."""
 
     def __init__(self, min_tau: float = 0.0, window: int = 4, max_pause: int = 64):
         if not min_tau >= 0:
@@ -93,14 +106,29 @@ class SpeculationGate:
         self.max_pause = max_pause
         self.pause_left = 0
         self.paused_cycles = 0
+        self.paced = False
+        self.seconds = {True: None, False: None}     # drafted / root-only: a cycle's mean seconds (None: none yet)
 
     def speculate(self) -> bool:
         return self.min_tau <= 0 or self.pause_left == 0
 
-    def record(self, drafted: bool, committed: int) -> None:
-        """One cycle: whether it drafted (a tree beyond the root) and the tokens it committed."""
+    @property
+    def threshold(self) -> float:
+        """The τ a window of drafted cycles must reach: ``min_tau``, or paced the
+        measured break-even where it is higher."""
+        drafted, plain = self.seconds[True], self.seconds[False]
+        if not self.paced or drafted is None or plain is None or plain <= 0:
+            return self.min_tau
+        return max(self.min_tau, drafted / plain)
+
+    def record(self, drafted: bool, committed: int, seconds: float | None = None) -> None:
+        """One cycle: whether it drafted (a tree beyond the root), the tokens it
+        committed, and (paced) its wall time."""
         if self.min_tau <= 0:
             return
+        if self.paced and seconds is not None and seconds > 0:
+            mean = self.seconds[drafted]
+            self.seconds[drafted] = seconds if mean is None else mean + PACE_SMOOTHING * (seconds - mean)
         if not drafted:
             if self.pause_left > 0:
                 self.pause_left -= 1
@@ -109,7 +137,7 @@ class SpeculationGate:
         self.recent.append(committed)
         if len(self.recent) < self.recent.maxlen:
             return
-        if sum(self.recent) / len(self.recent) < self.min_tau:
+        if sum(self.recent) / len(self.recent) < self.threshold:
             self.pause_left = self.pause_len
             self.pause_len = min(2 * self.pause_len, self.max_pause)
             self.recent.clear()

@@ -212,12 +212,16 @@ class SpeculativeLoop:
         self.last: tuple[int, ...] = ()                     # what the last cycle committed
         self.hit = False                                    # this cycle's tree was drafted ahead
         self.delivering: asyncio.Future | None = None       # the listener hearing the last commit
+        self.cycle_start = 0.0                              # when this cycle began (perf_counter)
+        # a greedy session's output never depends on which cycles draft: its gate may go by the clock
+        decoding.gate.paced = request.sampling.greedy
 
     async def run(self) -> Decoding:
         try:
             await self.prefill()
             while not self.dec.done:
                 await self.between_cycles()
+                self.cycle_start = time.perf_counter()
                 tree = self.plan()
                 draft = await self.draft(tree)
                 result = await self.verify(draft, tree)
@@ -303,7 +307,9 @@ class SpeculativeLoop:
         size = result.nodes or (draft.size if draft is not None else 1)
         self.dec.stats.record_cycle(size, len(result.accepted))
         self.dec.stats.ahead_committed += len(result.tokens) if self.hit else 0
-        self.dec.gate.record(size > 1, len(result.tokens))
+        # timed as what it cost: a drafted tree the verifier cut to its root is neither kind of cycle
+        timed = (draft is None) == (size == 1)
+        self.dec.gate.record(size > 1, len(result.tokens), time.perf_counter() - self.cycle_start if timed else None)
         self.last = tuple(result.tokens)
         await self.add(result.tokens, result.logprobs)
         if self.drafter is not None and not self.dec.done:

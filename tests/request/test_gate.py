@@ -1,5 +1,6 @@
 """specdec.request.decoding.SpeculationGate: drafting pauses while recent drafted
-cycles commit too few tokens, deterministically, from token counts alone."""
+cycles commit too few tokens, deterministically, from token counts alone; a
+paced gate (greedy sessions) also measures the break-even from cycle times."""
 
 import pytest
 
@@ -77,3 +78,52 @@ def test_same_counts_same_decisions():
 def test_negative_threshold_is_refused():
     with pytest.raises(ValueError, match="min_tau"):
         SpeculationGate(-1.0)
+
+
+def run_timed(gate, cycles, drafted_commits, drafted_s, plain_s):
+    """As ``run``, with each cycle's wall time: drafted cycles ``drafted_s``, root-only ``plain_s``."""
+    pattern = []
+    for _ in range(cycles):
+        drafted = gate.speculate()
+        pattern.append(drafted)
+        gate.record(drafted, drafted_commits if drafted else 1, drafted_s if drafted else plain_s)
+    return pattern
+
+
+def test_a_paced_gate_keeps_a_session_paused_where_drafting_costs_more_than_it_commits():
+    """Drafted cycles commit 3 tokens but take four plain cycles' time: the
+    count alone (threshold 2) drafts on; paced, once a pause has timed the plain
+    cycles, the break-even is 4 and the session stays paused but for its probes."""
+    def gate(paced):
+        g = SpeculationGate(2.0, window=4, max_pause=16)
+        g.paced = paced
+        g.recent.extend([1, 1, 1])                    # a poor start: the first window pauses
+        return g
+
+    counted = run_timed(gate(False), 100, 3, 0.04, 0.01)
+    paced_gate = gate(True)
+    paced = run_timed(paced_gate, 100, 3, 0.04, 0.01)
+    assert counted[0] and not any(counted[1:5]) and all(counted[5:])      # paused once, then drafts on
+    assert paced_gate.threshold == pytest.approx(4.0)
+    assert sum(paced) < 25 and paced_gate.paused_cycles > 75
+
+
+def test_a_paced_gate_keeps_drafting_where_drafting_pays():
+    gate = SpeculationGate(2.0, window=4)
+    gate.paced = True
+    gate.recent.extend([1, 1, 1])
+    pattern = run_timed(gate, 100, 3, 0.02, 0.01)   # break-even 2: 3 tokens a drafted cycle pay
+    assert gate.threshold == pytest.approx(2.0)
+    assert sum(pattern) == 96
+
+
+def test_an_unpaced_gate_ignores_the_clock():
+    """Sampled sessions: decisions from the counts alone, whatever the times."""
+    counts = [1, 2, 1, 1, 3, 1, 1, 1, 4, 4, 4, 1] * 5
+    gate, pattern, it = SpeculationGate(2.0), [], iter(counts)
+    for _ in range(60):
+        drafted = gate.speculate()
+        pattern.append(drafted)
+        gate.record(drafted, next(it) if drafted else 1, 0.5 if drafted else 0.001)
+    assert gate.threshold == 2.0
+    assert pattern == run(SpeculationGate(2.0), counts, 60)
