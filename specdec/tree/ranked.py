@@ -65,7 +65,7 @@ def top_untied(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, 
     ok = (lp[:, 0] <= LOGP_SLACK).all()
     if m < logp.shape[-1]:
         ok = ok & (lp[:, m - 1] < lp[:, k - 1]).all()                  # nothing left out equals the k-th
-    bits = (lp + 0.0).view(torch.int32)                                # (+ 0.0: -0.0 ranks with 0.0)
+    bits = lp.view(torch.int32)                 # (-0.0 would rank below 0.0: no two tokens both have log-prob 0)
     order = bits ^ ((bits >> 31) & 0x7FFFFFFF)                         # a float32's order as an int32's
     key = order.long() * (1 << 32) + ((1 << 32) - 1 - tok)            # then the lower id first
     pick = torch.topk(key, k, dim=-1).indices
