@@ -75,7 +75,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
     if kind in ("eagle", "eagle3"):                  # `serve drafter --eagle` tells the head's version
         budget = ["--total-tokens", str(tree.total_tokens), "--depth", str(tree.depth),
                   "--expand-k", str(tree.expand_k)]
-        return ["--eagle", eagle_head(cfg, kind), "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device,
+        # no --dtype: the head drafts in float32 whatever the target's, as in process and under `specdec up`
+        return ["--eagle", eagle_head(cfg, kind), "--target", cfg.target, "--device", cfg.device,
                 "--compile", cfg.compile, *limits, *budget]     # (its default tree: the one drafted whole)
     if kind == "medusa":
         return ["--medusa", cfg.medusa, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]

@@ -97,3 +97,16 @@ def test_pinned_run_with_unary_and_lookahead_is_lossless(tiny_family, prompt_fil
     assert {"ahead_tau_hit", "ahead_tau_fresh"} <= set(methods["eagle2@grpc-ahead1"])
     assert methods["eagle2@grpc-unary"]["time_split"]["per_cycle_ms"]["network"] > 0
     assert "Time per cycle (ms)" in (tmp_path / "rep" / "results.md").read_text()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_the_bench_drafter_service_drafts_an_eagle_head_in_float32_under_a_bf16_target(tiny_family, kind):
+    """As in process (and under `specdec up`): the services' comparison runs the same head."""
+    from specdec.bench.runner import BenchConfig
+    from specdec.bench.services import drafter_argv
+    from specdec.cli.main import build_parser
+
+    cfg = BenchConfig(target=str(tiny_family["target"]), eagle=str(tiny_family["eagle"]),
+                      eagle3=str(tiny_family["eagle"]), dtype="bfloat16", compile="on")
+    args = build_parser().parse_args(["drafter", "serve", *drafter_argv(cfg, kind)])
+    assert args.dtype == "float32" and args.compile == "on"
