@@ -205,7 +205,7 @@ class CompiledTree:
         self.tempered = 1.0                      # what ``temperature`` holds
         self.width = width_bucket(self.total)    # None: too wide for a placed tree (``specdec.tree.placed``)
         step = TreeDraftStep(head.steps.module, self.levels, self.expand_k, self.total, self.width).eval()
-        # keyed as the levels' packages are, and by the level module it reads the head through and its top-k's
+        # keyed as the levels' packages are, and by the modules it reads the head and ranks its top-k through
         sources = tuple({inspect.getfile(type(m)) for m in self.drafter.head.modules()}
                         | {inspect.getfile(type(self.drafter)), inspect.getfile(head_levels), inspect.getfile(ranked)})
         self.graphs = FixedGraphs(step, HeadKey(self.drafter), head.dtype, head.device, ahead_of_time=True,

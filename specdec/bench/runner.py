@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from specdec.procs import STARTUP_TIMEOUT_S
 from specdec.request.decoding import StopCriteria
 from specdec.request.lookahead import LookaheadParams
 from specdec.request.params import SamplingParams
@@ -349,7 +350,7 @@ class BenchConfig:
     compare_unary: bool = False      # an extra orchestrator with unary steps: METHOD@grpc-unary
     compare_plane: bool = False      # a twin of each orchestrator on the direct plane: METHOD@grpc...-direct
     pin: bool = False                # verifier and drafter on a core each, in-process methods on the verifier's
-    startup_timeout_s: float = 1800.0  # --grpc: how long the services may take to be ready (procs.STARTUP_TIMEOUT_S)
+    startup_timeout_s: float = STARTUP_TIMEOUT_S  # --grpc: how long the services may take to be ready
     openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)
     openai_model: str | None = None  # its model id (None: the first it lists)
     openai_key: str | None = None    # its bearer token

@@ -38,6 +38,17 @@ def _session(drafter, sid: str, seed: int) -> int:
     return len(tokens)
 
 
+def _tie_root(drafter, sid: str, n: int) -> list[int]:
+    """Tie the session's n best root log-probs (renormalised); returns their ids, ascending."""
+    sess = drafter.sessions.get(sid)
+    hidden, logp = sess.root_out
+    tied = logp.clone()
+    best = tied.topk(n).indices
+    tied[best] = float(tied[best[0]])
+    sess.root_out = (hidden, tied - torch.logsumexp(tied, -1))
+    return sorted(best.tolist())
+
+
 def _host_tree(drafter, sid: str, cfg: TreeParams, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(ranked, "serves", lambda cfg, vocab: False)
@@ -79,16 +90,15 @@ def test_the_untied_top_k_ranks_as_the_host_builder_does(k):
         logits = torch.round(torch.randn(64, 300, generator=gen) * 4 / coarse) * coarse
         logp = torch.log_softmax(logits, -1).to(torch.bfloat16)
         lp, tok, ok = ranked.top_untied(logp, k)
-        for row in range(logp.shape[0]):
-            want_lp, want_tok = build._top_tokens(logp[row:row + 1], k)
+        rows_ok = [bool(ranked.top_untied(logp[r:r + 1], k)[2]) for r in range(logp.shape[0])]
+        assert bool(ok) == all(rows_ok)                            # the batch is exact where every row is
+        for row, row_ok in enumerate(rows_ok):
             kth = logp[row].float().topk(k).values[-1]
-            past = int((logp[row].float() > kth).sum() + (logp[row].float() == kth).sum()) >= 2 * k
-            row_ok = bool(ranked.top_untied(logp[row:row + 1], k)[2])
-            assert row_ok == (not past)
+            assert row_ok == (int((logp[row].float() >= kth).sum()) < 2 * k)
             if row_ok:
                 exact += 1
+                want_lp, want_tok = build._top_tokens(logp[row:row + 1], k)
                 assert tok[row].tolist() == want_tok[0].tolist() and torch.equal(lp[row], want_lp[0])
-        assert bool(ok) == all(bool(ranked.top_untied(logp[r:r + 1], k)[2]) for r in range(logp.shape[0]))
     assert exact > 64                                              # (most rows are decided on the device)
 
 
@@ -99,15 +109,9 @@ def test_a_tie_in_the_top_k_is_decided_on_the_device_as_the_host_builder_decides
     sid = "ranked-tie"
     _session(drafter, sid, 7)
     try:
-        sess = drafter.sessions.get(sid)
-        hidden, logp = sess.root_out
-        tied = logp.clone()
-        best = tied.topk(2).indices
-        tied[best[1]] = tied[best[0]]                                     # the two best tie
-        tied = tied - torch.logsumexp(tied, -1)
-        sess.root_out = (hidden, tied)
+        best = _tie_root(drafter, sid, 2)                                 # the two best tie
         want = _host_tree(drafter, sid, cfg, monkeypatch)
-        assert want.tokens[1:3].tolist() == sorted(best.tolist())
+        assert want.tokens[1:3].tolist() == best
         unread = drafter.draft(sid, cfg, deferred=True)
         assert isinstance(unread, DeviceTree)
         assert_same_tree(unread.resolve(unread.read.tolist()), want)      # not flagged
@@ -126,15 +130,9 @@ def test_a_tie_past_the_candidates_flags_the_draft_and_its_reader_takes_the_leve
     sid = "ranked-tie-wide"
     _session(drafter, sid, 7)
     try:
-        sess = drafter.sessions.get(sid)
-        hidden, logp = sess.root_out
-        tied = logp.clone()
-        many = tied.topk(3 * cfg.expand_k).indices
-        tied[many] = float(tied[many[0]])                                 # 3k tokens tie for the best
-        tied = tied - torch.logsumexp(tied, -1)
-        sess.root_out = (hidden, tied)
+        many = _tie_root(drafter, sid, 3 * cfg.expand_k)                  # 3k tokens tie for the best
         want = _host_tree(drafter, sid, cfg, monkeypatch)
-        assert want.tokens[1:1 + cfg.expand_k].tolist() == sorted(many.tolist())[:cfg.expand_k]
+        assert want.tokens[1:1 + cfg.expand_k].tolist() == many[:cfg.expand_k]
         unread = drafter.draft(sid, cfg, deferred=True)
         assert isinstance(unread, DeviceTree)
         assert unread.resolve(unread.read.tolist()) is None               # flagged

@@ -7,14 +7,15 @@ import pytest
 from specdec.request.decoding import SpeculationGate
 
 
-def run(gate, committed_when_drafting, cycles):
-    """Drive the gate: a drafted cycle commits the next count, a paused one 1 token.
-    Returns the pattern of drafted (True) / paused (False) cycles."""
+def run(gate, committed_when_drafting, cycles, seconds=(None, None)):
+    """Drive the gate: a drafted cycle commits the next count, a paused one 1 token;
+    ``seconds``: (a drafted cycle's, a root-only one's) wall time. Returns the
+    pattern of drafted (True) / paused (False) cycles."""
     pattern, counts = [], iter(committed_when_drafting)
     for _ in range(cycles):
         drafted = gate.speculate()
         pattern.append(drafted)
-        gate.record(drafted, next(counts) if drafted else 1)
+        gate.record(drafted, next(counts) if drafted else 1, seconds[0] if drafted else seconds[1])
     return pattern
 
 
@@ -80,16 +81,6 @@ def test_negative_threshold_is_refused():
         SpeculationGate(-1.0)
 
 
-def run_timed(gate, cycles, drafted_commits, drafted_s, plain_s):
-    """As ``run``, with each cycle's wall time: drafted cycles ``drafted_s``, root-only ``plain_s``."""
-    pattern = []
-    for _ in range(cycles):
-        drafted = gate.speculate()
-        pattern.append(drafted)
-        gate.record(drafted, drafted_commits if drafted else 1, drafted_s if drafted else plain_s)
-    return pattern
-
-
 def test_a_paced_gate_keeps_a_session_paused_where_drafting_costs_more_than_it_commits():
     """Drafted cycles commit 3 tokens but take four plain cycles' time: the
     count alone (threshold 2) drafts on; paced, once a pause has timed the plain
@@ -100,9 +91,9 @@ def test_a_paced_gate_keeps_a_session_paused_where_drafting_costs_more_than_it_c
         g.recent.extend([1, 1, 1])                    # a poor start: the first window pauses
         return g
 
-    counted = run_timed(gate(False), 100, 3, 0.04, 0.01)
+    counted = run(gate(False), [3] * 100, 100, (0.04, 0.01))
     paced_gate = gate(True)
-    paced = run_timed(paced_gate, 100, 3, 0.04, 0.01)
+    paced = run(paced_gate, [3] * 100, 100, (0.04, 0.01))
     assert counted[0] and not any(counted[1:5]) and all(counted[5:])      # paused once, then drafts on
     assert paced_gate.threshold == pytest.approx(4.0)
     assert sum(paced) < 25 and paced_gate.paused_cycles > 75
@@ -112,7 +103,7 @@ def test_a_paced_gate_keeps_drafting_where_drafting_pays():
     gate = SpeculationGate(2.0, window=4)
     gate.paced = True
     gate.recent.extend([1, 1, 1])
-    pattern = run_timed(gate, 100, 3, 0.02, 0.01)   # break-even 2: 3 tokens a drafted cycle pay
+    pattern = run(gate, [3] * 100, 100, (0.02, 0.01))   # break-even 2: 3 tokens a drafted cycle pay
     assert gate.threshold == pytest.approx(2.0)
     assert sum(pattern) == 96
 
@@ -120,10 +111,7 @@ def test_a_paced_gate_keeps_drafting_where_drafting_pays():
 def test_an_unpaced_gate_ignores_the_clock():
     """Sampled sessions: decisions from the counts alone, whatever the times."""
     counts = [1, 2, 1, 1, 3, 1, 1, 1, 4, 4, 4, 1] * 5
-    gate, pattern, it = SpeculationGate(2.0), [], iter(counts)
-    for _ in range(60):
-        drafted = gate.speculate()
-        pattern.append(drafted)
-        gate.record(drafted, next(it) if drafted else 1, 0.5 if drafted else 0.001)
+    gate = SpeculationGate(2.0)
+    pattern = run(gate, counts, 60, (0.5, 0.001))
     assert gate.threshold == 2.0
     assert pattern == run(SpeculationGate(2.0), counts, 60)
