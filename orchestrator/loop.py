@@ -41,6 +41,7 @@ from typing import Awaitable, Callable
 
 from specdec.request import knobs
 from specdec.request.decoding import Decoding
+from specdec.request.pace import Pace, knobs_key
 from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 from specdec.request.speculative import Request, speculative_generate
 from specdec.serving import metrics
@@ -79,6 +80,7 @@ class Generation:
                  verify_token_budget: int = 0, lookahead: int = 0, gate_by_kind: bool = False,
                  streams: bool = True, ahead_budget: bool = True, direct: bool = False):
         self.job = job
+        self.router = router
         self.dec = decoding
         self.text = text
         self.gate_by_kind = gate_by_kind    # the gate's min_tau follows the first pinned drafter's kind
@@ -108,7 +110,8 @@ class Generation:
             await self.direct.run()
             self.dec.finish()
         else:
-            await speculative_generate(self.remote_verifier, drafter, self.request, self.dec, listener=self)
+            await speculative_generate(self.remote_verifier, drafter, self.request, self.dec, listener=self,
+                                       pace=self.pace(drafter))
         await self.send(self.text.finish())
 
     async def pin(self) -> RemoteDrafter | None:
@@ -127,6 +130,13 @@ class Generation:
         if self.gate_by_kind:
             self.dec.gate.min_tau = knobs.default_min_tau(self.remote_drafter.kind)
         return self.remote_drafter
+
+    def pace(self, drafter: RemoteDrafter | None) -> Pace | None:
+        """What cycles cost on the pinned verifier–drafter pair, shared by its greedy sessions."""
+        if drafter is None or drafter.endpoint is None or self.remote_verifier.endpoint is None:
+            return None
+        return self.router.paces.of(self.remote_verifier.endpoint.address, drafter.endpoint.address,
+                                    *knobs_key(self.job.tree))
 
     async def release(self) -> None:
         handles = [h for h in (self.remote_verifier, self.remote_drafter) if h is not None]

@@ -41,6 +41,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.request.errors import ResourceExhausted, Unavailable
+from specdec.request.pace import Paces
 from specdec.serving.server import ClientTls, open_channel
 from specdec.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from orchestrator.lease import Leases
@@ -344,6 +345,7 @@ class Router:
         self.probe_interval_s = probe_interval_s
         self.vocab_size: int | None = None   # the first verifier's; every backend must agree
         self.leases = Leases()               # the sessions this orchestrator holds, renewed on every backend
+        self.paces = Paces()                 # what cycles cost per verifier–drafter pair (greedy gates)
         self._task: asyncio.Task | None = None
 
     @property

@@ -21,6 +21,7 @@ import torch
 from specdec.model.loading import ModelSpec, demo_path, load_tokenizer
 from specdec.request.decoding import Decoding, StopCriteria
 from specdec.request.lookahead import LookaheadParams
+from specdec.request.pace import Paces, knobs_key
 from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 from specdec.request.speculative import Committed, Draft, Request, SelfDraft, speculative_generate
 from specdec.tree.build import tree_from_lists
@@ -200,6 +201,9 @@ class LocalDrafter:
         return commits[0].token_ids if len(commits) == 1 else None
 
 
+PACES = Paces()     # one per pair of in-process engines and tree knobs
+
+
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
              logprobs: int | None = None, prompt_logprobs: int | None = None, cache_salt: str = "") -> Decoding:
@@ -220,10 +224,14 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     request = Request(prompt, params, tree_cfg if drafter is not None or self_drafted else None, lookahead)
     local_drafter = LocalDrafter(drafter, sid, cache_salt) if drafter is not None and not self_drafted else None
 
+    # greedy sessions on the same engines and tree knobs share what their cycles cost (specdec.request.pace)
+    engines = (verifier, drafter) if local_drafter is not None else (verifier,)
+    pace = PACES.of_objects(engines, *knobs_key(tree_cfg)) if request.tree is not None else None
+
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))
         return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs, cache_salt),
-                                          local_drafter, request, Decoding(stop, min_tau))
+                                          local_drafter, request, Decoding(stop, min_tau), pace=pace)
 
     # the engines are synchronous: the loop never waits on I/O, asyncio only sequences it
     return asyncio.run(run())

@@ -34,6 +34,7 @@ import grpc
 
 from specdec.request import wire
 from specdec.request.decoding import Decoding, StopCriteria
+from specdec.request.pace import Pace, knobs_key
 from specdec.request.errors import InvalidArgument
 from specdec.request.checks import check_count
 from specdec.request.params import LOOKAHEAD, TreeParams
@@ -107,8 +108,8 @@ class PlaneLoop(SpeculativeLoop):
     """The speculative loop that puts a ``RunCommit`` on ``events`` for every commit."""
 
     def __init__(self, verifier: ServedVerifier, drafter: PairedDrafter | None, request: Request,
-                 decoding: Decoding, events: asyncio.Queue, resume: bool):
-        super().__init__(verifier, drafter, request, decoding)
+                 decoding: Decoding, events: asyncio.Queue, resume: bool, pace: Pace | None = None):
+        super().__init__(verifier, drafter, request, decoding, pace=pace)
         self.events = events
         self.resume = resume
         self.cycle: tuple[int, int, bool, int] | None = None     # nodes, accepted, drafted ahead, hops
@@ -265,7 +266,9 @@ async def run(service, requests: AsyncIterator, context) -> AsyncIterator[verifi
     decoding = Decoding(StopCriteria(max(prefill.max_new_tokens, 0), eos), min_tau)
     request = Request(prompt=prompt, sampling=sampling, tree=tree, lookahead=lookahead, verify_token_budget=budget)
     events: asyncio.Queue = asyncio.Queue()
-    loop = PlaneLoop(verifier, drafter, request, decoding, events, prefill.resume)
+    # greedy sessions paired with the same drafter and tree knobs share what their cycles cost
+    pace = service.paces.of(start.drafter, *knobs_key(tree)) if drafter is not None else None
+    loop = PlaneLoop(verifier, drafter, request, decoding, events, prefill.resume, pace)
     loop.fallback = unreached
     if start.drafter and tree is not None and tree.method != LOOKAHEAD:
         loop.pairing = (service.peers, prefill.owner, start.drafter_cache_salt, remaining)

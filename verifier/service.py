@@ -28,6 +28,7 @@ from typing import Callable
 
 from specdec.request import wire
 from specdec.request.errors import InvalidArgument
+from specdec.request.pace import Paces
 from specdec.request.params import (SamplingParams, check_cache_salt, check_count, check_logprobs, check_owner,
                                     check_session_id, check_token_ids)
 from specdec.serving import metrics, tensor_wire
@@ -70,6 +71,7 @@ class VerifierService(EngineServicer, verifier_pb2_grpc.VerifierServiceServicer)
         self.engine = None                 # VerifierEngine, once loaded
         self.scheduler = None              # BatchScheduler when batching is on
         self.peers = Peers(config.peer_tls, config.peer_token)   # drafters paired on the direct plane
+        self.paces = Paces()        # what cycles cost per paired drafter (greedy gates, specdec.request.pace)
 
     def registration(self) -> tuple[Callable, object, str]:
         """The (add_to_server, servicer, service name) triple for ``start_server``."""

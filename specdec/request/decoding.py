@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specdec.request.pace import Pace
+
 
 @dataclass(frozen=True)
 class StopCriteria:
@@ -27,9 +29,6 @@ class StopCriteria:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-
-
-PACE_SMOOTHING = 0.25      # weight of the newest cycle in a paced gate's mean cycle time
 
 
 @dataclass
@@ -95,7 +94,9 @@ class SpeculationGate:
     fixed ``min_tau`` of 2 keeps drafting at a loss; paced, the first pause
     times the plain cycles and the session stays paused, probing a window of
     drafted cycles now and then. A session that never pauses never times a
-    plain cycle and keeps ``min_tau``."""
+    plain cycle and keeps ``min_tau``. The times and the mean τ live in a
+    ``specdec.request.pace.Pace``: the gate's own, or one a verifier–drafter
+    pair's paced sessions share (``share``)."""
 
     def __init__(self, min_tau: float = 0.0, window: int = 4, max_pause: int = 64):
         if not min_tau >= 0:
@@ -107,7 +108,7 @@ class SpeculationGate:
         self.pause_left = 0
         self.paused_cycles = 0
         self.paced = False
-        self.seconds = {True: None, False: None}     # drafted / root-only: a cycle's mean seconds (None: none yet)
+        self.pace = Pace()          # cycle times and τ (paced); a pair's shared one after ``share``
 
     def speculate(self) -> bool:
         return self.min_tau <= 0 or self.pause_left == 0
@@ -116,19 +117,35 @@ class SpeculationGate:
     def threshold(self) -> float:
         """The τ a window of drafted cycles must reach: ``min_tau``, or paced the
         measured break-even where it is higher."""
-        drafted, plain = self.seconds[True], self.seconds[False]
-        if not self.paced or drafted is None or plain is None or plain <= 0:
-            return self.min_tau
-        return max(self.min_tau, drafted / plain)
+        break_even = self.pace.break_even if self.paced else None
+        return self.min_tau if break_even is None else max(self.min_tau, break_even)
+
+    def share(self, pace: Pace) -> None:
+        """Time a paced session's cycles into ``pace``, its verifier–drafter pair's
+        (``specdec.request.pace``); joining a pair whose drafted cycles have been
+        committing below the threshold, start paused for the pair's last pause.
+        An unpaced gate keeps its own: its decisions never depend on other sessions."""
+        if not self.paced or self.min_tau <= 0:
+            return
+        self.pace = pace
+        if pace.losing(self.min_tau):
+            self.pause(max(pace.pause, self.recent.maxlen))
+
+    def pause(self, cycles: int) -> None:
+        """Pause for ``cycles`` (at most ``max_pause``); the next pause is twice as long."""
+        self.pause_left = min(cycles, self.max_pause)
+        self.pause_len = min(2 * self.pause_left, self.max_pause)
+        self.recent.clear()
+        if self.paced:
+            self.pace.pause = self.pause_left
 
     def record(self, drafted: bool, committed: int, seconds: float | None = None) -> None:
         """One cycle: whether it drafted (a tree beyond the root), the tokens it
         committed, and (paced) its wall time."""
         if self.min_tau <= 0:
             return
-        if self.paced and seconds is not None and seconds > 0:
-            mean = self.seconds[drafted]
-            self.seconds[drafted] = seconds if mean is None else mean + PACE_SMOOTHING * (seconds - mean)
+        if self.paced:
+            self.pace.record(drafted, committed, seconds)
         if not drafted:
             if self.pause_left > 0:
                 self.pause_left -= 1
@@ -138,9 +155,7 @@ class SpeculationGate:
         if len(self.recent) < self.recent.maxlen:
             return
         if sum(self.recent) / len(self.recent) < self.threshold:
-            self.pause_left = self.pause_len
-            self.pause_len = min(2 * self.pause_len, self.max_pause)
-            self.recent.clear()
+            self.pause(self.pause_len)
         else:
             self.pause_len = self.recent.maxlen
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Awaitable, Protocol
 
 from specdec.request.decoding import Decoding
+from specdec.request.pace import Pace
 from specdec.request.params import LOOKAHEAD, SamplingParams, TreeParams
 
 MIN_SHARED_TREE = 4     # a tree cut for load keeps at least this many nodes (root included)
@@ -197,7 +198,7 @@ class SpeculativeLoop:
     """One request through ``verifier`` and ``drafter`` (None: plain decoding), into ``decoding``."""
 
     def __init__(self, verifier: Verifier, drafter: Drafter | None, request: Request, decoding: Decoding,
-                 listener: Listener | None = None):
+                 listener: Listener | None = None, pace: Pace | None = None):
         self.verifier = verifier
         if request.tree is not None and request.tree.method == LOOKAHEAD:
             drafter = SelfDrafter()                          # the verifier drafts from the target itself
@@ -213,8 +214,11 @@ class SpeculativeLoop:
         self.hit = False                                    # this cycle's tree was drafted ahead
         self.delivering: asyncio.Future | None = None       # the listener hearing the last commit
         self.cycle_start = 0.0                              # when this cycle began (perf_counter)
-        # a greedy session's output never depends on which cycles draft: its gate may go by the clock
+        # a greedy session's output never depends on which cycles draft: its gate may go by the clock,
+        # and by what the sessions before it measured on the same verifier–drafter pair (``pace``)
         decoding.gate.paced = request.sampling.greedy
+        if pace is not None and self.drafter is not None:
+            decoding.gate.share(pace)
 
     async def run(self) -> Decoding:
         try:
@@ -367,6 +371,7 @@ class SpeculativeLoop:
 
 
 async def speculative_generate(verifier: Verifier, drafter: Drafter | None, request: Request, decoding: Decoding,
-                               listener: Listener | None = None) -> Decoding:
-    """Run ``request`` to completion (``SpeculativeLoop``); returns ``decoding``."""
-    return await SpeculativeLoop(verifier, drafter, request, decoding, listener).run()
+                               listener: Listener | None = None, pace: Pace | None = None) -> Decoding:
+    """Run ``request`` to completion (``SpeculativeLoop``); returns ``decoding``. ``pace``: the
+    verifier–drafter pair's, shared by its greedy sessions' gates (``specdec.request.pace``)."""
+    return await SpeculativeLoop(verifier, drafter, request, decoding, listener, pace).run()

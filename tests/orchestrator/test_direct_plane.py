@@ -88,6 +88,26 @@ def test_greedy_matches_plain_decoding(stack, reference, kind, method):
         "verifier": 0, **{f"drafter-{k}": 0 for k in KINDS}}
 
 
+def test_greedy_sessions_paired_with_one_drafter_share_its_pace(stack, reference):
+    """On the direct plane the verifier keys what cycles cost by the paired
+    drafter: a greedy session joining a pair where drafting lost starts paused,
+    with plain decoding's output."""
+    stack.add_orchestrator("paced", drafter="drafter-eagle", plane="direct", min_tau=1.5)
+    paces = stack.servicer("verifier").paces.table
+    paces.clear()                                 # what the module's earlier sessions measured
+    try:
+        with SpecdecClient(stack.address("paced")) as client:
+            first = client.complete(PROMPTS[1], max_new_tokens=N, method="eagle2")
+            assert first.stats.draft_tokens > 0
+            pace = next(p for key, p in paces.items() if key[0] == stack.address("drafter-eagle"))
+            pace.seconds, pace.tokens, pace.pause = {True: 0.04, False: 0.01}, 1.5, 64
+            joined = client.complete(PROMPTS[1], max_new_tokens=N, method="eagle2")
+    finally:
+        stack.stop("paced")
+    assert joined.token_ids == first.token_ids == reference.run(PROMPTS[1]).tokens
+    assert joined.stats.draft_tokens == 0 and joined.stats.cycles == N - 1
+
+
 def test_draft_lm_trees_are_accepted_and_counted(stack, reference):
     """A drafter that drafts: cycles commit several tokens, the statistics say so."""
     with SpecdecClient(stack.address("draft-lm")) as client:

@@ -96,9 +96,11 @@ def test_greedy_matches_in_process_vanilla(stack, local, kind, method):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_speculation_gate_pauses_the_same_cycles_as_in_process(stack, local, temperature):
-    """A gate set above what these tiny drafters reach pauses drafting; the
-    orchestrator pauses exactly the cycles the in-process loop does (it looks
-    at committed tokens, not clocks), so stats and sampled output agree."""
+    """A gate set above what these tiny drafters reach pauses drafting. Sampled,
+    the orchestrator pauses exactly the cycles the in-process loop does (the
+    gate looks at committed tokens, not clocks), so stats and output agree;
+    greedy, the gate is paced (clocks, and what earlier sessions of the same
+    pair measured: ``specdec.request.pace``), so only the output must agree."""
     stack.add_orchestrator("gated", drafter="drafter-eagle", min_tau=3.0)
     try:
         with SpecdecClient(stack.address("gated")) as client:
@@ -107,12 +109,45 @@ def test_speculation_gate_pauses_the_same_cycles_as_in_process(stack, local, tem
                 want = local.run(prompt, "eagle", "eagle2", min_tau=3.0, temperature=temperature, seed=7)
                 ungated = local.run(prompt, "eagle", "eagle2", temperature=temperature, seed=7)
                 assert got.token_ids == want.tokens
-                assert (got.stats.cycles, got.stats.draft_tokens) == (want.stats.cycles, want.stats.drafted)
                 assert want.stats.drafted < ungated.stats.drafted           # some cycles ran root-only
                 if temperature == 0.0:
+                    assert got.stats.draft_tokens < ungated.stats.drafted
                     assert want.tokens == ungated.tokens == local.run(prompt).tokens
+                else:
+                    assert (got.stats.cycles, got.stats.draft_tokens) == (want.stats.cycles, want.stats.drafted)
     finally:
         stack.stop("gated")
+
+
+def losing(pace):
+    """A pair's pace as if its sessions had drafted at a loss: 1.5 tokens a drafted
+    cycle costing four plain ones, the last pause 64 cycles."""
+    pace.seconds, pace.tokens, pace.pause = {True: 0.04, False: 0.01}, 1.5, 64
+
+
+def test_greedy_sessions_of_one_pair_share_its_pace(stack, local):
+    """The orchestrator keys what cycles cost by the pinned verifier–drafter pair
+    (``specdec.request.pace``): a greedy session joining a pair where drafting
+    lost starts paused (same output, no draft tokens); a seeded sampled one drafts
+    the cycles the in-process loop does, whatever the pair measured."""
+    stack.add_orchestrator("paced", drafter="drafter-eagle", min_tau=1.5)
+    try:
+        with SpecdecClient(stack.address("paced")) as client:
+            first = client.complete(PROMPTS[0], max_new_tokens=N, method="eagle2")
+            assert first.stats.draft_tokens > 0
+            paces = stack.servicer("paced").router.paces.table
+            (key, pace), = paces.items()
+            assert key[:2] == (stack.address("verifier"), stack.address("drafter-eagle"))
+            losing(pace)
+            joined = client.complete(PROMPTS[0], max_new_tokens=N, method="eagle2")
+            sampled = client.complete(PROMPTS[0], max_new_tokens=N, method="eagle2", temperature=1.0, seed=5)
+    finally:
+        stack.stop("paced")
+    assert joined.token_ids == first.token_ids == local.run(PROMPTS[0]).tokens
+    assert joined.stats.draft_tokens == 0 and joined.stats.cycles == N - 1
+    want = local.run(PROMPTS[0], "eagle", "eagle2", min_tau=1.5, temperature=1.0, seed=5)
+    assert sampled.token_ids == want.tokens
+    assert (sampled.stats.cycles, sampled.stats.draft_tokens) == (want.stats.cycles, want.stats.drafted)
 
 
 def test_automatic_gate_follows_the_drafter_kind(stack, local, monkeypatch):

@@ -5,6 +5,7 @@ paced gate (greedy sessions) also measures the break-even from cycle times."""
 import pytest
 
 from specdec.request.decoding import SpeculationGate
+from specdec.request.pace import Pace
 
 
 def run(gate, committed_when_drafting, cycles, seconds=(None, None)):
@@ -115,3 +116,64 @@ def test_an_unpaced_gate_ignores_the_clock():
     pattern = run(gate, counts, 60, (0.5, 0.001))
     assert gate.threshold == 2.0
     assert pattern == run(SpeculationGate(2.0), counts, 60)
+
+
+def losing_pace(pause=16):
+    """A pair's pace after sessions whose drafted cycles committed 3 tokens in four plain cycles' time."""
+    first = SpeculationGate(2.0, window=4, max_pause=64)
+    first.paced = True
+    first.share(Pace())
+    first.recent.extend([1, 1, 1])
+    run(first, [3] * 200, 200, (0.04, 0.01))
+    first.pace.pause = pause
+    return first.pace
+
+
+def test_a_session_joining_a_losing_pair_starts_paused_for_the_pairs_last_pause():
+    pace = losing_pace(pause=16)
+    assert pace.losing(2.0) and pace.break_even == pytest.approx(4.0)
+    gate = SpeculationGate(2.0, window=4, max_pause=64)
+    gate.paced = True
+    gate.share(pace)
+    pattern = run(gate, [3] * 60, 60, (0.04, 0.01))
+    # paused 16, a probe window of 4 (3 < 4: lost), paused 32, ...
+    assert pattern == [False] * 16 + [True] * 4 + [False] * 32 + [True] * 4 + [False] * 4
+    assert pace.pause == 64                           # the pair now pauses its next sessions longer
+
+
+def test_a_session_joining_a_paying_pair_drafts_at_once_and_a_good_prompt_wins_its_cycles_back():
+    pace = losing_pace()
+    paying = SpeculationGate(2.0)
+    paying.paced = True
+    paying.share(Pace())
+    run(paying, [3] * 40, 40, (0.02, 0.01))            # nothing timed for the root-only kind: no break-even
+    assert not paying.pace.losing(2.0)
+    fresh = SpeculationGate(2.0)
+    fresh.paced = True
+    fresh.share(paying.pace)
+    assert fresh.speculate()
+    # a prompt the head drafts far better than the pair's mean: after the first pause it drafts on
+    good = SpeculationGate(2.0, window=4)
+    good.paced = True
+    good.share(pace)
+    pattern = run(good, [6] * 200, 200, (0.04, 0.01))
+    assert not any(pattern[:16]) and all(pattern[16:])
+
+
+def test_a_sampled_session_neither_reads_nor_writes_the_pairs_pace():
+    """Unpaced (sampled) gates keep their own: a seeded request's cycles never
+    depend on the sessions before it."""
+    pace = losing_pace()
+    before = (dict(pace.seconds), pace.tokens, pace.pause)
+    gate = SpeculationGate(2.0)
+    gate.share(pace)                                   # not paced: ignored
+    counts = [1, 2, 1, 1, 3, 1, 1, 1, 4, 4, 4, 1] * 5
+    assert run(gate, counts, 60, (0.5, 0.001)) == run(SpeculationGate(2.0), counts, 60)
+    assert (dict(pace.seconds), pace.tokens, pace.pause) == before
+
+
+def test_a_gate_that_is_off_ignores_the_pairs_pace():
+    gate = SpeculationGate(0.0)
+    gate.paced = True
+    gate.share(losing_pace())
+    assert run(gate, [1] * 20, 20) == [True] * 20
