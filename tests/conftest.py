@@ -12,6 +12,7 @@ torch.set_num_threads(int(os.environ.get("SPECDEC_TEST_THREADS", "1")))
 # compiled graphs over the models' own weights: a tiny model's packed packages take ~3x as long to
 # build on an empty compile cache; the packed path has its own tests (``tests/compile/test_compiled.py``)
 os.environ.setdefault("SPECDEC_COMPILE_PACKED", "off")
+os.environ.setdefault("SPECDEC_COMPILE_PACKED_HEADS", "off")
 # only the graphs opened before readiness are built at start-up, any other on first use: most tests run
 # a few widths of many models, and on an empty cache each package costs seconds to build (the tests of
 # start-up building set ``all``, the default, themselves)

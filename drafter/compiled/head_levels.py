@@ -16,7 +16,7 @@ graph per frontier width over a session cache that is one stacked buffer
   outputs are dropped);
 - on CPU the graphs are AOTInductor packages (``specdec.compile.aot``),
   built once and loaded on later starts, with the head's weights packed into
-  them (``SPECDEC_COMPILE_PACKED=off``: over the head's own weights, ~3x
+  them (``SPECDEC_COMPILE_PACKED_HEADS=off``: over the head's own weights, ~3x
   faster to build, slower levels; a head whose packed copies would not fit ``PACKED_BUDGET``, the
   vocabulary tables of a large target, drafts eagerly); on a GPU they are
   ``torch.compile`` graphs over the head's own weights, replayed as CUDA
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from specdec.compile.fixed_graphs import ahead_setting, packed_setting
+from specdec.compile.fixed_graphs import ahead_setting, packed_heads_setting
 from specdec.compile.fixed_kv import FixedLayer, cache_shape, fixed_buffers, stacked_cache
 from specdec.compile.forwards import PACKED_BUDGET, PAYS, FixedGraphs
 from specdec.model import kv
@@ -316,7 +316,7 @@ def compile_head(drafter, mode: str) -> CompiledHead | None:
     t = time.perf_counter()
     reason = None
     on_cpu = torch.device(drafter.device).type == "cpu"     # packed copies: on CPU only (CompiledHead)
-    packed = packed_setting() != "off"
+    packed = packed_heads_setting() != "off"
     if on_cpu and packed and weight_bytes * len(WIDTHS) > PACKED_BUDGET:
         reason = (f"its weights ({weight_bytes >> 20} MiB with the vocabulary tables) are too large to pack once "
                   f"per width")

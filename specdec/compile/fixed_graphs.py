@@ -15,7 +15,7 @@ import torch
 
 from specdec.compile import aot, cuda_graphs
 from specdec.compile.fixed_kv import FixedLayer
-from specdec.model.loading import AHEAD_ENV, AHEAD_MODES, COMPILE_MODES, PACKED_ENV
+from specdec.model.loading import AHEAD_ENV, AHEAD_MODES, COMPILE_MODES, PACKED_ENV, PACKED_HEADS_ENV
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 PACKAGED_CAPACITIES = (256, 512)        # capacities with ahead-of-time packages (built at start-up)
@@ -28,9 +28,23 @@ def packed_setting() -> str:
     model on CPU), on or off. Packed packages step ~2x faster on a small CPU
     model and take ~3x as long to build (and a copy of the weights each);
     off builds over the model's own weights (one BLAS call per linear)."""
-    value = os.environ.get(PACKED_ENV, "auto")
+    return compile_setting(PACKED_ENV)
+
+
+def packed_heads_setting() -> str:
+    """``SPECDEC_COMPILE_PACKED_HEADS``: the same for EAGLE heads' draft levels
+    (auto, the default, and on: packed where the copies fit; off: over the
+    head's own weights). A switch of its own: a head is small, and drafting
+    over unpacked weights took ~2x as long a cycle (SmolLM2's head: ~20 ms
+    against ~9), so turning packing off for a large target's memory need not
+    cost the head its speed."""
+    return compile_setting(PACKED_HEADS_ENV)
+
+
+def compile_setting(variable: str) -> str:
+    value = os.environ.get(variable, "auto")
     if value not in COMPILE_MODES:
-        raise ValueError(f"{PACKED_ENV} must be one of {', '.join(COMPILE_MODES)}, got {value!r}")
+        raise ValueError(f"{variable} must be one of {', '.join(COMPILE_MODES)}, got {value!r}")
     return value
 
 

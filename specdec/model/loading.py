@@ -23,6 +23,8 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled step is measured faster
 # auto (packed weights for a small model on CPU), on or off: ``specdec.compile.fixed_graphs.packed_setting``
 PACKED_ENV = "SPECDEC_COMPILE_PACKED"
+# the same for EAGLE heads' draft levels, on their own (``specdec.compile.fixed_graphs.packed_heads_setting``)
+PACKED_HEADS_ENV = "SPECDEC_COMPILE_PACKED_HEADS"
 # all (default) or ready: which compiled graphs are built before a model serves
 # (``specdec.compile.fixed_graphs.ahead_setting``)
 AHEAD_ENV, AHEAD_MODES = "SPECDEC_COMPILE_AHEAD", ("all", "ready")

@@ -171,3 +171,21 @@ def test_levels_over_the_heads_own_weights_give_the_eager_ones(tiny_family):
     compiled = head_levels.CompiledHead(drafter, packed=False)
     assert not compiled.steps.packed and set(drafter.step_tensors()) <= set(compiled.steps.weights)
     assert head_levels.check_head(compiled) is None
+
+
+@pytest.mark.parametrize("targets, heads, packed", [("off", "auto", True), ("off", "on", True),
+                                                    ("on", "off", False), ("auto", "off", False)])
+def test_heads_pack_by_their_own_switch(tiny_family, monkeypatch, targets, heads, packed):
+    """``SPECDEC_COMPILE_PACKED_HEADS`` alone decides whether a head's levels take
+    packed weights; ``SPECDEC_COMPILE_PACKED`` (the targets') does not."""
+    asked = []
+
+    def record(self, drafter, packed=True):
+        asked.append(packed)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setenv("SPECDEC_COMPILE_PACKED", targets)
+    monkeypatch.setenv("SPECDEC_COMPILE_PACKED_HEADS", heads)
+    monkeypatch.setattr(head_levels.CompiledHead, "__init__", record)
+    assert EagleDrafter(tiny_family["eagle"], tiny_family["target"], compile="on").compiled is None
+    assert asked == [packed]
