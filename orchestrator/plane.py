@@ -133,7 +133,7 @@ class DirectRun:
         start = verifier_pb2.RunStart(prefill=prefill, lookahead=req.lookahead,
                                       verify_token_budget=req.verify_token_budget, min_tau=dec.gate.min_tau,
                                       eos_token_ids=sorted(dec.stop.eos_ids), drafter_cache_salt=job.cache_salt,
-                                      ahead_unbudgeted=not self.gen.ahead_budget)
+                                      ahead_unbudgeted=not self.gen.ahead_budget, min_tau_prior=dec.gate.prior)
         if req.tree is not None:
             start.tree.CopyFrom(wire.tree_params_to_proto(req.tree))
             drafted = self.drafter is not None and self.drafter.endpoint is not None

@@ -331,7 +331,9 @@ class OrchestratorService(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         log.info("generation", extra={"session": job.session_id, "prompt_tokens": len(prompt_ids),
                                       "max_new_tokens": max_new, "seed": sampling.seed,
                                       "method": tree.method if tree else VANILLA})
-        return Generation(self.router, job, Decoding(stop, self.config.min_tau or 0.0), text, deadline,
+        # --min-tau auto: the pinned drafter kind's default, until the pair's break-even is measured
+        decoding = Decoding(stop, self.config.min_tau or 0.0, prior=self.config.min_tau is None)
+        return Generation(self.router, job, decoding, text, deadline,
                           self.config.verify_token_budget, self.config.lookahead,
                           gate_by_kind=self.config.min_tau is None, streams=self.config.session_streams,
                           ahead_budget=self.config.lookahead_budget, direct=self.config.plane == DIRECT)

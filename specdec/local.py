@@ -206,7 +206,8 @@ PACES = Paces()     # one per pair of in-process engines and tree knobs
 
 def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop: StopCriteria,
              tree_cfg: TreeParams | None, min_tau: float = 0.0, lookahead: int = 0,
-             logprobs: int | None = None, prompt_logprobs: int | None = None, cache_salt: str = "") -> Decoding:
+             logprobs: int | None = None, prompt_logprobs: int | None = None, cache_salt: str = "",
+             min_tau_prior: bool = False) -> Decoding:
     """Run one request to completion through the speculative loop
     (``specdec.request.speculative``) on in-process engines; ``drafter=None`` or
     ``tree_cfg=None`` is vanilla; ``tree_cfg.method`` "lookahead" is
@@ -218,7 +219,8 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     each token's raw logprob with that many top alternatives, in
     ``Decoding.logprobs`` (None: none); ``prompt_logprobs``: the prompt's, in
     ``Decoding.prompt_logprobs``. ``stop.max_new_tokens`` 0: the prompt only.
-    ``cache_salt``: the engines' prefix caches share blocks within one salt only."""
+    ``cache_salt``: the engines' prefix caches share blocks within one salt only. ``min_tau_prior``:
+    ``min_tau`` is ``--min-tau auto``'s default, replaced by the measured break-even (``SpeculationGate``)."""
     sid = uuid.uuid4().hex
     self_drafted = tree_cfg is not None and tree_cfg.method == LOOKAHEAD     # the verifier drafts (lookahead)
     request = Request(prompt, params, tree_cfg if drafter is not None or self_drafted else None, lookahead)
@@ -231,7 +233,8 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))
         return await speculative_generate(LocalVerifier(verifier, sid, logprobs, layers, prompt_logprobs, cache_salt),
-                                          local_drafter, request, Decoding(stop, min_tau), pace=pace)
+                                          local_drafter, request, Decoding(stop, min_tau, min_tau_prior),
+                                          pace=pace)
 
     # the engines are synchronous: the loop never waits on I/O, asyncio only sequences it
     return asyncio.run(run())

@@ -263,7 +263,7 @@ async def run(service, requests: AsyncIterator, context) -> AsyncIterator[verifi
     if drafter is not None and not start.ahead_unbudgeted:
         drafter.ahead_budget = lambda: AHEAD_BUDGET_SHARE * verifier.verify_s
     prompt = list(prefill.prompt_ids)
-    decoding = Decoding(StopCriteria(max(prefill.max_new_tokens, 0), eos), min_tau)
+    decoding = Decoding(StopCriteria(max(prefill.max_new_tokens, 0), eos), min_tau, prior=start.min_tau_prior)
     request = Request(prompt=prompt, sampling=sampling, tree=tree, lookahead=lookahead, verify_token_budget=budget)
     events: asyncio.Queue = asyncio.Queue()
     # greedy sessions paired with the same drafter and tree knobs share what their cycles cost

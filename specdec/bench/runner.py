@@ -123,16 +123,17 @@ class LocalMethod:
     """The speculative loop in-process (``specdec.local.generate``): vanilla with no drafter / tree."""
 
     def __init__(self, verifier, drafter, tree: TreeParams | None, params: SamplingParams, stop: StopCriteria,
-                 min_tau: float = 0.0):
+                 min_tau: float = 0.0, min_tau_prior: bool = False):
         self.verifier, self.drafter, self.tree, self.params, self.stop = verifier, drafter, tree, params, stop
-        self.min_tau = min_tau
+        self.min_tau, self.min_tau_prior = min_tau, min_tau_prior
 
     def run(self, prompt: Prompt, seed: int | None) -> Sample:
         from specdec.local import generate
 
         params = self.params if self.params.greedy else replace(self.params, seed=seed)
         t = time.perf_counter()
-        dec = generate(self.verifier, self.drafter, prompt.ids, params, self.stop, self.tree, self.min_tau)
+        dec = generate(self.verifier, self.drafter, prompt.ids, params, self.stop, self.tree, self.min_tau,
+                       min_tau_prior=self.min_tau_prior)
         wall = time.perf_counter() - t
         s, ts = dec.stats, dec.stats.time_s
         return Sample(tokens=list(dec.tokens), wall_s=wall, cycles=s.cycles, committed=sum(s.committed_per_cycle),

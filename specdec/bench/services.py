@@ -165,7 +165,7 @@ def start_stack(cfg: BenchConfig, kind: str, children: list) -> dict[str, str]:
             orchestrators[suffix] = procs.spawn(f"{kind} orchestrator", [
                 "orchestrator", "serve", "--verifier", verifier.address, *drafter,
                 "--tokenizer", cfg.target, "--max-new-tokens-limit", str(max(2048, cfg.max_new_tokens)),
-                "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", str(cfg.gate(kind)),
+                "--verify-token-budget", str(cfg.verify_token_budget), "--min-tau", "auto" if cfg.min_tau is None else str(cfg.min_tau),
                 *flags, *internal])
     mine.extend(orchestrators.values())
     children.extend(orchestrators.values())

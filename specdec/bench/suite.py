@@ -130,7 +130,7 @@ class Models:
             return LocalMethod(verifier, None, None, self.cfg.params, self.stop())
         kind = SPECULATIVE[name][0]
         return LocalMethod(verifier, self.drafter(kind), method_tree(name, tree or self.cfg.tree),
-                           self.cfg.params, self.stop(), self.cfg.gate(kind))
+                           self.cfg.params, self.stop(), self.cfg.gate(kind), self.cfg.min_tau is None)
 
     def peer(self, name: str):
         return HfPeer(name, self.target.model, self.cfg.max_new_tokens, self.cfg.temperature, self.eos_ids,

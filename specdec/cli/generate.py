@@ -155,6 +155,7 @@ def run(args) -> int:
     min_tau = resolved_min_tau(args.min_tau)
     spec, choice = resolve_models(args)
     kind = LOOKAHEAD if args.method == LOOKAHEAD else choice.kind
+    prior = min_tau is None                  # auto: the kind's default until the break-even is measured
     min_tau = min_tau if min_tau is not None else knobs.default_min_tau(kind)
     stack = build_local(spec, choice, tree_sizing=args.tree_sizing, prefix_cache_tokens=args.prefix_cache_tokens,
                         prefix_cache_exact=args.prefix_cache_exact, lookahead=args.lookahead_wng)
@@ -170,7 +171,8 @@ def run(args) -> int:
     for prompt in prompts:
         ids = prompt_ids(tok, prompt)
         stop = StopCriteria(max_new_tokens=args.max_new_tokens, eos_ids=frozenset(eos))
-        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau, logprobs=logprobs)
+        dec = generate(stack.verifier, stack.drafter, ids, params, stop, tree_cfg, min_tau, logprobs=logprobs,
+                       min_tau_prior=prior)
         text = tok.decode(dec.tokens, skip_special_tokens=True)
         if args.json:
             print(json.dumps(result_record(dec.tokens, text, dec.stats, None if logprobs is None else dec.logprobs)),

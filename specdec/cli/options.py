@@ -257,7 +257,8 @@ def add_tree_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tau", default="auto", metavar="TAU",
                    help="pause drafting while a session's recent cycles commit fewer tokens than this on average "
                         "(root-only cycles until drafting pays again; output unchanged; 0 = always draft; "
-                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter and lookahead)")
+                        f"default auto: {knobs.DEFAULT_MIN_TAU:g}, {knobs.NGRAM_MIN_TAU:g} for the n-gram drafter and lookahead, "
+                        "until a greedy session's verifier–drafter pair has measured its break-even tau, then that)")
     p.add_argument("--value-temperature", type=float, metavar="T",
                    help="divide draft logits by T when ranking tree nodes (default: the drafter's fitted value "
                         "for greedy, 1 when sampling); never changes the output")

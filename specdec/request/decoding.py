@@ -94,14 +94,19 @@ class SpeculationGate:
     fixed ``min_tau`` of 2 keeps drafting at a loss; paced, the first pause
     times the plain cycles and the session stays paused, probing a window of
     drafted cycles now and then. A session that never pauses never times a
-    plain cycle and keeps ``min_tau``. The times and the mean τ live in a
+    plain cycle and keeps ``min_tau``. With ``prior`` (``--min-tau auto``)
+    ``min_tau`` only stands in until the break-even is measured, which then
+    decides alone: in bf16 or on a GPU a 16-node cycle costs ~1.2–1.5 one-token
+    steps, and windows committing 1.5–2 tokens still pay. The times and the mean τ live in a
     ``specdec.request.pace.Pace``: the gate's own, or one a verifier–drafter
     pair's paced sessions share (``share``)."""
 
-    def __init__(self, min_tau: float = 0.0, window: int = 4, max_pause: int = 64):
+    def __init__(self, min_tau: float = 0.0, window: int = 4, max_pause: int = 64, prior: bool = False):
         if not min_tau >= 0:
             raise ValueError(f"min_tau must be >= 0 (0 = always draft), got {min_tau}")
         self.min_tau = float(min_tau)
+        # ``min_tau`` is a prior (``--min-tau auto``): paced, the measured break-even replaces it
+        self.prior = prior
         self.recent: deque[int] = deque(maxlen=window)
         self.pause_len = window
         self.max_pause = max_pause
@@ -118,7 +123,7 @@ class SpeculationGate:
         """The τ a window of drafted cycles must reach: ``min_tau``, or paced the
         measured break-even where it is higher."""
         break_even = self.pace.break_even if self.paced else None
-        return self.min_tau if break_even is None else max(self.min_tau, break_even)
+        return self.min_tau if break_even is None else self.pace.threshold(self.min_tau, self.prior)
 
     def share(self, pace: Pace) -> None:
         """Time a paced session's cycles into ``pace``, its verifier–drafter pair's
@@ -128,7 +133,7 @@ class SpeculationGate:
         if not self.paced or self.min_tau <= 0:
             return
         self.pace = pace
-        if pace.losing(self.min_tau):
+        if pace.losing(self.min_tau, self.prior):
             self.pause(max(pace.pause, self.recent.maxlen))
 
     def pause(self, cycles: int) -> None:
@@ -164,9 +169,9 @@ class Decoding:
     """Committed output of one request; decides when to stop (and, through
     ``gate``, whether the next cycle drafts)."""
 
-    def __init__(self, stop: StopCriteria, min_tau: float = 0.0):
+    def __init__(self, stop: StopCriteria, min_tau: float = 0.0, prior: bool = False):
         self.stop = stop
-        self.gate = SpeculationGate(min_tau)
+        self.gate = SpeculationGate(min_tau, prior=prior)
         self.tokens: list[int] = []
         self.logprobs: list = []       # one ``specdec.tree.sampling.TokenLogprob`` per token, when asked for
         self.prompt_logprobs: list = []   # one per prompt token but the first, when asked for

@@ -58,10 +58,18 @@ class Pace:
             return None
         return drafted / plain
 
-    def losing(self, min_tau: float) -> bool:
-        """Drafted cycles have been committing less than max(``min_tau``, break-even)."""
+    def threshold(self, min_tau: float, prior: bool = False) -> float:
+        """The τ drafting must reach: the larger of ``min_tau`` and the break-even,
+        or (``prior``: ``min_tau`` was only a default) the break-even once measured."""
+        break_even = self.break_even
+        if break_even is None:
+            return min_tau
+        return break_even if prior else max(min_tau, break_even)
+
+    def losing(self, min_tau: float, prior: bool = False) -> bool:
+        """Drafted cycles have been committing less than the threshold, measured."""
         return (self.tokens is not None and self.break_even is not None
-                and self.tokens < max(min_tau, self.break_even))
+                and self.tokens < self.threshold(min_tau, prior))
 
 
 def knobs_key(tree) -> tuple:

@@ -158,7 +158,7 @@ class VerifierSessionResponse(_message.Message):
     def __init__(self, prefill: _Optional[_Union[VerifierPrefillResponse, _Mapping]] = ..., verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class RunStart(_message.Message):
-    __slots__ = ("prefill", "drafter", "tree", "lookahead", "verify_token_budget", "min_tau", "eos_token_ids", "drafter_cache_salt", "ahead_unbudgeted")
+    __slots__ = ("prefill", "drafter", "tree", "lookahead", "verify_token_budget", "min_tau", "eos_token_ids", "drafter_cache_salt", "ahead_unbudgeted", "min_tau_prior")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class RunStart(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     AHEAD_UNBUDGETED_FIELD_NUMBER: _ClassVar[int]
+    MIN_TAU_PRIOR_FIELD_NUMBER: _ClassVar[int]
     prefill: VerifierPrefillRequest
     drafter: str
     tree: _common_pb2.TreeParams
@@ -177,7 +178,8 @@ class RunStart(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafter_cache_salt: str
     ahead_unbudgeted: bool
-    def __init__(self, prefill: _Optional[_Union[VerifierPrefillRequest, _Mapping]] = ..., drafter: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., lookahead: _Optional[int] = ..., verify_token_budget: _Optional[int] = ..., min_tau: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_cache_salt: _Optional[str] = ..., ahead_unbudgeted: _Optional[bool] = ...) -> None: ...
+    min_tau_prior: bool
+    def __init__(self, prefill: _Optional[_Union[VerifierPrefillRequest, _Mapping]] = ..., drafter: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TreeParams, _Mapping]] = ..., lookahead: _Optional[int] = ..., verify_token_budget: _Optional[int] = ..., min_tau: _Optional[float] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., drafter_cache_salt: _Optional[str] = ..., ahead_unbudgeted: _Optional[bool] = ..., min_tau_prior: _Optional[bool] = ...) -> None: ...
 
 class RunStop(_message.Message):
     __slots__ = ()

@@ -362,3 +362,26 @@ def test_a_lost_drafter_is_replaced_and_the_run_drafts_on(stack, reference):
         for name in ("po", "pd1", "pd2"):
             if name in stack.servers:
                 stack.stop(name)
+
+
+def test_an_auto_gate_judges_by_the_pairs_measured_break_even(stack, reference):
+    """``--min-tau auto`` travels to the verifier as a prior (``RunStart.min_tau_prior``):
+    on a pair whose drafted cycles commit 1.5 tokens at a measured break-even of
+    1.2, a greedy session drafts at once; under an explicit 2.0 it starts paused."""
+    stack.add_orchestrator("auto-gate", drafter="drafter-eagle", plane="direct", min_tau=None)
+    stack.add_orchestrator("floor-gate", drafter="drafter-eagle", plane="direct", min_tau=2.0)
+    paces = stack.servicer("verifier").paces.table
+    got = {}
+    try:
+        for name in ("auto-gate", "floor-gate"):
+            paces.clear()
+            with SpecdecClient(stack.address(name)) as client:
+                client.complete(PROMPTS[1], max_new_tokens=2, method="eagle2")         # the pair's pace exists
+                pace = next(p for key, p in paces.items() if key[0] == stack.address("drafter-eagle"))
+                pace.seconds, pace.tokens, pace.pause = {True: 0.012, False: 0.01}, 1.5, 64
+                got[name] = client.complete(PROMPTS[1], max_new_tokens=N, method="eagle2")
+    finally:
+        stack.stop("auto-gate")
+        stack.stop("floor-gate")
+    assert got["auto-gate"].token_ids == got["floor-gate"].token_ids == reference.run(PROMPTS[1]).tokens
+    assert got["auto-gate"].stats.draft_tokens > 0 and got["floor-gate"].stats.draft_tokens == 0

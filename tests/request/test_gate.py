@@ -177,3 +177,22 @@ def test_a_gate_that_is_off_ignores_the_pairs_pace():
     gate.paced = True
     gate.share(losing_pace())
     assert run(gate, [1] * 20, 20) == [True] * 20
+
+
+def test_with_an_auto_threshold_the_measured_break_even_decides_alone():
+    """``--min-tau auto`` (``prior``): 2.0 stands in until the break-even is
+    measured; drafted cycles of 1.8 tokens costing 1.3 plain ones pay, so once
+    both are timed the session drafts on; with an explicit 2.0 (a floor) it
+    stays paused but for its probes."""
+    def gate(prior):
+        g = SpeculationGate(2.0, window=4, max_pause=16, prior=prior)
+        g.paced = True
+        return g
+
+    prior, floor = gate(True), gate(False)
+    counts = [2, 2, 1, 2] * 50                      # mean 1.75 a drafted cycle
+    auto = run(prior, counts, 200, (0.013, 0.01))
+    fixed = run(floor, counts, 200, (0.013, 0.01))
+    assert not all(auto[4:8])                       # the first window (below 2.0) paused both
+    assert prior.threshold == pytest.approx(1.3) and floor.threshold == 2.0
+    assert all(auto[8:]) and sum(fixed[8:]) <= len(fixed[8:]) // 4     # windows of 4 between pauses of 8–16

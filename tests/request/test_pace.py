@@ -87,3 +87,13 @@ def test_a_sampled_session_drafts_the_same_cycles_whatever_the_pair_measured(sta
     assert after.tokens == before.tokens
     assert after.stats.committed_per_cycle == before.stats.committed_per_cycle and after.stats.drafted > 0
     assert (pace.tokens, pace.pause) == (1.5, 32)
+
+
+def test_an_auto_threshold_joins_a_pair_at_its_measured_break_even():
+    """A pair whose drafted cycles commit 1.5 tokens at a break-even of 1.2 pays:
+    a session with ``--min-tau auto`` (a prior) drafts at once; one with an
+    explicit 2.0 (a floor) starts paused."""
+    pace = Pace()
+    pace.seconds, pace.tokens, pace.pause = {True: 0.012, False: 0.01}, 1.5, 16
+    assert not pace.losing(2.0, prior=True) and pace.losing(2.0)
+    assert pace.threshold(2.0, prior=True) == pytest.approx(1.2) and pace.threshold(2.0) == 2.0
