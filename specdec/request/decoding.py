@@ -122,8 +122,7 @@ class SpeculationGate:
     def threshold(self) -> float:
         """The τ a window of drafted cycles must reach: ``min_tau``, or paced the
         measured break-even where it is higher."""
-        break_even = self.pace.break_even if self.paced else None
-        return self.min_tau if break_even is None else self.pace.threshold(self.min_tau, self.prior)
+        return self.pace.threshold(self.min_tau, self.prior) if self.paced else self.min_tau
 
     def share(self, pace: Pace) -> None:
         """Time a paced session's cycles into ``pace``, its verifier–drafter pair's

@@ -67,9 +67,10 @@ class Pace:
         return break_even if prior else max(min_tau, break_even)
 
     def losing(self, min_tau: float, prior: bool = False) -> bool:
-        """Drafted cycles have been committing less than the threshold, measured."""
-        return (self.tokens is not None and self.break_even is not None
-                and self.tokens < self.threshold(min_tau, prior))
+        """Drafted cycles have been committing less than the threshold, both measured."""
+        if self.tokens is None or self.break_even is None:
+            return False
+        return self.tokens < self.threshold(min_tau, prior)
 
 
 def knobs_key(tree) -> tuple:
