@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, ATTN_IMPLEMENTATIONS, COMPILE_MODES, CUDA_GRAPHS_ENV,
-                                   CUDA_GRAPHS_MODES, PACKED_ENV, PACKED_HEADS_ENV, WEIGHTS, demo_path)
+                                   CUDA_GRAPHS_MODES, PACKED_ENV, PACKED_HEADS_ENV, ROW_PRODUCTS_ENV, WEIGHTS,
+                                   demo_path)
 from specdec.model.prefix_cache import DEFAULT_TOKENS as PREFIX_CACHE_TOKENS
 from specdec.request import knobs
 from specdec.request.errors import SpecdecError, UsageError
@@ -209,6 +210,7 @@ def compile_mode(text: str) -> str:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(COMPILE_MODES)}, got {text!r}")
     # read where the graphs are built; checked here, before any start-up
     for variable, choices, default in ((PACKED_ENV, COMPILE_MODES, "auto"), (PACKED_HEADS_ENV, COMPILE_MODES, "auto"),
+                                       (ROW_PRODUCTS_ENV, COMPILE_MODES, "auto"),
                                        (AHEAD_ENV, AHEAD_MODES, "all"),
                                        (CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES, "on")):
         value = os.environ.get(variable, default)

@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.compile import aot, cuda_graphs
+from specdec.compile import aot, cuda_graphs, row_products
 from specdec.compile.fixed_kv import FixedLayer
-from specdec.model.loading import AHEAD_ENV, AHEAD_MODES, COMPILE_MODES, PACKED_ENV, PACKED_HEADS_ENV
+from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, COMPILE_MODES, PACKED_ENV, PACKED_HEADS_ENV,
+                                   ROW_PRODUCTS_ENV)
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 PACKAGED_CAPACITIES = (256, 512)        # capacities with ahead-of-time packages (built at start-up)
@@ -39,6 +40,15 @@ def packed_heads_setting() -> str:
     against ~9), so turning packing off for a large target's memory need not
     cost the head its speed."""
     return compile_setting(PACKED_HEADS_ENV)
+
+
+def row_products_setting() -> str:
+    """``SPECDEC_COMPILE_ROW_PRODUCTS``: auto (default) and on compile the
+    one-row products of a half-precision model's linear layers on CPU as
+    streaming loops (``specdec.compile.row_products``; graphs over the model's
+    own weights: packed ones keep inductor's GEMM template); off leaves them
+    BLAS calls."""
+    return compile_setting(ROW_PRODUCTS_ENV)
 
 
 def compile_setting(variable: str) -> str:
@@ -122,8 +132,18 @@ class FixedGraphs:
         self.packed = ahead_of_time and packed
         self.packages = (aot.package_dir(module, model, dtype, device, sources, variant, self.packed)
                          if ahead_of_time else None)
-        if self.packages is not None:
-            aot.mark_used(self.packages)         # and, once per process, prune unused ones
+        # one-row graphs with their products as streaming loops (``specdec.compile.row_products``) are
+        # keyed apart, in a directory of their own: the other widths' packages stay valid either way
+        self.one_row_packages = self.packages
+        if device.type == "cpu" and not self.packed and not batched and row_products_setting() != "off":
+            if row_products.install(module) and ahead_of_time:
+                self.one_row_packages = aot.package_dir(module, model, dtype, device,
+                                                        (*sources, inspect.getfile(row_products)),
+                                                        f"{variant}-rows" if variant else "rows", self.packed)
+        elif not batched:
+            row_products.uninstall(module)
+        for root in {self.packages, self.one_row_packages} - {None}:
+            aot.mark_used(root)                  # and, once per process, prune unused ones
         self.weights = aot.shared_weights(module) if ahead_of_time and not self.packed else None
         self.graphs: dict[tuple[int, int], object] = {}      # (width, capacity) -> the compiled step
         self.replayed: dict[tuple[int, int], Replayed] = {}  # the same, as ``get`` hands them out
@@ -144,14 +164,18 @@ class FixedGraphs:
         return (width, capacity) in self.graphs or (
             self.packages is not None and capacity in self.packaged_capacities
             and aot.package_built(aot.package_path(
-                self.packages, width, capacity, self.weights is None, self.batch_dims is not None)))
+                self.root(width), width, capacity, self.weights is None, self.batch_dims is not None)))
+
+    def root(self, width: int):
+        """The directory of the packages at ``width``."""
+        return self.one_row_packages if width == 1 else self.packages
 
     def on_disk(self, width: int, capacity: int, example: Callable[[], tuple]) -> bool:
         """Build the package for (width, capacity) if it is missing, without
         loading it; False where that graph is no package (``torch.compile``)."""
         if self.packages is None or capacity not in self.packaged_capacities:
             return False
-        aot.ensure_package(self.module, example, self.packages, width, capacity, self.weights is None,
+        aot.ensure_package(self.module, example, self.root(width), width, capacity, self.weights is None,
                                     self.batch_dims)
         return True
 
@@ -172,7 +196,7 @@ class FixedGraphs:
                         self.traced = torch.compile(self.module, dynamic=False, options=self.options)
                     graph = self.traced
                 else:
-                    graph = aot.load_or_build(self.module, example, self.packages, width, capacity,
+                    graph = aot.load_or_build(self.module, example, self.root(width), width, capacity,
                                                        self.weights, self.batch_dims)
                 if self.cuda_graphs:
                     step = type(self.module)

@@ -25,6 +25,9 @@ COMPILE_MODES = ("auto", "on", "off")   # --compile: auto = where a compiled ste
 PACKED_ENV = "SPECDEC_COMPILE_PACKED"
 # the same for EAGLE heads' draft levels, on their own (``specdec.compile.fixed_graphs.packed_heads_setting``)
 PACKED_HEADS_ENV = "SPECDEC_COMPILE_PACKED_HEADS"
+# auto (default), on or off: half-precision one-row products compiled as streaming loops on CPU
+# (``specdec.compile.row_products``)
+ROW_PRODUCTS_ENV = "SPECDEC_COMPILE_ROW_PRODUCTS"
 # all (default) or ready: which compiled graphs are built before a model serves
 # (``specdec.compile.fixed_graphs.ahead_setting``)
 AHEAD_ENV, AHEAD_MODES = "SPECDEC_COMPILE_AHEAD", ("all", "ready")

@@ -1,5 +1,5 @@
 """Shared flags of specdec.cli.options: --compile, its variable SPECDEC_COMPILE,
-SPECDEC_COMPILE_PACKED and SPECDEC_COMPILE_PACKED_HEADS (how the compiled graphs hold the weights),
+SPECDEC_COMPILE_PACKED, SPECDEC_COMPILE_PACKED_HEADS and SPECDEC_COMPILE_ROW_PRODUCTS (how the compiled graphs hold and multiply the weights),
 SPECDEC_COMPILE_AHEAD (which graphs start-up builds) and SPECDEC_CUDA_GRAPHS (compiled steps on a GPU replayed as CUDA graphs), and
 --tree-sizing with its variable SPECDEC_TREE_SIZING (specdec.tree.sizing)."""
 
@@ -51,6 +51,7 @@ def test_a_bad_mode_is_a_usage_error(argv, variable, env, flag, choices, monkeyp
 
 @pytest.mark.parametrize("variable, choices", [("SPECDEC_COMPILE_PACKED", "auto, on, off"),
                                                ("SPECDEC_COMPILE_PACKED_HEADS", "auto, on, off"),
+                                               ("SPECDEC_COMPILE_ROW_PRODUCTS", "auto, on, off"),
                                                ("SPECDEC_COMPILE_AHEAD", "all, ready"),
                                                ("SPECDEC_CUDA_GRAPHS", "on, off")])
 def test_a_bad_compile_setting_is_a_usage_error(variable, choices, monkeypatch, capsys):

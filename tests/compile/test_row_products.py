@@ -1,0 +1,122 @@
+"""One-row products of half-precision linear layers compiled as streaming loops
+(``specdec.compile.row_products``): installed only where they apply, eager
+forwards unchanged, a traced one-row graph multiplies without a matrix product
+while wider and batch-free graphs keep theirs, and a bfloat16 model's compiled
+one-token step (a package over its own weights, its directory keyed apart from
+the other widths') gives eager's logits; ``SPECDEC_COMPILE_ROW_PRODUCTS=off`` takes it all back."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from families import BY_NAME
+
+from specdec.compile import forwards, row_products
+from specdec.compile.eager import eager_forward
+from specdec.model.loading import ROW_PRODUCTS_ENV, ModelSpec
+from verifier.engine import TargetModel
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default,
+           torch.ops.aten.bmm.default}
+
+
+def _layers():
+    torch.manual_seed(0)
+    bf16 = torch.nn.Linear(64, 48).bfloat16()
+    fp16 = torch.nn.Linear(64, 48, bias=False).half()
+    fp32 = torch.nn.Linear(64, 48)
+    input_major = torch.nn.Linear(64, 48).bfloat16()
+    input_major.weight = torch.nn.Parameter(input_major.weight.detach().t().contiguous().t())
+    return torch.nn.ModuleList([bf16, fp16, fp32, input_major])
+
+
+def test_installed_on_half_precision_output_major_linears_only_and_eager_unchanged():
+    layers = _layers()
+    x = torch.randn(3, 64)
+    want = [[F.linear(r.to(l.weight.dtype), l.weight, l.bias) for r in (x, x[:1])] for l in layers]
+    assert row_products.install(layers) == 2
+    bound = layers[0].forward
+    assert row_products.install(layers) == 2 and layers[0].forward == bound      # once
+    assert "forward" in vars(layers[0]) and "forward" in vars(layers[1])
+    assert "forward" not in vars(layers[2]) and "forward" not in vars(layers[3])
+    for layer, expected in zip(layers, want):        # eagerly, at one row and at three: the layer's own product
+        assert torch.equal(layer(x.to(layer.weight.dtype)), expected[0])
+        assert torch.equal(layer(x[:1].to(layer.weight.dtype)), expected[1])
+    row_products.uninstall(layers)
+    assert all("forward" not in vars(l) for l in layers)
+
+
+class _Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 96).bfloat16()
+        self.down = torch.nn.Linear(96, 32, bias=False).bfloat16()
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+def _ops(program) -> set:
+    return {n.target for n in program.graph.nodes if n.op == "call_function"}
+
+
+def test_a_traced_one_row_graph_multiplies_without_a_matrix_product():
+    torch.manual_seed(1)
+    model = _Two().eval()
+    row_products.install(model)
+    one, four = torch.randn(1, 1, 64).bfloat16(), torch.randn(1, 4, 64).bfloat16()
+    with torch.no_grad():
+        exported = torch.export.export(model, (one,), strict=False).run_decompositions()
+        assert not _ops(exported) & MATMULS
+        assert torch.ops.aten.sum.dim_IntList in _ops(exported)
+        got, want = exported.module()(one), model(one)        # eager: the BLAS product
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        wide = torch.export.export(model, (four,), strict=False).run_decompositions()
+        assert _ops(wide) & MATMULS
+        batch = torch.export.Dim("batch", min=2, max=64)
+        free = torch.export.export(model, (torch.randn(2, 64).bfloat16(),), dynamic_shapes=({0: batch},),
+                                   strict=False).run_decompositions()
+        assert _ops(free) & MATMULS                  # a free batch is never taken for one row
+    row_products.uninstall(model)
+    with torch.no_grad():
+        assert _ops(torch.export.export(model, (one,), strict=False).run_decompositions()) & MATMULS
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(family_dir):
+    return TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"])), dtype="bfloat16"))
+
+
+def _one_token_logits(target, step, cache):
+    with torch.inference_mode():
+        target.lm.hidden(cache, torch.tensor([[5, 9, 2, 7]]), torch.arange(4)[None], None)
+        return step(cache, torch.tensor([[3]]), torch.tensor([[4]]), None)[1]
+
+
+def test_a_bf16_compiled_step_streams_its_products_and_gives_eager_logits(bf16_llama, monkeypatch):
+    target = bf16_llama
+    monkeypatch.setenv(ROW_PRODUCTS_ENV, "auto")
+    forward = forwards.CompiledForward(target.lm, packed=False)
+    assert forward.steps.root(1).name.endswith("-rows")          # one-row packages keyed apart, the others not
+    assert forward.steps.root(16) == forward.packages and not forward.packages.name.endswith("-rows")
+    assert all("forward" in vars(m) for m in target.lm.model.modules() if type(m) is torch.nn.Linear)
+    forward.warm((1,))
+    got = _one_token_logits(target, forward.forward, forward.new_cache(8))
+    want = _one_token_logits(target, functools.partial(eager_forward, target.lm), target.lm.new_cache())
+    assert torch.allclose(got, want, rtol=3e-2, atol=3e-2)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    monkeypatch.setenv(ROW_PRODUCTS_ENV, "off")
+    plain = forwards.CompiledForward(target.lm, packed=False)
+    assert plain.steps.root(1) == plain.packages == forward.packages
+    assert not any("forward" in vars(m) for m in target.lm.model.modules())
+
+
+def test_a_float32_model_is_left_as_it_is(family_dir):
+    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"]))))
+    forward = forwards.CompiledForward(target.lm, packed=False)
+    assert forward.steps.root(1) == forward.packages and not forward.packages.name.endswith("-rows")
+    assert not any("forward" in vars(m) for m in target.lm.model.modules())
