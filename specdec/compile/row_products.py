@@ -18,6 +18,16 @@ products rounded once to the layer's dtype, as the BLAS call computes it,
 summed in another order: a one-row step and a tree verify (a BLAS call at 16
 rows) of the same weights may differ in the last bit, as they already may in
 half precision (near-tie flips: docs/models.md "The guarantee").
+The same holds for attention at one query row: the CPU flash-attention kernel
+(``F.scaled_dot_product_attention``) spends ~0.2 ms a layer on a one-row query
+over a few hundred cached slots, in per-block matrix-vector calls, which was a
+third of SmolLM2's bf16 step with its products streamed (18.4 → 13.9 ms with
+one-row attention as loops); ``install`` marks the
+module's layers so that, traced at one query row on CPU, specdec's SDPA
+attention computes ``softmax(q·Kᵀ·scale + mask)·V`` in fp32 as two fused loops
+(``one_row_attention``, registered once in transformers' ``AttentionInterface``
+in place of specdec's own SDPA, ``specdec.model.attention``, which it is
+everywhere else).
 ``SPECDEC_COMPILE_ROW_PRODUCTS`` (auto, the default, or on: installed on CPU;
 off: never) is read where the graphs are set up (``specdec.compile.fixed_graphs``).
 """
@@ -28,8 +38,12 @@ import types
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from specdec.model import attention
 
 HALF = (torch.bfloat16, torch.float16)
+MARK = "_one_row_attention"     # set on the modules of a model ``install`` took
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -48,6 +62,31 @@ def row_product_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def one_row_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """specdec's SDPA attention (``specdec.model.attention``), but for a marked layer traced at one
+    query row on CPU: query [B, H, 1, D], key/value [B, Hkv, C, D] (H a
+    multiple of Hkv), the mask additive or boolean (True: attend) over the
+    first C slots; returns [B, 1, H, D] in the query's dtype, as SDPA does."""
+    if not (vars(module).get(MARK) and torch.compiler.is_compiling() and query.device.type == "cpu"
+            and all(type(d) is int for d in (*query.shape, *key.shape)) and query.shape[2] == 1
+            and not dropout and all(kwargs.get(name) is None for name in ("position_bias", "softcap", "s_aux"))):
+        return attention.sdpa_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    b, heads, _, d = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    q = query.float().reshape(b, kv_heads, heads // kv_heads, 1, d)
+    scores = (q * key.float()[:, :, None]).sum(-1) * (d ** -0.5 if scaling is None else scaling)   # [B, Hkv, g, C]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :slots]
+        mask = mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, slots) if mask.shape[1] == heads \
+            else mask.reshape(mask.shape[0], 1, 1, slots)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+    weights = torch.softmax(scores, dim=-1)
+    out = (weights[..., None] * value.float()[:, :, None]).sum(-2)                                # [B, Hkv, g, D]
+    return out.reshape(b, 1, heads, d).to(query.dtype), None
+
+
 def takes(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a linear layer whose one-row product ``install`` rewrites."""
     return (type(module) is torch.nn.Linear and module.weight.dtype in HALF
@@ -64,6 +103,11 @@ def install(module: torch.nn.Module) -> int:
         if getattr(layer.__dict__.get("forward"), "__func__", None) is not row_product_forward:
             layer.forward = types.MethodType(row_product_forward, layer)
         count += 1
+    if count:
+        if AttentionInterface._global_mapping.get(attention.IMPLEMENTATION) is not one_row_attention:
+            AttentionInterface.register(attention.IMPLEMENTATION, one_row_attention)
+        for layer in module.modules():
+            vars(layer)[MARK] = True
     return count
 
 
@@ -72,3 +116,4 @@ def uninstall(module: torch.nn.Module) -> None:
     for layer in module.modules():
         if getattr(layer.__dict__.get("forward"), "__func__", None) is row_product_forward:
             del layer.forward
+        vars(layer).pop(MARK, None)

@@ -1,7 +1,9 @@
 """One-row products of half-precision linear layers compiled as streaming loops
 (``specdec.compile.row_products``): installed only where they apply, eager
 forwards unchanged, a traced one-row graph multiplies without a matrix product
-while wider and batch-free graphs keep theirs, and a bfloat16 model's compiled
+while wider and batch-free graphs keep theirs, one-row attention of a marked
+layer compiled as loops gives sdpa's output (additive, boolean, per-head or no
+mask; grouped heads) while an unmarked layer or a wider query keeps SDPA, and a bfloat16 model's compiled
 one-token step (a package over its own weights, its directory keyed apart from
 the other widths') gives eager's logits; ``SPECDEC_COMPILE_ROW_PRODUCTS=off`` takes it all back."""
 
@@ -16,6 +18,7 @@ from families import BY_NAME
 
 from specdec.compile import forwards, row_products
 from specdec.compile.eager import eager_forward
+from specdec.model import attention
 from specdec.model.loading import ROW_PRODUCTS_ENV, ModelSpec
 from verifier.engine import TargetModel
 
@@ -83,6 +86,71 @@ def test_a_traced_one_row_graph_multiplies_without_a_matrix_product():
     row_products.uninstall(model)
     with torch.no_grad():
         assert _ops(torch.export.export(model, (one,), strict=False).run_decompositions()) & MATMULS
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def _mask(kind: str, dtype, slots: int = 40):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        mask = torch.ones(1, 1, 1, slots, dtype=torch.bool)
+        mask[..., 25:] = False
+        return mask
+    mask = torch.zeros(1, 9 if kind == "per-head" else 1, 1, slots, dtype=dtype)
+    mask[:, -1 if kind == "per-head" else 0, :, 30:] = torch.finfo(dtype).min
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["additive", "bool", "per-head", "none"])
+def test_one_row_attention_compiled_as_loops_gives_sdpa_output(dtype, kind):
+    from transformers import AttentionInterface
+
+    torch.manual_seed(2)
+    layer = _Attention()
+    row_products.install(torch.nn.ModuleList([layer, torch.nn.Linear(8, 8).bfloat16()]))
+    assert AttentionInterface._global_mapping[attention.IMPLEMENTATION] is row_products.one_row_attention
+    q, k, v = torch.randn(1, 9, 1, 64, dtype=dtype), torch.randn(1, 3, 40, 64, dtype=dtype), torch.randn(
+        1, 3, 40, 64, dtype=dtype)
+    mask = _mask(kind, dtype)
+    traced = []
+
+    def attend(q, k, v, mask):
+        traced.append(torch.compiler.is_compiling())
+        return row_products.one_row_attention(layer, q, k, v, mask, scaling=0.125)[0]
+
+    got = torch.compile(attend, dynamic=False)(q, k, v, mask)
+    want = attention.sdpa_forward(layer, q, k, v, mask, scaling=0.125)[0]
+    assert traced == [True] and got.dtype == dtype and got.shape == want.shape == (1, 1, 9, 64)
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=0)
+    assert torch.equal(row_products.one_row_attention(layer, q, k, v, mask, scaling=0.125)[0], want)   # eager: sdpa
+
+
+def _attention_ops(layer, q, k, v) -> set:
+    class Call(torch.nn.Module):
+        def forward(self, q, k, v):
+            return row_products.one_row_attention(layer, q, k, v, None)[0]
+
+    with torch.no_grad():
+        return _ops(torch.export.export(Call(), (q, k, v), strict=False))
+
+
+def test_one_row_attention_only_for_marked_layers_at_one_query_row():
+    layer, other = _Attention(), _Attention()
+    row_products.install(torch.nn.ModuleList([layer, torch.nn.Linear(8, 8).bfloat16()]))
+    k, v = torch.randn(1, 3, 40, 64), torch.randn(1, 3, 40, 64)
+    flash = {torch.ops.aten.scaled_dot_product_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    assert not _attention_ops(layer, torch.randn(1, 9, 1, 64), k, v) & flash
+    assert _attention_ops(layer, torch.randn(1, 9, 4, 64), k, v) & flash        # a tree's rows: sdpa
+    assert _attention_ops(other, torch.randn(1, 9, 1, 64), k, v) & flash        # an unmarked layer: sdpa
+    row_products.uninstall(torch.nn.ModuleList([layer]))
+    assert _attention_ops(layer, torch.randn(1, 9, 1, 64), k, v) & flash
 
 
 @pytest.fixture(scope="module")

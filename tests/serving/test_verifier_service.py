@@ -332,7 +332,7 @@ async def test_solo_threads_while_at_most_one_session_is_open(tiny_family, local
     """--solo-threads: engine calls run with all the solo threads while at most
     one session is open (counting the one a Prefill opens), with the worker's
     own count otherwise; tokens are those of the in-process engine either way."""
-    solo = 3
+    solo, before = 3, torch.get_num_threads()
     server, servicer = await start_verifier(tiny_family, solo_threads=solo, metrics_port=None)
     try:
         async with channel_to(server) as ch:
@@ -365,6 +365,9 @@ async def test_solo_threads_while_at_most_one_session_is_open(tiny_family, local
         assert [a, *got] == greedy_continuation(local_verifier, PROMPT, 2)
     finally:
         await server.stop()
+        # the worker's counts reach process-wide state (MKL's thread count): later tests that compare
+        # a served engine's floats with an in-process one's to the last bit need this process's own back
+        torch.set_num_threads(before)
 
 
 async def test_a_cut_tree_answers_in_the_drafted_trees_numbering(verifier, verifier_channel, local_verifier):
