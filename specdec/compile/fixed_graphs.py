@@ -44,10 +44,10 @@ def packed_heads_setting() -> str:
 
 def row_products_setting() -> str:
     """``SPECDEC_COMPILE_ROW_PRODUCTS``: auto (default) and on compile the
-    one-row products of a half-precision model's linear layers on CPU as
-    streaming loops (``specdec.compile.row_products``; graphs over the model's
-    own weights: packed ones keep inductor's GEMM template); off leaves them
-    BLAS calls."""
+    one-row products of a half-precision model's linear layers, and its
+    attention for one query row, on CPU as streaming loops
+    (``specdec.compile.row_products``; graphs over the model's own weights:
+    packed ones keep inductor's GEMM template); off leaves them BLAS calls and SDPA."""
     return compile_setting(ROW_PRODUCTS_ENV)
 
 

@@ -75,12 +75,12 @@ def one_row_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     b, heads, _, d = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
-    q = query.float().reshape(b, kv_heads, heads // kv_heads, 1, d)
+    groups = heads // kv_heads
+    q = query.float().reshape(b, kv_heads, groups, 1, d)
     scores = (q * key.float()[:, :, None]).sum(-1) * (d ** -0.5 if scaling is None else scaling)   # [B, Hkv, g, C]
     if attention_mask is not None:
         mask = attention_mask[:, :, :, :slots]
-        mask = mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, slots) if mask.shape[1] == heads \
-            else mask.reshape(mask.shape[0], 1, 1, slots)
+        mask = mask.reshape(mask.shape[0], *((kv_heads, groups) if mask.shape[1] == heads else (1, 1)), slots)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     weights = torch.softmax(scores, dim=-1)
     out = (weights[..., None] * value.float()[:, :, None]).sum(-2)                                # [B, Hkv, g, D]
