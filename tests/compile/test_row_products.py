@@ -3,7 +3,8 @@
 forwards unchanged, a traced one-row graph multiplies without a matrix product
 while wider and batch-free graphs keep theirs, one-row attention of a marked
 layer compiled as loops gives sdpa's output (additive, boolean, per-head or no
-mask; grouped heads) while an unmarked layer or a wider query keeps SDPA, and a bfloat16 model's compiled
+mask; grouped heads) with the query rotated once, not once a cached slot, while an unmarked layer or a
+wider query keeps SDPA, and a bfloat16 model's compiled
 one-token step (a package over its own weights, its directory keyed apart from
 the other widths') gives eager's logits; ``SPECDEC_COMPILE_ROW_PRODUCTS=off`` takes it all back."""
 
@@ -75,6 +76,8 @@ def test_a_traced_one_row_graph_multiplies_without_a_matrix_product():
         exported = torch.export.export(model, (one,), strict=False).run_decompositions()
         assert not _ops(exported) & MATMULS
         assert torch.ops.aten.sum.dim_IntList in _ops(exported)
+        # each product's row is written out first (``materialized``), not recomputed beside every weight row
+        assert {torch.ops.aten.index_copy.default, torch.ops.aten.index_put.default} & _ops(exported)
         got, want = exported.module()(one), model(one)        # eager: the BLAS product
         assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
         wide = torch.export.export(model, (four,), strict=False).run_decompositions()
@@ -129,6 +132,46 @@ def test_one_row_attention_compiled_as_loops_gives_sdpa_output(dtype, kind):
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3
     assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=0)
     assert torch.equal(row_products.one_row_attention(layer, q, k, v, mask, scaling=0.125)[0], want)   # eager: sdpa
+
+
+def _calls_in_loops_over(code: str, bound: int, names=("cos", "sin")) -> list[str]:
+    """Lines of generated C++ calling one of ``names`` inside a loop of ``bound`` iterations."""
+    found, depth, loops = [], 0, []
+    for line in code.splitlines():
+        if "for(" in line and f"<static_cast<int64_t>({bound}L)" in line:
+            loops.append(depth)
+        if loops and any(f".{name}()" in line or f"std::{name}" in line for name in names):
+            found.append(line.strip())
+        depth += line.count("{") - line.count("}")
+        while "}" in line and loops and depth <= loops[-1]:
+            loops.pop()
+    return found
+
+
+def test_one_row_attention_rotates_the_query_once_not_once_a_cached_slot():
+    """Inductor inlines pointwise work into each loop that reads it: the query's
+    rotary embedding is written out before the score loop instead of being
+    evaluated again for every cached slot (``row_products.materialized``)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(3)
+    layer = _Attention()
+    row_products.install(torch.nn.ModuleList([layer, torch.nn.Linear(8, 8).bfloat16()]))
+    q, angle = torch.randn(1, 9, 1, 64), torch.rand(1, 1, 1, 64) * 6
+    k, v = torch.randn(1, 3, 40, 64).bfloat16(), torch.randn(1, 3, 40, 64).bfloat16()
+
+    def rotated(q, angle):
+        return (q * angle.cos() + torch.cat((-q[..., 32:], q[..., :32]), -1) * angle.sin()).bfloat16()
+
+    def attend(q, angle, k, v):
+        return row_products.one_row_attention(layer, rotated(q, angle), k, v, None, scaling=0.125)[0]
+
+    got, code = run_and_get_code(torch.compile(attend, dynamic=False), q, angle, k, v)
+    want = attention.sdpa_forward(layer, rotated(q, angle), k, v, None, scaling=0.125)[0]
+    assert torch.allclose(got.float(), want.float(), atol=8e-3, rtol=0)
+    source = "\n".join(code)
+    assert ".cos()" in source or "std::cos" in source          # the rotation is compiled into the graph
+    assert _calls_in_loops_over(source, 40) == []               # but not into a loop over the 40 slots
 
 
 def _attention_ops(layer, q, k, v) -> set:
