@@ -69,6 +69,7 @@ import torch
 import torch.utils._pytree as pytree
 import transformers
 from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch._inductor.utils import parallel_num_threads
 
 from specdec.model.quantize import shared_weight_lowerings, weights_key
 
@@ -176,7 +177,15 @@ def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtyp
 
 
 def package_path(root: Path, width: int, capacity: int, packed: bool, batched: bool = False) -> Path:
-    return root / f"step-w{width}-c{capacity}{'-batch' if batched else ''}-{'packed' if packed else 'shared'}.pt2"
+    """The package file for (width, capacity). Inductor writes a CPU kernel's
+    parallel loops for the thread count torch has while it compiles, and none
+    at one thread, so a package built at one count and loaded at another runs
+    at the first (a two-thread bench over packages built at one thread ran
+    serially, slower than llama.cpp; over two-thread ones 1.36–1.56× it). A
+    package built at N > 1 threads carries N in its name."""
+    threads = parallel_num_threads()
+    return root / (f"step-w{width}-c{capacity}{'-batch' if batched else ''}{f'-t{threads}' if threads > 1 else ''}"
+                   f"-{'packed' if packed else 'shared'}.pt2")
 
 
 def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: bool, dynamic_shapes=None) -> None:
