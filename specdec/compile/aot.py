@@ -168,24 +168,25 @@ def package_dir(step: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtyp
                 sources: tuple[str, ...] = (), variant: str = "", packed: bool = False) -> Path:
     """Where the packages of ``step`` over ``model`` at ``dtype`` on ``device``
     live, ``packed`` (keyed by the model's files) or shared (by its layout);
-    ``variant`` tells apart steps of one class that return different things."""
+    ``variant`` tells apart steps of one class that return different things.
+    On CPU also by the thread count torch has now: inductor writes a kernel's
+    parallel loops for the count it compiles at, and none at one thread, so a
+    package built at one count and run at another runs at the first (a
+    two-thread bench over one-thread packages ran serially, slower than
+    llama.cpp; over two-thread ones 1.36–1.56× it). The directory is chosen
+    when the graphs are set up, so a verifier that changes its count between
+    requests (``--solo-threads``) keeps its start-up count's packages."""
     machine = hashlib.sha256(cpu_identity().encode()).hexdigest()[:8]
     model_key = model_fingerprint(model) if packed else "layout-" + layout_fingerprint(model)
+    threads = parallel_num_threads() if device.type == "cpu" else 1
     key = (f"{model_key}-{code_fingerprint(step, sources)}-torch{torch.__version__}-"
-           f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}" + (f"-{variant}" if variant else ""))
+           f"{str(dtype).removeprefix('torch.')}-{device.type}-{machine}" + (f"-{variant}" if variant else "")
+           + (f"-t{threads}" if threads > 1 else ""))
     return Path(cache_dir()) / "specdec-aot" / key
 
 
 def package_path(root: Path, width: int, capacity: int, packed: bool, batched: bool = False) -> Path:
-    """The package file for (width, capacity). Inductor writes a CPU kernel's
-    parallel loops for the thread count torch has while it compiles, and none
-    at one thread, so a package built at one count and loaded at another runs
-    at the first (a two-thread bench over packages built at one thread ran
-    serially, slower than llama.cpp; over two-thread ones 1.36–1.56× it). A
-    package built at N > 1 threads carries N in its name."""
-    threads = parallel_num_threads()
-    return root / (f"step-w{width}-c{capacity}{'-batch' if batched else ''}{f'-t{threads}' if threads > 1 else ''}"
-                   f"-{'packed' if packed else 'shared'}.pt2")
+    return root / f"step-w{width}-c{capacity}{'-batch' if batched else ''}-{'packed' if packed else 'shared'}.pt2"
 
 
 def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: bool, dynamic_shapes=None) -> None:
