@@ -28,6 +28,8 @@ the target and the EAGLE drafter; for an EAGLE-3 head, the target's forwards
 returning feature layers too, as a verifier started for it builds them) in
 fresh processes: eager, compiled with an empty inductor cache (cold) and
 compiled again with that cache (warm: TORCHINDUCTOR_CACHE_DIR).
+The one-token steps are also set against the memory floor of the target's
+weights at the bandwidth measured in the run (``specdec.bench.roofline``).
 ``--batches`` and ``--prefill`` time batched verification and prefill on the
 eager and the compiled paths (``specdec.bench.batch_profile``).
 """
@@ -46,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench import batch_profile
+from specdec.bench import batch_profile, roofline
 from specdec.bench.batch_profile import sync
 from specdec.bench.runner import LocalMethod, Prompt, device_name, measure, summarize
 from specdec.compile.forwards import MIN_CAPACITY, WIDTHS, CompiledForward, width_bucket
@@ -259,6 +261,12 @@ def run_profile(args, target_dir: str, eagle_dir: str | None) -> dict:
                 result["prefill"] = batch_profile.prefill(eager, fast, args.prefill, args.steps)
         else:
             fast = None
+    # the one-token steps against the memory floor of the weights (``specdec.bench.roofline``)
+    if "interleaved" in result:                 # the medians of the paths timed run by run
+        one_token = {path: t["target_step"] for path, t in result["interleaved"].items()}
+    else:
+        one_token = {path: steps["target_step"]["wall_ms"] for path, steps in result["steps"].items()}
+    result["roofline"] = roofline.roofline(eager.model, one_token)
     if args.e2e_prompts:
         tree = TreeParams(total_tokens=args.total_tokens, depth=args.depth, expand_k=args.expand_k)
         result["end_to_end"] = end_to_end(target_dir, eagle_dir, eager, fast, (drafter, fast_drafter),
@@ -297,6 +305,8 @@ def profile_markdown(result: dict) -> str:
         lines += ["", "| path (interleaved) | target_step ms | target_verify16 ms |", "|---|---:|---:|"]
         for name, t in result["interleaved"].items():
             lines.append(f"| {name} | {t['target_step']:.2f} | {t['target_verify16']:.2f} |")
+    if "roofline" in result:
+        lines += roofline.markdown(result["roofline"])
     lines += batch_profile.markdown(result)
     for key in ("compile_and_check_s", "compile_widths_s", "drafter_compile_and_check_s", "startup_s"):
         if key in result:

@@ -125,7 +125,10 @@ class FixedGraphs:
         self.options = options
         self.traced = None                 # torch.compile of the module, made on first need (it costs ~2 s)
         sources = (*sources, inspect.getfile(FixedLayer))     # every step writes its K/V through it
-        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+        # every stored weight: a quantized layer's weights are buffers (``specdec.model.quantize``), and
+        # counting parameters alone once packed an int8 SmolLM2 (14 copies of its weights, a 16-minute build)
+        stored = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers()) if t.numel()}
+        weight_bytes = sum(t.numel() * t.element_size() for t in stored.values())
         if packed is None:               # one packed copy of the weights per package: small models only
             packed = {"on": True, "off": False}.get(packed_setting(), device.type == "cpu" and weight_bytes * len(
                 WIDTHS) * len(packaged_capacities) <= PACKED_BUDGET)

@@ -1,4 +1,4 @@
-"""One-row products of half-precision linear layers, compiled as streaming loops.
+"""One-row products of half-precision and int8 linear layers, compiled as streaming loops.
 
 A one-token step (plain decoding, a draft model's step, a head's root)
 multiplies one row by every weight of the model, so on a CPU its time is the
@@ -33,6 +33,10 @@ and inductor inlines pointwise work into the loops that read it, so each
 row is first written to a buffer of its own (``materialized``): otherwise a
 norm was recomputed beside every weight row and the query's rotary embedding
 for every slot (SmolLM2's bf16 step 14.2 → 12.4 ms, medians of one process).
+Weight-only int8 layers (``specdec.model.quantize``, ``--weights int8``) take
+the same one-row loop over their int8 weights, each output's sum times its
+scale (``int8_row_product``), where ``_weight_int8pack_mm`` read a one-row
+product's weights at ~9 GB/s; their model's attention is marked as above.
 ``SPECDEC_COMPILE_ROW_PRODUCTS`` (auto, the default, or on: installed on CPU;
 off: never) is read where the graphs are set up (``specdec.compile.fixed_graphs``).
 """
@@ -46,6 +50,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from specdec.model import attention
+from specdec.model.quantize import Int8Linear
 
 HALF = (torch.bfloat16, torch.float16)
 MARK = "_one_row_attention"     # set on the modules of a model ``install`` took
@@ -103,10 +108,28 @@ def one_row_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.reshape(b, 1, heads, d).to(query.dtype), None
 
 
+def int8_row_product(self: Int8Linear, rows: torch.Tensor) -> torch.Tensor:
+    """The int8 layer's product (``specdec.model.quantize``: rows [N, in] in
+    bfloat16), as a multiply-and-sum over its int8 weights where a traced graph
+    takes one row: each output the fp32 sum of its products times its scale,
+    rounded once, as ``_weight_int8pack_mm`` computes it (in another order)."""
+    if not (torch.compiler.is_compiling() and rows.device.type == "cpu" and one_row(rows)):
+        return Int8Linear.product(self, rows)
+    y = (materialized(rows.float()).unsqueeze(-2) * self.qweight.float()).sum(-1) * self.scales.float()
+    return y.to(rows.dtype)
+
+
 def takes(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a linear layer whose one-row product ``install`` rewrites."""
+    """Whether ``module`` is a linear layer whose one-row product ``install``
+    rewrites: a half-precision one, or an int8 one (whatever the model's dtype:
+    its product runs in bfloat16)."""
+    if type(module) is Int8Linear:
+        return module.qweight.device.type == "cpu" and module.qweight.is_contiguous()
     return (type(module) is torch.nn.Linear and module.weight.dtype in HALF
             and module.weight.device.type == "cpu" and module.weight.is_contiguous())
+
+
+ROW_FORWARDS = {torch.nn.Linear: ("forward", row_product_forward), Int8Linear: ("product", int8_row_product)}
 
 
 def install(module: torch.nn.Module) -> int:
@@ -116,8 +139,9 @@ def install(module: torch.nn.Module) -> int:
     for layer in module.modules():
         if not takes(layer):
             continue
-        if getattr(layer.__dict__.get("forward"), "__func__", None) is not row_product_forward:
-            layer.forward = types.MethodType(row_product_forward, layer)
+        name, forward = ROW_FORWARDS[type(layer)]
+        if getattr(layer.__dict__.get(name), "__func__", None) is not forward:
+            setattr(layer, name, types.MethodType(forward, layer))
         count += 1
     if count:
         if AttentionInterface._global_mapping.get(attention.IMPLEMENTATION) is not one_row_attention:
@@ -130,6 +154,7 @@ def install(module: torch.nn.Module) -> int:
 def uninstall(module: torch.nn.Module) -> None:
     """Give back every linear layer of ``module`` its own forward."""
     for layer in module.modules():
-        if getattr(layer.__dict__.get("forward"), "__func__", None) is row_product_forward:
-            del layer.forward
+        for name, forward in ROW_FORWARDS.values():
+            if getattr(layer.__dict__.get(name), "__func__", None) is forward:
+                delattr(layer, name)
         vars(layer).pop(MARK, None)

@@ -6,7 +6,10 @@ layer compiled as loops gives sdpa's output (additive, boolean, per-head or no
 mask; grouped heads) with the query rotated once, not once a cached slot, while an unmarked layer or a
 wider query keeps SDPA, and a bfloat16 model's compiled
 one-token step (a package over its own weights, its directory keyed apart from
-the other widths') gives eager's logits; ``SPECDEC_COMPILE_ROW_PRODUCTS=off`` takes it all back."""
+the other widths') gives eager's logits; ``SPECDEC_COMPILE_ROW_PRODUCTS=off`` takes it all back.
+Int8 layers stream their one-row product over their int8 weights, an int8
+model's compiled step gives eager's logits, and the packing budget counts its
+int8 weights (buffers), not only its parameters."""
 
 from __future__ import annotations
 
@@ -231,3 +234,72 @@ def test_a_float32_model_is_left_as_it_is(family_dir):
     forward = forwards.CompiledForward(target.lm, packed=False)
     assert forward.steps.root(1) == forward.packages and not forward.packages.name.endswith("-rows")
     assert not any("forward" in vars(m) for m in target.lm.model.modules())
+
+
+def _int8_ops(layer, rows) -> set:
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x)
+
+    with torch.no_grad():
+        return _ops(torch.export.export(Call(), (rows,), strict=False).run_decompositions())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_layer_streams_its_one_row_product_and_keeps_the_kernel_elsewhere(dtype):
+    """Weight-only int8 layers (``specdec.model.quantize``) take the streaming
+    one-row product too, over their int8 weights and per-output scales."""
+    from specdec.model.quantize import Int8Linear
+
+    torch.manual_seed(4)
+    layer = Int8Linear(torch.randn(48, 64), torch.randn(48))
+    x = torch.randn(3, 64).to(dtype)
+    want = [layer(x), layer(x[:1])]
+    assert row_products.install(torch.nn.ModuleList([layer])) == 1 and "product" in vars(layer)
+    assert torch.equal(layer(x), want[0]) and torch.equal(layer(x[:1]), want[1])      # eagerly: the int8 kernel
+    kernel = torch.ops.aten._weight_int8pack_mm.default
+    one = _int8_ops(layer, x[:1])
+    assert kernel not in one and torch.ops.aten.sum.dim_IntList in one
+    assert kernel in _int8_ops(layer, x)                                 # three rows: the kernel
+    got = torch.compile(layer, dynamic=False)(x[:1])
+    # (both round each product to bfloat16 before the bias: one bf16 step at these magnitudes is 0.0625)
+    assert got.dtype == want[1].dtype and torch.allclose(got.float(), want[1].float(), rtol=1e-2, atol=6e-2)
+    row_products.uninstall(torch.nn.ModuleList([layer]))
+    assert "product" not in vars(layer) and kernel in _int8_ops(layer, x[:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_int8_compiled_step_streams_its_products_and_gives_eager_logits(family_dir, monkeypatch, dtype):
+    from specdec.model.quantize import Int8Linear
+
+    monkeypatch.setenv(ROW_PRODUCTS_ENV, "auto")
+    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"])), dtype=dtype, weights="int8"))
+    forward = forwards.CompiledForward(target.lm, packed=False)
+    assert forward.steps.root(1).name.endswith("-rows")
+    int8 = [m for m in target.lm.model.modules() if type(m) is Int8Linear]
+    assert int8 and all("product" in vars(m) for m in int8)
+    forward.warm((1,))
+    got = _one_token_logits(target, forward.forward, forward.new_cache(8))
+    want = _one_token_logits(target, functools.partial(eager_forward, target.lm), target.lm.new_cache())
+    assert torch.allclose(got, want, rtol=3e-2, atol=3e-2)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_an_int8_model_is_packed_by_its_int8_weights_not_its_parameters(family_dir, monkeypatch):
+    """A quantized layer's weights are buffers: the packing budget counts them,
+    so a model whose parameters alone (the embedding, the norms) would fit is
+    still too large to pack once per graph, and keeps its streaming one-row products."""
+    from specdec.compile import fixed_graphs
+
+    monkeypatch.setenv(ROW_PRODUCTS_ENV, "auto")
+    monkeypatch.delenv(fixed_graphs.PACKED_ENV, raising=False)
+    target = TargetModel(ModelSpec(str(family_dir(BY_NAME["llama"])), dtype="bfloat16", weights="int8"))
+    copies = len(fixed_graphs.WIDTHS) * len(fixed_graphs.PACKAGED_CAPACITIES)
+    parameters = sum(p.numel() * p.element_size() for p in target.lm.model.parameters())
+    monkeypatch.setattr(fixed_graphs, "PACKED_BUDGET", parameters * copies)      # the parameters alone would fit
+    forward = forwards.CompiledForward(target.lm)
+    assert not forward.steps.packed and forward.steps.root(1).name.endswith("-rows")

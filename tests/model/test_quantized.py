@@ -128,6 +128,20 @@ def test_speculation_is_plain_greedy_decoding_of_the_same_quantized_weights(fami
         assert _tokens(stack.verifier, lm, prompt, TreeParams()) == want
 
 
+def _first_difference_is_a_tie(target, prompt, got, want) -> bool:
+    """``got`` is ``want``, or where it first leaves it the eager target's two
+    tokens are tied to within one bfloat16 step of its top logit: the quantized
+    kernels' output is bf16, and the compiled one-row product (an fp32 sum over
+    the int8 weights, ``specdec.compile.row_products``) sums in another order than
+    the kernel, so an exact tie of the eager logits can round either way."""
+    if got == want:
+        return True
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + want[:i]])).logits[0, -1].float()
+    return float(logits[want[i]] - logits[got[i]]) <= 2 ** -7 * float(logits.abs().max())
+
+
 # builds the quantized target's packages (widths 1, 4 and 16): ~2 min each on an empty compile cache, with
 # ``make bench`` (the suite keeps the packages' key check below and the eager quantized checks above)
 @pytest.mark.slow
@@ -142,10 +156,12 @@ def test_the_compiled_quantized_target_is_its_eager_plain_greedy_decoding(family
     drafter = EagleDrafter(family["eagle"], family["target"])
     for prompt in PROMPTS:
         want = _tokens(VerifierEngine(eager), None, prompt)
-        assert _tokens(fast, None, prompt) == want
+        assert _first_difference_is_a_tie(eager, prompt, _tokens(fast, None, prompt), want)
         for method in ("eagle2", "chain"):
-            assert _tokens(fast, drafter, prompt, replace(SMALL_TREE, method=method)) == want, method
-        assert _tokens(fast, NgramDrafter(eager.vocab_size), prompt, SMALL_TREE) == want
+            got = _tokens(fast, drafter, prompt, replace(SMALL_TREE, method=method))
+            assert _first_difference_is_a_tie(eager, prompt, got, want), method
+        assert _first_difference_is_a_tie(eager, prompt, _tokens(fast, NgramDrafter(eager.vocab_size), prompt,
+                                                                  SMALL_TREE), want)
     cache = fast.target.new_cache(40)
     fast.target.forward(cache, torch.tensor(PROMPTS[0]), torch.arange(len(PROMPTS[0])), None)
     assert fast.target.compiled.accepts(cache, 1) and fast.target.compiled.accepts(cache, 8)   # the compiled path
