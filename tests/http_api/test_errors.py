@@ -239,15 +239,28 @@ def assert_left_early(api, tap, watch: SessionWatch) -> None:
     assert len(tap.sessions) < 20
 
 
+def assert_held_mid_generation(api, tap, rest=lambda: b"") -> None:
+    """The generation is under way and stays so: its third verify waits at
+    the tap (a generous wait: a loaded machine can take seconds to get there)
+    with both its sessions open. A generation that ended first fails with what
+    it answered (``rest()``: the rest of its stream), not just the counts."""
+    if not wait_until(lambda: tap.held == 1, timeout=60):
+        counts = api.stack.open_sessions(*BACKENDS)
+        tap.open()
+        pytest.fail(f"the generation never reached its third verify ({len(tap.sessions)} verifies, open "
+                    f"sessions {counts}); what it answered after its first chunk: {rest()[-2000:]!r}")
+    assert api.stack.open_sessions(*BACKENDS) == {"verifier": 1, "drafter-eagle": 1}
+
+
 def test_a_client_leaving_a_stream_frees_both_sessions(api):
     watch = SessionWatch(api.stack, *BACKENDS)
     with verifies_held(api, after=2) as tap:
         with httpx.stream("POST", api.root("eagle") + "/v1/completions", json={**LONG, "stream": True},
                           timeout=60) as resp:
             assert resp.status_code == 200
-            next(resp.iter_raw())
-            # (a generous wait: a loaded machine can take seconds to open both sessions)
-            assert api.stack.wait_sessions(*BACKENDS, count=1, timeout=60) == {"verifier": 1, "drafter-eagle": 1}
+            chunks = resp.iter_raw()
+            next(chunks)
+            assert_held_mid_generation(api, tap, rest=lambda: b"".join(chunks))
         tap.open()                          # the held verify returns to a cancelled request
         assert_left_early(api, tap, watch)
 
@@ -264,7 +277,7 @@ def test_a_client_leaving_a_whole_request_frees_both_sessions(api):
         sock = socket.create_connection((host, int(port)))
         try:
             sock.sendall(head + body)
-            assert api.stack.wait_sessions(*BACKENDS, count=1, timeout=60) == {"verifier": 1, "drafter-eagle": 1}
+            assert_held_mid_generation(api, tap)
         finally:
             sock.close()
         tap.open()
