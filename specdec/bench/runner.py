@@ -55,8 +55,9 @@ SPECULATIVE = {
 }
 SELF_DRAFTED = ("lookahead",)              # drafter kinds with no drafter: the verifier drafts the trees
 TOP_PROPOSALS = ("eagle2-top",)            # methods that always propose the draft's top tokens
-# opt-in: the llama.cpp peer (bench.llamacpp_peer): on the f32 export, its prompt lookup, on the GGUF file served
-LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup", "llamacpp-gguf")
+# opt-in: the llama.cpp peer (bench.llamacpp_peer): on the f32 export, its prompt lookup, on the GGUF file served,
+# on the Q8_0 export (the 8-bit peer of --weights int8)
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-lookup", "llamacpp-gguf", "llamacpp-q8")
 PEER_METHODS = ("hf-generate", "hf-assisted", "hf-prompt-lookup") + LLAMACPP_METHODS
 DEFAULT_METHODS = ("vanilla", "hf-generate", "hf-assisted", "hf-prompt-lookup",
                    "chain", "static", "eagle2", "no-value", "no-rerank", "ngram")

@@ -11,6 +11,7 @@ import pytest
 from specdec.bench import llamacpp_peer
 from specdec.bench.llamacpp_peer import MISSING, identical_fraction, llamacpp_methods
 from specdec.cli.main import main
+from specdec.model.gguf_export import FILE_TYPES
 from specdec.model.loading import demo_path
 
 PROMPTS = ["def fibonacci(n):\n    ", "class Stack:\n    def __init__(self):\n        ",
@@ -44,7 +45,8 @@ def test_skipped_with_one_clear_line_when_missing(tiny_family, prompt_file, tmp_
 
 def test_each_method_decodes_its_file(tiny_family, tmp_path, monkeypatch):
     """llamacpp / llamacpp-lookup: the f32 export of the served weights;
-    llamacpp-gguf: the GGUF file the target was converted from, or a note."""
+    llamacpp-q8: their Q8_0 export; llamacpp-gguf: the GGUF file the target
+    was converted from, or a note."""
     from specdec.model import gguf_import
     from specdec.model.gguf_export import export_llama
 
@@ -55,9 +57,44 @@ def test_each_method_decodes_its_file(tiny_family, tmp_path, monkeypatch):
     files, notes = llamacpp_peer.gguf_files(["llamacpp", "llamacpp-gguf"], str(converted), None)
     assert files["llamacpp-gguf"] == q8 and files["llamacpp"].name.endswith("-f32.gguf") and notes == []
     assert files["llamacpp"].parent == tmp_path / "cache" / "specdec" / "gguf"
+    files, notes = llamacpp_peer.gguf_files(["llamacpp-q8", "llamacpp-lookup"], str(tiny_family["target"]), None)
+    assert notes == [] and files["llamacpp-lookup"].name.endswith("-f32.gguf")
+    assert files["llamacpp-q8"].name.endswith("-q8_0.gguf") and file_type(files["llamacpp-q8"]) == FILE_TYPES["Q8_0"]
     files, notes = llamacpp_peer.gguf_files(["llamacpp-gguf"], str(tiny_family["target"]), None)
     assert files == {} and notes == ["llamacpp-gguf skipped: the target was not given as a GGUF file"]
-    assert not list((tmp_path / "cache" / "specdec" / "gguf").glob("target-*"))   # nothing exported for it
+    assert not list((tmp_path / "cache" / "specdec" / "gguf").glob("target-*-q4*"))   # nothing exported for it
+
+
+def file_type(path) -> int:
+    import gguf
+
+    field = gguf.GGUFReader(str(path)).fields["general.file_type"]
+    return int(field.parts[field.data[0]][0])
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_exports_hold_the_directorys_weights_whatever_the_run_loaded(tiny_family, tmp_path, monkeypatch, weights):
+    """A run at --dtype bfloat16 or --weights int8 hands llama.cpp the
+    directory's float32 weights, not its own rounded copy; a float32 load is
+    exported as it is (no second read of the directory)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec.model.quantize import quantize_linears
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_family["target"], dtype=torch.float32)
+    table = model.model.embed_tokens.weight.detach().clone()
+    assert llamacpp_peer.holds_float32_weights(model)
+    if weights == "bfloat16":
+        model = model.to(torch.bfloat16)
+    else:
+        quantize_linears(model, "int8")
+    assert not llamacpp_peer.holds_float32_weights(model)
+    files, notes = llamacpp_peer.gguf_files(["llamacpp"], str(tiny_family["target"]), model)
+    tensor = next(t for t in gguf.GGUFReader(str(files["llamacpp"])).tensors if t.name == "token_embd.weight")
+    assert notes == [] and torch.equal(torch.from_numpy(tensor.data.copy()).reshape(table.shape), table)
 
 
 def test_identical_fraction():
