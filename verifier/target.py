@@ -20,6 +20,7 @@ from specdec.model import kv
 from specdec.model.causal_lm import CausalLm
 from specdec.model.loading import ModelSpec, load_causal_lm
 from specdec.model.masks import tree_allowed
+from specdec.model.quantize import PROMPT_ROWS, has_int8, prompt_products
 from specdec.request.errors import FailedPrecondition, InvalidArgument
 from specdec.tree.build import DraftTree
 from specdec.tree.placed import PlacedTree, place_root, place_tree
@@ -44,6 +45,7 @@ class TargetModel:
         self.kv_bytes_per_token = self._measure_kv_bytes()
         self.compiled = compile_target(self.lm, spec.compile, spec.compile_layers)     # None: eager forwards
         self._told_eager_layers = False
+        self.int8_prompts = has_int8(self.model)      # a long prompt runs eagerly, int8 products dense (``run``)
 
     def _measure_kv_bytes(self) -> int:
         """K and V bytes per token, every layer, every key/value head, all ranks
@@ -196,6 +198,11 @@ class TargetModel:
         with layers, where its capturing graphs were built); ``resident``:
         tokens, positions and mask are on the device already."""
         self.fit(cache, tokens.shape[1])
+        if mask is None and tokens.shape[1] >= PROMPT_ROWS and self.int8_prompts:
+            # a prompt over int8 weights: eager, its products dense bf16 ones (faster than the packed
+            # kernel, compiled or not, at these widths), the same whether forwards are compiled or not
+            with prompt_products():
+                return eager_run(self.lm, cache, tokens, positions, mask, layers)
         if self.compiled is None:
             out = None
         elif resident:

@@ -96,18 +96,26 @@ def sync() -> None:
 
 @torch.inference_mode()
 def prefill(eager: TargetModel, fast: TargetModel, lengths: tuple[int, ...], steps: int) -> dict[str, dict]:
-    """{"N tokens": {"eager" | "compiled": median ms of a prefill on a fresh cache}}."""
+    """{"N tokens": {"eager" | "compiled": median ms of a prefill on a fresh cache}}; over int8
+    weights also "int8 kernel": the compiled target with its prompts' products left to the packed
+    int8 kernel (``TargetModel.int8_prompts`` off), interleaved with the others."""
+    paths = [("eager", eager, True), ("compiled", fast, True)] + ([("int8 kernel", fast, False)]
+                                                                  if fast.int8_prompts else [])
     out = {}
     for n in lengths:
         ids = torch.randint(0, eager.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-        times = {"eager": [], "compiled": []}
+        times = {path: [] for path, _, _ in paths}
         for _ in range(steps + 2):
-            for path, target in (("eager", eager), ("compiled", fast)):
+            for path, target, dense in paths:
                 cache = target.new_cache(n)
-                t = time.perf_counter()
-                target.run(cache, ids[None], torch.arange(n)[None], None)
-                sync()
-                times[path].append(time.perf_counter() - t)
+                kept, target.int8_prompts = target.int8_prompts, target.int8_prompts and dense
+                try:
+                    t = time.perf_counter()
+                    target.run(cache, ids[None], torch.arange(n)[None], None)
+                    sync()
+                    times[path].append(time.perf_counter() - t)
+                finally:
+                    target.int8_prompts = kept
         out[f"{n} tokens"] = {path: _median_ms(ts, steps) for path, ts in times.items()}
     return out
 
@@ -123,7 +131,13 @@ def markdown(result: dict) -> list[str]:
                 lines.append(f"| {batch} | {label} | {t['eager']:.2f} | {t['compiled rows']:.2f} | "
                              f"{t['compiled batched']:.2f} | {ratio:.2f} |")
     if "prefill" in result:
-        lines += ["", "| prompt | eager ms | compiled ms | eager ÷ compiled |", "|---|---:|---:|---:|"]
+        kernel = any("int8 kernel" in t for t in result["prefill"].values())
+        lines += ["", "| prompt | eager ms | compiled ms | eager ÷ compiled |"
+                  + (" int8 kernel ms | int8 kernel ÷ compiled |" if kernel else ""),
+                  "|---|---:|---:|---:|" + ("---:|---:|" if kernel else "")]
         for n, t in result["prefill"].items():
-            lines.append(f"| {n} | {t['eager']:.2f} | {t['compiled']:.2f} | {t['eager'] / t['compiled']:.2f} |")
+            row = f"| {n} | {t['eager']:.2f} | {t['compiled']:.2f} | {t['eager'] / t['compiled']:.2f} |"
+            if kernel:
+                row += f" {t['int8 kernel']:.2f} | {t['int8 kernel'] / t['compiled']:.2f} |"
+            lines.append(row)
     return lines

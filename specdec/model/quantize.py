@@ -24,10 +24,20 @@ verify width run the same kernels over the same weights: speculation is
 greedy-identical to plain decoding of the same quantized model up to
 near-ties of the head's bf16 output, as in bfloat16 (``docs/models.md``,
 "Quantized weights"), and sampled output is distributed as that model.
+
+A prompt is the one place this differs: ``_weight_int8pack_mm`` costs grow
+with the rows (at 128 rows it is 2-3x slower than a bfloat16 matrix product
+of the same shape), so inside ``prompt_products`` (a prefill's causal span of
+at least ``PROMPT_ROWS`` tokens, ``verifier.target``) an int8 layer converts
+its weights to bfloat16 (exactly: |q| <= 127) and multiplies with the dense
+kernel, then scales each output (two roundings to bfloat16 where the packed
+kernel has one). Trees and one-token steps never run there, so plain decoding
+and speculation read the same prompt K/V and stay as identical as above.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 from contextlib import contextmanager
@@ -40,6 +50,24 @@ log = logging.getLogger(__name__)
 
 GROUP = 32                              # int4 group along the input (GGUF Q4_1's block)
 COMPUTE = torch.bfloat16                # the dtype the kernels multiply in
+PROMPT_ROWS = 32                        # a prompt this long or longer: int8 products as dense bf16 ones
+_PROMPT = contextvars.ContextVar("specdec_prompt_products", default=False)
+
+
+@contextmanager
+def prompt_products():
+    """Products over a prompt's rows: an int8 layer multiplies ``PROMPT_ROWS``
+    rows or more through the dense bfloat16 kernel (module docstring)."""
+    token = _PROMPT.set(True)
+    try:
+        yield
+    finally:
+        _PROMPT.reset(token)
+
+
+def has_int8(model: nn.Module) -> bool:
+    """Whether ``model`` holds int8 layers (whose prompts ``prompt_products`` speeds up)."""
+    return any(type(m) is Int8Linear for m in model.modules())
 
 
 class QuantizedLinear(nn.Module):
@@ -77,6 +105,8 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scale.to(COMPUTE))
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] >= PROMPT_ROWS and _PROMPT.get() and not torch.compiler.is_compiling():
+            return (rows @ self.qweight.to(rows.dtype).t()) * self.scales
         return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
 
     def dequantized(self) -> torch.Tensor:

@@ -17,16 +17,19 @@ from stats import chi2_runs, chi2_sf
 
 from specdec.local import DrafterChoice, build_local, generate
 from specdec.model.loading import ModelSpec, load_causal_lm
-from specdec.model.quantize import GROUP, Int4Linear, Int8Linear, QuantizedLinear, quantize_linears
+from specdec.model.quantize import (GROUP, PROMPT_ROWS, Int4Linear, Int8Linear, QuantizedLinear, prompt_products,
+                                    quantize_linears)
 from specdec.request.decoding import StopCriteria
 from specdec.request.params import SamplingParams, TreeParams
+from specdec.tree.layout import tree_from_lists
 from specdec.tree.sampling import target_probs
 from drafter.draft_lm import DraftLmDrafter
 from drafter.ngram import NgramDrafter
 from verifier.engine import TargetModel, VerifierEngine
 
 NEW = 24
-PROMPTS = [[5, 17, 33, 5, 17, 9, 40], [3, 8, 3, 8, 3, 8, 12, 60, 3]]
+PROMPTS = [[5, 17, 33, 5, 17, 9, 40], [3, 8, 3, 8, 3, 8, 12, 60, 3],
+           [(7 * i) % 61 + 2 for i in range(40)]]       # past PROMPT_ROWS: int8 prompt products run dense
 SMALL_TREE = TreeParams(total_tokens=8, depth=3, expand_k=4)        # compiled verify widths 1, 4 and 16: few graphs
 
 
@@ -65,6 +68,49 @@ def test_a_quantized_layer_multiplies_by_its_weights(kind):
     got = q(x)
     assert got.dtype == torch.float32 and got.shape == (2, 5, 48)
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_an_int8_layer_multiplies_a_long_prompt_densely():
+    """Inside ``prompt_products``, PROMPT_ROWS rows or more: the bf16 product
+    over the weights converted exactly, then scaled (two roundings, within a
+    bf16 step of the packed kernel's one); fewer rows, or outside: the kernel."""
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(96, 64))
+    x = torch.randn(PROMPT_ROWS, 64).to(torch.bfloat16)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales)
+    assert torch.equal(layer.product(x), kernel)
+    with prompt_products():
+        dense = layer.product(x)
+        assert torch.equal(layer.product(x[:-1]), kernel[:-1])
+    assert torch.equal(dense, (x @ layer.qweight.to(torch.bfloat16).t()) * layer.scales)
+    assert not torch.equal(dense, kernel)          # (so the two paths are told apart above)
+    assert torch.allclose(dense.float(), kernel.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_int8_prefills_run_dense_and_trees_keep_the_kernel(family, monkeypatch):
+    """A prompt of PROMPT_ROWS tokens or more over int8 weights runs its
+    products dense (``specdec.model.quantize``), a shorter one and every tree the kernel."""
+    target = TargetModel(ModelSpec(str(family["target"]), weights="int8"))
+    seen = []
+    product = Int8Linear.product
+
+    def recorded(self, rows):
+        out = product(self, rows)
+        seen.append((rows.shape[0], torch.equal(out, torch.ops.aten._weight_int8pack_mm(rows, self.qweight,
+                                                                                         self.scales))))
+        return out
+
+    monkeypatch.setattr(Int8Linear, "product", recorded)
+    engine = VerifierEngine(target)
+    long, short = PROMPTS[2], PROMPTS[0]
+    engine.prefill("long", long, SamplingParams())
+    wide = [same for rows, same in seen if rows >= PROMPT_ROWS]
+    assert len(wide) >= len(target.model.model.layers) and not any(wide)         # every layer dense
+    seen.clear()
+    engine.prefill("short", short, SamplingParams())
+    engine.verify("long", tree_from_lists([engine.committed_tokens("long")[-1]] + list(range(2, 2 + PROMPT_ROWS)),
+                                          [-1] + list(range(PROMPT_ROWS))))
+    assert seen and all(same for _, same in seen)                                # the kernel
 
 
 def test_int4_packs_what_it_can_and_a_tied_head_keeps_its_embedding(caplog):
@@ -130,15 +176,19 @@ def test_speculation_is_plain_greedy_decoding_of_the_same_quantized_weights(fami
 
 def _first_difference_is_a_tie(target, prompt, got, want) -> bool:
     """``got`` is ``want``, or where it first leaves it the eager target's two
-    tokens are tied to within one bfloat16 step of its top logit: the quantized
-    kernels' output is bf16, and the compiled one-row product (an fp32 sum over
-    the int8 weights, ``specdec.compile.row_products``) sums in another order than
-    the kernel, so an exact tie of the eager logits can round either way."""
+    tokens are tied to within one bfloat16 step of its top logit, on the path
+    that decoded ``want`` (the prompt's forward, then one-token steps): the
+    quantized kernels' output is bf16, and the compiled one-row product (an fp32
+    sum over the int8 weights, ``specdec.compile.row_products``) sums in another
+    order than the kernel, so an exact tie of the eager logits can round either way."""
     if got == want:
         return True
     i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-    with torch.no_grad():
-        logits = target.model(torch.tensor([prompt + want[:i]])).logits[0, -1].float()
+    cache = target.new_cache(len(prompt) + i + 1)
+    _, logits = target.forward(cache, torch.tensor(prompt), torch.arange(len(prompt)), None)
+    for k, token in enumerate(want[:i]):
+        _, logits = target.forward(cache, torch.tensor([token]), torch.tensor([len(prompt) + k]), None)
+    logits = logits[-1].float()
     return float(logits[want[i]] - logits[got[i]]) <= 2 ** -7 * float(logits.abs().max())
 
 
@@ -212,3 +262,18 @@ def test_compiled_packages_are_keyed_by_the_quantized_layers(family):
     keys = {aot.model_fingerprint(load_causal_lm(ModelSpec(str(family["target"]), weights=w)))
             for w in ("dtype", "int8", "int4")}
     assert len(keys) == 3
+
+
+def test_bench_profile_times_int8_prompts_both_ways(family):
+    """``bench profile --prefill`` over int8 weights also times the packed
+    kernel's prompt products, and leaves the target as it found it."""
+    from specdec.bench import batch_profile
+
+    target = TargetModel(ModelSpec(str(family["target"]), weights="int8"))
+    result = batch_profile.prefill(target, target, (PROMPT_ROWS + 8,), steps=1)
+    assert set(result[f"{PROMPT_ROWS + 8} tokens"]) == {"eager", "compiled", "int8 kernel"} and target.int8_prompts
+    assert any("int8 kernel ms" in line for line in batch_profile.markdown({"prefill": result}))
+    plain = TargetModel(ModelSpec(str(family["target"])))
+    assert not plain.int8_prompts
+    assert set(batch_profile.prefill(plain, plain, (PROMPT_ROWS + 8,), 1)[f"{PROMPT_ROWS + 8} tokens"]) == {
+        "eager", "compiled"}
