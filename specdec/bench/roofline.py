@@ -29,47 +29,38 @@ import time
 
 import torch
 
+from specdec.model.loading import stored_tensors
+from specdec.model.quantize import QuantizedLinear
+
 MIN_STREAM_BYTES = 256 << 20     # a buffer no cache holds (this host's last level: 32 MiB)
 STREAM_RUNS = 7
 
 
+def lookup_only(model: torch.nn.Module) -> set[int]:
+    """The input embedding's tensors (by ``data_ptr``) that a step only looks
+    a row up in: all of them, unless the output head shares them (tied)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None:
+        return set()
+    heads = set() if head is None else {t.data_ptr() for t in (*head.parameters(), *head.buffers())}
+    return {t.data_ptr() for t in (*embed.parameters(), *embed.buffers())} - heads
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a one-token step streams: every distinct parameter and buffer once,
-    but the input embedding's table (one row read per token) unless the output
+    """Bytes a one-token step streams: every distinct stored tensor once, but
+    the input embedding's table (one row read per token) unless the output
     head shares it."""
-    embed = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    skip = set()
-    if embed is not None:
-        tables = {t.data_ptr() for t in (*embed.parameters(), *embed.buffers())}
-        heads = set() if head is None else {t.data_ptr() for t in (*head.parameters(), *head.buffers())}
-        skip = tables - heads
-    seen, total = set(skip), 0
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.numel() == 0 or tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        total += tensor.numel() * tensor.element_size()
-    return total
+    skip = lookup_only(model)
+    return sum(t.numel() * t.element_size() for t in stored_tensors(model) if t.data_ptr() not in skip)
 
 
 def matmul_parameters(model: torch.nn.Module) -> int:
     """Weights a token multiplies, in elements (as ``weight_bytes`` counts them;
     a quantized linear layer (``specdec.model.quantize``) as its in x out
     weights): the floor of another dtype's step is this times its element size."""
-    embed = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    tied = head is not None and embed is not None and getattr(head, "weight", None) is embed.weight
-    seen = set() if tied or embed is None else {embed.weight.data_ptr()}
-    total = 0
-    for param in model.parameters():
-        if param.data_ptr() not in seen:
-            seen.add(param.data_ptr())
-            total += param.numel()
-    for module in model.modules():
-        if hasattr(module, "qweight"):
-            total += module.in_features * module.out_features
-    return total
+    skip = lookup_only(model) | {t.data_ptr() for t in model.buffers()}
+    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    return quantized + sum(t.numel() for t in stored_tensors(model) if t.data_ptr() not in skip)
 
 
 @torch.inference_mode()

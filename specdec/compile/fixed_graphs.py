@@ -16,7 +16,7 @@ import torch
 from specdec.compile import aot, cuda_graphs, row_products
 from specdec.compile.fixed_kv import FixedLayer
 from specdec.model.loading import (AHEAD_ENV, AHEAD_MODES, COMPILE_MODES, PACKED_ENV, PACKED_HEADS_ENV,
-                                   ROW_PRODUCTS_ENV)
+                                   ROW_PRODUCTS_ENV, stored_tensors)
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)      # compiled query widths; a forward is padded up to the next one
 PACKAGED_CAPACITIES = (256, 512)        # capacities with ahead-of-time packages (built at start-up)
@@ -127,8 +127,7 @@ class FixedGraphs:
         sources = (*sources, inspect.getfile(FixedLayer))     # every step writes its K/V through it
         # every stored weight: a quantized layer's weights are buffers (``specdec.model.quantize``), and
         # counting parameters alone once packed an int8 SmolLM2 (14 copies of its weights, a 16-minute build)
-        stored = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers()) if t.numel()}
-        weight_bytes = sum(t.numel() * t.element_size() for t in stored.values())
+        weight_bytes = sum(t.numel() * t.element_size() for t in stored_tensors(model))
         if packed is None:               # one packed copy of the weights per package: small models only
             packed = {"on": True, "off": False}.get(packed_setting(), device.type == "cpu" and weight_bytes * len(
                 WIDTHS) * len(packaged_capacities) <= PACKED_BUDGET)

@@ -204,6 +204,13 @@ def input_major_linears(model) -> int:
     return len(laid)
 
 
+def stored_tensors(model) -> list:
+    """Every distinct non-empty tensor ``model`` stores, parameters and buffers
+    (a quantized layer's weights are buffers, ``specdec.model.quantize``), each
+    once however many modules share it (a tied head)."""
+    return list({t.data_ptr(): t for t in (*model.parameters(), *model.buffers()) if t.numel()}.values())
+
+
 def load_tokenizer(path: str | os.PathLike):
     from transformers import AutoTokenizer
 
