@@ -193,7 +193,8 @@ class VerifierEngine:
             return self.prefix.prefill(cache, tokens, feature_layers, salt, lookup=not all_logits,
                                        all_logits=all_logits)
         ids = torch.tensor(tokens, dtype=torch.long)
-        return self.target.forward(cache, ids, torch.arange(len(tokens)), None, feature_layers)
+        return self.target.forward(cache, ids, torch.arange(len(tokens)), None, feature_layers,
+                                   last_logits=not all_logits)
 
     def _fit_budget(self) -> None:
         """Cached prefixes within what the sessions' reservations leave of the KV budget."""

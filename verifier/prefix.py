@@ -55,9 +55,10 @@ class TargetPrefixCache:
         logits = []
         ids = torch.tensor(tokens, dtype=torch.long)
         for a, b in self.blocks.spans(start, len(tokens)):
-            hidden, out = self.target.forward(cache, ids[a:b], torch.arange(a, b), None, feature_layers)
+            hidden, out = self.target.forward(cache, ids[a:b], torch.arange(a, b), None, feature_layers,
+                                              last_logits=not all_logits)
             feats.append(hidden)
-            logits.append(out if all_logits else out[-1:])
+            logits.append(out)
         features = torch.cat(feats)
         self.blocks.insert(keys, lambda j: self._block(cache, features, j))
         return features, torch.cat(logits) if all_logits else logits[-1]

@@ -173,11 +173,12 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                layers: tuple[int, ...] = (), last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions: [n]; mask from ``tree_masks`` or None (causal).
-        Returns features [n, F] (``run``) and fp32 logits [n, V]; appends n slots to cache."""
-        hidden, logits = self.forward_batch(cache, tokens[None], positions[None], mask, layers)
-        return hidden[0], logits[0]
+        Returns features [n, F] (``run``) and fp32 logits [n, V] ([1, V], the
+        last token's, with ``last_logits``); appends n slots to cache."""
+        final, captured, logits = self.run(cache, tokens[None], positions[None], mask, layers, last_logits=last_logits)
+        return select_features(final, captured, layers, layers)[0], logits[0]
 
     @torch.inference_mode()
     def forward_batch(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
@@ -188,7 +189,7 @@ class TargetModel:
 
     @torch.inference_mode()
     def run(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-            layers: tuple[int, ...] = (), resident: bool = False
+            layers: tuple[int, ...] = (), resident: bool = False, last_logits: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One forward: the final hidden state [B, n, H] (fp32: EAGLE-1/2's
         feature), the residual stream entering each of ``layers`` (HF
@@ -196,13 +197,16 @@ class TargetModel:
         [B, n, len(layers) H] or None when ``layers`` is empty, fp32 logits [B, n, V].
         The compiled forward runs where it applies (``specdec.compile.forwards``;
         with layers, where its capturing graphs were built); ``resident``:
-        tokens, positions and mask are on the device already."""
+        tokens, positions and mask are on the device already; ``last_logits``:
+        the logits of each row's last token only, [B, 1, V] (a prompt's: an
+        eager forward then runs the output head over that one token, a
+        vocabulary-sized product per prompt token saved)."""
         self.fit(cache, tokens.shape[1])
         if mask is None and tokens.shape[1] >= PROMPT_ROWS and self.int8_prompts:
             # a prompt over int8 weights: eager, its products dense bf16 ones (faster than the packed
             # kernel, compiled or not, at these widths), the same whether forwards are compiled or not
             with prompt_products():
-                return eager_run(self.lm, cache, tokens, positions, mask, layers)
+                return eager_run(self.lm, cache, tokens, positions, mask, layers, last_logits)
         if self.compiled is None:
             out = None
         elif resident:
@@ -210,13 +214,13 @@ class TargetModel:
         else:
             out = self.compiled.run(cache, tokens, positions, mask, layers)
         if out is not None:
-            return out
+            return (*out[:2], out[2][:, -1:]) if last_logits else out
         if layers and self.compiled is not None and not self.compiled.captures(layers) and not self._told_eager_layers:
             self._told_eager_layers = True
             why = ("start the verifier with --compile-feature-layers to compile their forwards too"
                    if self.compiled.capturing is None else f"compiled forwards return at most {CAPTURED}")
             log.warning("sessions asking for %d feature layers verify eagerly: %s", len(layers), why)
-        return eager_run(self.lm, cache, tokens, positions, mask, layers)
+        return eager_run(self.lm, cache, tokens, positions, mask, layers, last_logits)
 
     def check_feature_layers(self, layers) -> tuple[int, ...]:
         layers = tuple(int(i) for i in layers)

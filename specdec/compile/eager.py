@@ -15,12 +15,13 @@ def eager_forward(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Te
 
 
 def eager_run(lm: CausalLm, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-              layers: tuple[int, ...] = ()):
+              layers: tuple[int, ...] = (), last_logits: bool = False):
     """The eager forward ``CompiledForward.run`` stands in for: (features fp32,
-    the streams entering ``layers`` fp32 or None, logits)."""
+    the streams entering ``layers`` fp32 or None, logits: of the last token
+    only with ``last_logits``, [B, 1, V])."""
     if not layers:
         hidden, streams = lm.hidden(cache, tokens, positions, mask), None
     else:
         hidden, streams = lm.hidden_and_layers(cache, tokens, positions, mask, layers)
         streams = streams.float()
-    return hidden.float(), streams, lm.logits(hidden)
+    return hidden.float(), streams, lm.logits(hidden[:, -1:] if last_logits else hidden)
