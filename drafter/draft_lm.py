@@ -43,7 +43,9 @@ class DraftLmDrafter(CachedTreeDrafter):
         """Log-probs [..., V] of the model's outputs [..., H], its own final-logit processing included."""
         return torch.log_softmax(self.lm.logits(hidden), dim=-1)
 
-    def _run(self, sess, tokens, positions, mask, resident: bool = False):
+    def _run(self, sess, tokens, positions, mask, resident: bool = False, last: bool = False):
+        """(outputs [n, H], log-probs [n, V]: the last row's only, [1, V], with
+        ``last`` where the forward runs eagerly)."""
         done = None
         if self.compiled is not None:
             self.compiled.fit(sess.cache, len(tokens))
@@ -52,7 +54,7 @@ class DraftLmDrafter(CachedTreeDrafter):
         if done is not None:
             return done[0][0].to(self.lm.dtype), torch.log_softmax(done[1][0], dim=-1)
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]
-        return out, self.logprobs(out)
+        return out, self.logprobs(out[-1:] if last else out)
 
     def feed_pending(self, sess: DraftSession, end: int | None = None):
         start, end = sess.fed, len(sess.tokens) if end is None else end
@@ -66,10 +68,10 @@ class DraftLmDrafter(CachedTreeDrafter):
             allowed = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril(start)
             mask = self.lm.masks(allowed[None], positions[None], torch.arange(end, device=ids.device)[None],
                                  resident=True)
-            out, logp = self._run(sess, ids, positions, mask, resident=True)
+            out, logp = self._run(sess, ids, positions, mask, resident=True, last=True)
         else:
             tokens = torch.tensor(sess.tokens[start:end], dtype=torch.long)
-            out, logp = self._run(sess, tokens, torch.arange(start, end), None)
+            out, logp = self._run(sess, tokens, torch.arange(start, end), None, last=True)
         sess.fed = end
         return out[-1], logp[-1]
 

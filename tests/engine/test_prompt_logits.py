@@ -61,3 +61,21 @@ def test_the_last_token_logits_are_the_full_forwards_last_row(tiny_family):
                                               None, last_logits=True)
         assert last.shape == (1, full.shape[-1]) and last_feats.shape == feats.shape
         torch.testing.assert_close(last[0], full[-1], atol=1e-4, rtol=0)
+
+
+def test_a_draft_lm_runs_its_head_over_a_prompts_last_token(tiny_family):
+    """The draft LM's prompt (and each commit fed to it) needs its last row's
+    log-probs only: the tree's first level is the top of the full forward's last row."""
+    from drafter.draft_lm import DraftLmDrafter
+    from specdec.request.params import TreeParams
+
+    drafter = DraftLmDrafter(ModelSpec(str(tiny_family["draft-lm"])))
+    with torch.inference_mode():
+        out = drafter.lm.hidden(drafter.new_cache(), torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], None)
+        top = set(drafter.logprobs(out[0])[-1].topk(2).indices.tolist())
+    rows: list[int] = []
+    drafter.lm.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
+    drafter.prefill("a", PROMPT, greedy=True)
+    tree = drafter.draft("a", TreeParams(total_tokens=8, depth=3, expand_k=2))
+    assert rows and rows[0] == 1 and max(rows) < len(PROMPT)
+    assert set(tree.tokens[tree.parents == 0].tolist()) == top
