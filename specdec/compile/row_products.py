@@ -37,6 +37,11 @@ Weight-only int8 layers (``specdec.model.quantize``, ``--weights int8``) take
 the same one-row loop over their int8 weights, each output's sum times its
 scale (``int8_row_product``), where ``_weight_int8pack_mm`` read a one-row
 product's weights at ~9 GB/s; their model's attention is marked as above.
+Every sum these loops take runs over at most ``CHUNK`` elements (``chunked_sum``):
+inductor sums a longer fp32 reduction through a cascade helper that took a
+one-row product over 4,864 inputs (the MLP's down projection of a
+Qwen2.5-0.5B shape) from 26 to 3.5 GB/s; a longer one is split into equal
+chunks, each summed as a loop of its own, then the partial sums added.
 ``SPECDEC_COMPILE_ROW_PRODUCTS`` (auto, the default, or on: installed on CPU;
 off: never) is read where the graphs are set up (``specdec.compile.fixed_graphs``).
 """
@@ -53,6 +58,8 @@ from specdec.model import attention
 from specdec.model.quantize import Int8Linear
 
 HALF = (torch.bfloat16, torch.float16)
+CHUNK = 4096                    # the longest sum inductor's CPU loops take without their cascade helper
+MIN_CHUNK = 256                 # a length with no divisor into chunks at least this long is summed whole
 MARK = "_one_row_attention"     # set on the modules of a model ``install`` took
 
 
@@ -66,10 +73,28 @@ def row_product_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The layer's forward, as a multiply-and-sum where a traced graph takes one row (module doc)."""
     if not (torch.compiler.is_compiling() and x.device.type == "cpu" and one_row(x)):
         return F.linear(x, self.weight, self.bias)
-    y = (materialized(x.float()).unsqueeze(-2) * self.weight.float()).sum(-1)
+    y = chunked_sum(materialized(x.float()).unsqueeze(-2) * self.weight.float())
     if self.bias is not None:
         y = y + self.bias.float()
     return y.to(x.dtype)
+
+
+def chunks(n: int) -> int:
+    """Into how many equal chunks of at most ``CHUNK`` a sum of ``n`` elements
+    splits: the fewest that divide it (1 where ``n <= CHUNK``, or where only
+    chunks shorter than ``MIN_CHUNK`` would)."""
+    k = -(-n // CHUNK)
+    while n % k:
+        k += 1
+    return k if k == 1 or n // k >= MIN_CHUNK else 1
+
+
+def chunked_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x.sum(dim)``, as sums of at most ``CHUNK`` elements then their sum (module doc)."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    k = chunks(n) if type(n) is int else 1
+    return x.sum(dim) if k == 1 else x.unflatten(dim, (k, n // k)).sum(dim + 1).sum(dim)
 
 
 def materialized(x: torch.Tensor) -> torch.Tensor:
@@ -103,8 +128,11 @@ def one_row_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         mask = attention_mask[:, :, :, :slots]
         mask = mask.reshape(mask.shape[0], *((kv_heads, groups) if mask.shape[1] == heads else (1, 1)), slots)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    weights = torch.softmax(scores, dim=-1)
-    out = (weights[..., None] * value.float()[:, :, None]).sum(-2)                                # [B, Hkv, g, D]
+    # softmax over the slots, its sums (and the weighted sum of the values) in chunks: a long cache
+    # (over CHUNK slots) would take inductor's cascade helper
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    weights = weights / chunked_sum(weights)[..., None]
+    out = chunked_sum(weights[..., None] * value.float()[:, :, None], -2)                        # [B, Hkv, g, D]
     return out.reshape(b, 1, heads, d).to(query.dtype), None
 
 
@@ -115,7 +143,7 @@ def int8_row_product(self: Int8Linear, rows: torch.Tensor) -> torch.Tensor:
     rounded once, as ``_weight_int8pack_mm`` computes it (in another order)."""
     if not (torch.compiler.is_compiling() and rows.device.type == "cpu" and one_row(rows)):
         return Int8Linear.product(self, rows)
-    y = (materialized(rows.float()).unsqueeze(-2) * self.qweight.float()).sum(-1) * self.scales.float()
+    y = chunked_sum(materialized(rows.float()).unsqueeze(-2) * self.qweight.float()) * self.scales.float()
     return y.to(rows.dtype)
 
 

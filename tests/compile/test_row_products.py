@@ -303,3 +303,52 @@ def test_an_int8_model_is_packed_by_its_int8_weights_not_its_parameters(family_d
     monkeypatch.setattr(fixed_graphs, "PACKED_BUDGET", parameters * copies)      # the parameters alone would fit
     forward = forwards.CompiledForward(target.lm)
     assert not forward.steps.packed and forward.steps.root(1).name.endswith("-rows")
+
+
+def test_a_long_sum_is_split_into_chunks_inductor_sums_without_its_cascade_helper():
+    assert row_products.chunks(576) == 1 and row_products.chunks(4096) == 1
+    assert row_products.chunks(4864) == 2 and row_products.chunks(11008) == 4 and row_products.chunks(14336) == 4
+    assert row_products.chunks(4099) == 1              # a prime: only 1-element chunks divide it, summed whole
+    x = torch.randn(3, 8192)
+    torch.testing.assert_close(row_products.chunked_sum(x), x.sum(-1))
+    torch.testing.assert_close(row_products.chunked_sum(x.t(), 0), x.sum(-1))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_a_one_row_product_over_more_than_a_chunk_of_inputs_compiles_to_plain_loops(kind):
+    """A product over 8,192 inputs: the compiled loops take no cascade helper
+    (a tenth of the speed) and give the layer's own product."""
+    from torch._inductor.utils import run_and_get_code
+
+    from specdec.model.quantize import Int8Linear
+
+    torch.manual_seed(5)
+    weight = torch.randn(32, 2 * row_products.CHUNK) / 64
+    layer = torch.nn.Linear(weight.shape[1], 32, bias=False).bfloat16() if kind == "bf16" else Int8Linear(weight)
+    if kind == "bf16":
+        layer.weight.data.copy_(weight)
+    row_products.install(torch.nn.ModuleList([layer]))
+    x = torch.randn(1, weight.shape[1]).bfloat16()
+    with torch.no_grad():
+        got, code = run_and_get_code(torch.compile(layer, dynamic=False), x)
+        want = layer(x)                                    # eagerly: the BLAS product / the int8 kernel
+    assert "cascade_sum" not in "".join(code) and "for(" in "".join(code)
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_one_row_attention_over_more_than_a_chunk_of_slots_compiles_to_plain_loops():
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(6)
+    layer = _Attention()
+    row_products.install(torch.nn.ModuleList([layer, torch.nn.Linear(8, 8).bfloat16()]))
+    slots = 2 * row_products.CHUNK
+    q, k, v = torch.randn(1, 9, 1, 64), torch.randn(1, 3, slots, 64), torch.randn(1, 3, slots, 64)
+    mask = torch.ones(1, 1, 1, slots, dtype=torch.bool)
+    mask[..., slots - 100:] = False
+    got, code = run_and_get_code(
+        torch.compile(lambda *a: row_products.one_row_attention(layer, *a, scaling=0.125)[0], dynamic=False),
+        q, k, v, mask)
+    want = attention.sdpa_forward(layer, q, k, v, mask, scaling=0.125)[0]
+    assert "cascade_sum" not in "".join(code)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
