@@ -38,17 +38,21 @@ def test_a_prefill_runs_the_head_over_its_last_token(tiny_family, weights, prefi
     assert first.logprobs[0].logprob == pytest.approx(float(torch.log_softmax(full[-1], -1)[first.token]), abs=tol)
 
 
-def test_prompt_logprobs_still_score_every_prompt_token(tiny_family):
+def test_prompt_logprobs_still_score_every_prompt_token_and_leave_the_next_tokens_bits(tiny_family):
+    """Scoring the prompt multiplies its other rows apart from the last, whose
+    product (and so the first token's logprobs) is the very one of a plain prefill."""
     target = TargetModel(ModelSpec(str(tiny_family["target"])))
     engine = VerifierEngine(target)
     with torch.inference_mode():
         _, full = target.forward(target.new_cache(), torch.tensor(PROMPT), torch.arange(len(PROMPT)), None)
+    plain = engine.prefill("plain", PROMPT, SamplingParams(), logprobs=3)
     rows = head_rows(target)
-    out = engine.prefill("a", PROMPT, SamplingParams(), prompt_logprobs=1)
-    assert max(rows) == len(PROMPT)
+    out = engine.prefill("a", PROMPT, SamplingParams(), prompt_logprobs=1, logprobs=3)
+    assert sorted(rows) == [1, len(PROMPT) - 1]
     want = torch.log_softmax(full[:-1], -1).gather(1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
     got = torch.tensor([entry.logprob for entry in out.prompt_logprobs])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert out.token == plain.token and out.logprobs == plain.logprobs          # equal to the last bit
 
 
 def test_the_last_token_logits_are_the_full_forwards_last_row(tiny_family):
