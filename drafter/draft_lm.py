@@ -44,15 +44,14 @@ class DraftLmDrafter(CachedTreeDrafter):
         return torch.log_softmax(self.lm.logits(hidden), dim=-1)
 
     def _run(self, sess, tokens, positions, mask, resident: bool = False, last: bool = False):
-        """(outputs [n, H], log-probs [n, V]: the last row's only, [1, V], with
-        ``last`` where the forward runs eagerly)."""
+        """(outputs [n, H], log-probs [n, V]: the last row's only, [1, V], with ``last``)."""
         done = None
         if self.compiled is not None:
             self.compiled.fit(sess.cache, len(tokens))
             out = self.compiled.run(sess.cache, tokens[None], positions[None], mask, resident=resident)
             done = None if out is None else (out[0], out[2])
         if done is not None:
-            return done[0][0].to(self.lm.dtype), torch.log_softmax(done[1][0], dim=-1)
+            return done[0][0].to(self.lm.dtype), torch.log_softmax(done[1][0, -1:] if last else done[1][0], dim=-1)
         out = self.lm.hidden(sess.cache, tokens[None], positions[None], mask)[0]
         return out, self.logprobs(out[-1:] if last else out)
 

@@ -177,14 +177,14 @@ class TargetModel:
         """tokens, positions: [n]; mask from ``tree_masks`` or None (causal).
         Returns features [n, F] (``run``) and fp32 logits [n, V] ([1, V], the
         last token's, with ``last_logits``); appends n slots to cache."""
-        final, captured, logits = self.run(cache, tokens[None], positions[None], mask, layers, last_logits=last_logits)
-        return select_features(final, captured, layers, layers)[0], logits[0]
+        hidden, logits = self.forward_batch(cache, tokens[None], positions[None], mask, layers, last_logits)
+        return hidden[0], logits[0]
 
     @torch.inference_mode()
     def forward_batch(self, cache, tokens: torch.Tensor, positions: torch.Tensor, mask,
-                      layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens, positions: [B, n] -> features [B, n, F], fp32 logits [B, n, V]."""
-        final, captured, logits = self.run(cache, tokens, positions, mask, layers)
+                      layers: tuple[int, ...] = (), last_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions: [B, n] -> features [B, n, F], fp32 logits [B, n, V] ([B, 1, V] with ``last_logits``)."""
+        final, captured, logits = self.run(cache, tokens, positions, mask, layers, last_logits=last_logits)
         return select_features(final, captured, layers, layers), logits
 
     @torch.inference_mode()

@@ -38,10 +38,11 @@ the same one-row loop over their int8 weights, each output's sum times its
 scale (``int8_row_product``), where ``_weight_int8pack_mm`` read a one-row
 product's weights at ~9 GB/s; their model's attention is marked as above.
 Every sum these loops take runs over at most ``CHUNK`` elements (``chunked_sum``):
-inductor sums a longer fp32 reduction through a cascade helper that took a
-one-row product over 4,864 inputs (the MLP's down projection of a
-Qwen2.5-0.5B shape) from 26 to 3.5 GB/s; a longer one is split into equal
-chunks, each summed as a loop of its own, then the partial sums added.
+inductor sums a longer fp32 reduction through a cascade helper, which ran an
+int8 one-row product over 4,864 inputs (the MLP's down projection of a
+Qwen2.5-0.5B shape) at 3.5 GB/s, 22-27 GB/s split (bf16: 13 against 50-58,
+in cache); a longer one is split into equal chunks, each summed as a loop of
+its own, then the partial sums added.
 ``SPECDEC_COMPILE_ROW_PRODUCTS`` (auto, the default, or on: installed on CPU;
 off: never) is read where the graphs are set up (``specdec.compile.fixed_graphs``).
 """
