@@ -176,14 +176,15 @@ class CachedTreeDrafter(Drafter):
         if budget_s and sess.ahead_s_per_end:
             count = max(1, min(count, int(budget_s / sess.ahead_s_per_end)))
         scores = stop_scores(current.tree)
+        depths, by_score = current.tree.lists[2], scores.tolist()
         ends = []
         for node in torch.sort(scores, descending=True, stable=True).indices.tolist():
             if len(ends) == count:
                 break
-            left = tokens_left - int(current.tree.depths[node]) - 1 if tokens_left else 0   # after the bonus
+            left = tokens_left - depths[node] - 1 if tokens_left else 0   # after the bonus
             if tokens_left and left <= 1:
                 continue
-            ends.append((node, float(scores[node]), cfg.depth if not tokens_left else min(cfg.depth, left - 1)))
+            ends.append((node, by_score[node], cfg.depth if not tokens_left else min(cfg.depth, left - 1)))
         if not ends:
             return []
         start, committed = time.perf_counter(), kv.seq_len(sess.cache)

@@ -136,7 +136,8 @@ class Generation:
         if drafter is None or drafter.endpoint is None or self.remote_verifier.endpoint is None:
             return None
         return self.router.paces.of(self.remote_verifier.endpoint.address, drafter.endpoint.address,
-                                    *knobs_key(self.job.tree))
+                                    *knobs_key(self.job.tree, self.request.lookahead,
+                                              self.request.verify_token_budget))
 
     async def release(self) -> None:
         handles = [h for h in (self.remote_verifier, self.remote_drafter) if h is not None]

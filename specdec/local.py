@@ -228,7 +228,7 @@ def generate(verifier, drafter, prompt: list[int], params: SamplingParams, stop:
 
     # greedy sessions on the same engines and tree knobs share what their cycles cost (specdec.request.pace)
     engines = (verifier, drafter) if local_drafter is not None else (verifier,)
-    pace = PACES.of_objects(engines, *knobs_key(tree_cfg)) if request.tree is not None else None
+    pace = PACES.of_objects(engines, *knobs_key(tree_cfg, lookahead)) if request.tree is not None else None
 
     async def run() -> Decoding:
         layers = tuple(getattr(drafter, "feature_layers", ()))

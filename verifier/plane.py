@@ -266,8 +266,8 @@ async def run(service, requests: AsyncIterator, context) -> AsyncIterator[verifi
     decoding = Decoding(StopCriteria(max(prefill.max_new_tokens, 0), eos), min_tau, prior=start.min_tau_prior)
     request = Request(prompt=prompt, sampling=sampling, tree=tree, lookahead=lookahead, verify_token_budget=budget)
     events: asyncio.Queue = asyncio.Queue()
-    # greedy sessions paired with the same drafter and tree knobs share what their cycles cost
-    pace = service.paces.of(start.drafter, *knobs_key(tree)) if drafter is not None else None
+    # greedy sessions paired with the same drafter and knobs (tree, drafting ahead, budget) share what their cycles cost
+    pace = service.paces.of(start.drafter, *knobs_key(tree, lookahead, budget)) if drafter is not None else None
     loop = PlaneLoop(verifier, drafter, request, decoding, events, prefill.resume, pace)
     loop.fallback = unreached
     if start.drafter and tree is not None and tree.method != LOOKAHEAD:

@@ -73,10 +73,15 @@ class Pace:
         return self.tokens < self.threshold(min_tau, prior)
 
 
-def knobs_key(tree) -> tuple:
+def knobs_key(tree, lookahead: int = 0, verify_token_budget: int = 0) -> tuple:
     """The part of a pair's key that changes what its cycles cost and commit: a
-    tree's (``TreeParams``) method and size."""
-    return (tree.method, tree.total_tokens, tree.depth, tree.expand_k, tree.proposals)
+    tree's (``TreeParams``) method and size, the outcomes drafted ahead (a hit
+    cycle costs a verify alone) and the verify budget (which cuts trees).
+    Sessions that differ in any of them never share a pace: a pair's ahead
+    sessions would otherwise pass their cheaper cycles and their fresh trees'
+    lower τ to the plain ones, and pause them."""
+    return (tree.method, tree.total_tokens, tree.depth, tree.expand_k, tree.proposals,
+            int(lookahead), int(verify_token_budget))
 
 
 def smoothed(mean: float | None, value: float, weight: float) -> float:

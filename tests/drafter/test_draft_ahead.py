@@ -169,3 +169,41 @@ def test_greedy_output_is_unchanged(engines, tiny_family, kind):
                 assert dec.stats.tau > 5.0
                 assert dec.stats.ahead_hits >= (dec.stats.cycles - 1 if lookahead == 3 else 3), \
                     dec.stats.as_dict()
+
+
+def test_tempered_tops_are_each_rows_own_top_tokens():
+    """One top-k over the rows gives each row what it alone would: its k likeliest
+    tokens at the temperature, its excluded tokens kept out and the rest
+    renormalised, -inf ones dropped."""
+    from drafter.ahead import tempered_tops
+
+    gen = torch.Generator().manual_seed(3)
+    logp = torch.log_softmax(torch.randn(4, 50, generator=gen), dim=-1)
+    logp[2, 5:] = -float("inf")                            # row 2 has five tokens only
+    exclude = [[7, 1], [], [0, 3, 4], [int(logp[3].argmax())]]
+    got = tempered_tops(logp, 4, 0.7, exclude)
+    for row in range(4):
+        x = logp[row] / 0.7
+        x[exclude[row]] = -float("inf")
+        x = x - torch.logsumexp(x, dim=-1)
+        order = [t for t in torch.sort(x, descending=True, stable=True).indices.tolist()
+                 if x[t] > -float("inf")][:4]
+        assert [t for _, t in got[row]] == order
+        assert [p for p, _ in got[row]] == pytest.approx([float(x[t]) for t in order], abs=1e-5)
+    assert len(got[2]) == 2                                # 1 and 2 of its five tokens are left
+
+
+def test_stop_scores_follow_their_definition():
+    """log P(stop at i) = value_i + log(1 - sum over i's children c of exp(value_c - value_i))."""
+    from drafter.ahead import stop_scores
+    from specdec.tree.layout import DraftTree
+
+    parents = [-1, 0, 0, 1, 1, 2]
+    values = torch.tensor([0.0, -0.2, -1.9, -0.9, -1.2, -2.5])
+    tree = DraftTree(torch.arange(6), torch.tensor(parents), torch.tensor([0, 1, 1, 2, 2, 2]), values)
+    want = []
+    for i in range(6):
+        kids = [c for c in range(6) if parents[c] == i]
+        stay = 1.0 - sum(torch.exp(values[c] - values[i]).item() for c in kids)
+        want.append(values[i].item() + torch.log(torch.tensor(max(stay, 1e-12))).item())
+    assert stop_scores(tree).tolist() == pytest.approx(want, abs=1e-5)

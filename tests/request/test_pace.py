@@ -31,6 +31,16 @@ def test_one_pace_per_key_the_least_recently_used_forgotten_first():
     assert paces.of("v:1", "d:1", *knobs_key(TREE)) is not a      # evicted: a fresh one
 
 
+def test_sessions_drafting_ahead_or_under_a_budget_keep_their_own_pace():
+    # a hit cycle costs a verify alone and a fresh one commits less: an ahead
+    # session's figures must not pause a plain session on the same pair
+    paces = Paces()
+    plain = paces.of("v:1", "d:1", *knobs_key(TREE))
+    assert paces.of("v:1", "d:1", *knobs_key(TREE, lookahead=4)) is not plain
+    assert paces.of("v:1", "d:1", *knobs_key(TREE, verify_token_budget=64)) is not plain
+    assert paces.of("v:1", "d:1", *knobs_key(TREE, lookahead=0, verify_token_budget=0)) is plain
+
+
 def test_an_in_process_pairs_pace_is_forgotten_with_its_engines():
     paces = Paces()
     verifier, drafter = Engine(), Engine()
