@@ -43,6 +43,7 @@ def stack(tiny_family):
         s.add_orchestrator(kind, drafter=f"drafter-{kind}", plane="direct")
     s.add_drafter("oracle", "oracle")
     s.add_orchestrator("ahead", drafter="oracle", plane="direct", lookahead=3, lookahead_budget=False)
+    s.add_orchestrator("ahead-budgeted", drafter="oracle", plane="direct", lookahead=3)
     yield s
     s.close()
 
@@ -279,6 +280,36 @@ def test_drafting_ahead_hits_skip_the_drafter(stack, reference):
     s = got.stats
     assert s.tau > 5.0 and s.ahead_hits == s.cycles - 1, s
     assert 0 < s.ahead_committed < s.completion_tokens
+
+
+def test_drafting_ahead_is_budgeted_to_the_verify_as_the_loop_waits_for_it(stack, reference, monkeypatch):
+    """A DraftAhead may take ``AHEAD_BUDGET_SHARE`` of the last verify's wall
+    time in the verifier's loop (the forward, the handler's checks and its
+    hand-overs: what the drafting hides behind), not of the forward alone."""
+    from verifier import paired, plane
+
+    verifies, budgets = [], []
+    verify, draft_ahead = plane.ServedVerifier.verify, paired.PairedDrafter.draft_ahead
+
+    async def timed_verify(self, draft, features):
+        start = time.perf_counter()
+        got = await verify(self, draft, features)
+        verifies.append((self.verify_s, time.perf_counter() - start))
+        return got
+
+    async def budgeted(self, *args, **kwargs):
+        budgets.append((self.ahead_budget(), verifies[-1] if verifies else None))
+        return await draft_ahead(self, *args, **kwargs)
+
+    monkeypatch.setattr(plane.ServedVerifier, "verify", timed_verify)
+    monkeypatch.setattr(paired.PairedDrafter, "draft_ahead", budgeted)
+    with SpecdecClient(stack.address("ahead-budgeted")) as client:
+        got = client.complete(PROMPTS[0], max_new_tokens=40, method="chain", total_tokens=6, depth=5)
+    assert got.token_ids == reference.run(PROMPTS[0], n=40).tokens
+    timed = [(budget, last) for budget, last in budgets if last is not None]
+    assert len(timed) >= 2, budgets
+    for budget, (compute, wall) in timed:
+        assert plane.AHEAD_BUDGET_SHARE * compute < budget <= plane.AHEAD_BUDGET_SHARE * wall
 
 
 @pytest.mark.parametrize("policy,field", [
