@@ -85,9 +85,10 @@ class OrchestratorConfig:
     session_streams: bool = True
     # drafting ahead stops starting paths past the last verify's time (False: all `lookahead` paths)
     lookahead_budget: bool = True
-    # RELAY: trees and commits travel through this orchestrator; DIRECT: the verifier runs
-    # each request's loop with the drafter it is paired with (``orchestrator.plane``)
-    plane: str = RELAY
+    # DIRECT: the verifier runs each request's loop with the drafter it is paired with
+    # (``orchestrator.plane``); RELAY: trees and commits travel through this orchestrator
+    # (the plane of unary steps, and of verifiers that may not reach the drafters)
+    plane: str = DIRECT
 
     def __post_init__(self):
         object.__setattr__(self, "verifier", parse_addresses(self.verifier))
@@ -112,6 +113,8 @@ class OrchestratorConfig:
             raise ValueError(f"verify token budget must be >= 0 (0 = off), got {self.verify_token_budget}")
         if self.plane not in PLANES:
             raise ValueError(f"plane must be one of {', '.join(PLANES)}, got {self.plane!r}")
+        if self.plane == DIRECT and not self.session_streams:
+            raise ValueError("unary steps go through the orchestrator: they need the relay plane")
         if self.default_max_new_tokens < 1:
             raise ValueError(f"default max_new_tokens must be >= 1, got {self.default_max_new_tokens}")
 

@@ -64,6 +64,7 @@ class ServedVerifier:
         self.last = 0                        # the last committed token (a root-only tree's root)
         self.verify_s = 0.0                  # the last verify's compute
         self.verify_wall_s = 0.0             # and its wall time here (the handler's checks and hand-overs too)
+        self.self_drafts = 0                 # cycles whose tree this verifier drafted (lookahead decoding)
         # every feature row sent, while a drafter that needs them may be paired again (``PlaneLoop.pair``)
         self.feature_log: FeatureLog | None = None
 
@@ -92,6 +93,7 @@ class ServedVerifier:
             session_id=self.session_id, tree=tree, return_features=features, lookahead_depth=depth), self.context)
         self.last, self.verify_s = response.tokens[-1], response.compute_s
         self.verify_wall_s = time.perf_counter() - start
+        self.self_drafts += depth > 0
         self.keep(response.features if features else None)
         return Committed(list(response.tokens), list(response.accepted_nodes),
                          response.features if features else None,
@@ -200,7 +202,7 @@ class PlaneLoop(SpeculativeLoop):
         return verifier_pb2.RunDone(
             finish_reason=self.dec.finish_reason or "",
             fallback=fallback if self.drafter is None else "",
-            drafts=sum(p.drafts for p in paired), ahead_hits=self.dec.stats.ahead_hits,
+            drafts=sum(p.drafts for p in paired) + self.verifier.self_drafts, ahead_hits=self.dec.stats.ahead_hits,
             ahead_draft_s=sum(p.ahead_s for p in paired), wire_bytes=sum(p.wire_bytes for p in paired))
 
 

@@ -66,7 +66,7 @@ ALL_METHODS = DEFAULT_METHODS + ("sps", "eagle2-top", "eagle3", "medusa", "medus
 GRPC_SUFFIX = "@grpc"
 AHEAD_SUFFIX = "-ahead"          # METHOD@grpc-aheadN: through an orchestrator with --lookahead N
 UNARY_SUFFIX = "-unary"          # METHOD@grpc-unary: through an orchestrator with --unary-steps
-DIRECT_SUFFIX = "-direct"        # METHOD@grpc[-aheadN]-direct: through an orchestrator with --plane direct
+RELAY_SUFFIX = "-relay"          # METHOD@grpc[-aheadN]-relay: through an orchestrator with --plane relay
 SWEEP_TOTALS = (8, 12, 16, 24, 32, 48, 60)     # `bench sweep`: total_tokens at the configured depth
 SWEEP_DEPTHS = (2, 3, 4, 5, 6, 7, 8)           # and depths at the configured total_tokens
 OPENAI_METHOD = "openai"         # with --openai-url: that OpenAI-compatible server (bench.openai_peer)
@@ -350,7 +350,7 @@ class BenchConfig:
                                     # None: by drafter kind, knobs.default_min_tau)
     lookahead: tuple[int, ...] = ()  # extra orchestrators drafting one round ahead: METHOD@grpc-aheadN
     compare_unary: bool = False      # an extra orchestrator with unary steps: METHOD@grpc-unary
-    compare_plane: bool = False      # a twin of each orchestrator on the direct plane: METHOD@grpc...-direct
+    compare_plane: bool = False      # a twin of each orchestrator on the relay plane: METHOD@grpc...-relay
     pin: bool = False                # verifier and drafter on a core each, in-process methods on the verifier's
     startup_timeout_s: float = STARTUP_TIMEOUT_S  # --grpc: how long the services may take to be ready
     openai_url: str | None = None    # also run the prompts on this OpenAI-compatible server (bench.openai_peer)

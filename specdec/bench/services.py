@@ -14,9 +14,10 @@ methods get the same compute. With ``--pin`` (``cfg.pin``) the verifier runs
 on one core and the drafter on the other, one torch thread each, as on
 devices of their own (the orchestrators and the bench's client float), and
 the in-process methods run on the verifier's core (``bench.suite``). With
-``--compare-plane`` each of those orchestrators gets a twin on the direct
-plane (``METHOD@grpc-direct``, ``METHOD@grpc-aheadN-direct``: the verifier
-runs the loop and calls the drafter itself). With
+``--compare-plane`` each of those orchestrators (on the direct plane, the
+default: the verifier runs the loop and calls the drafter itself) gets a twin
+on the relay plane (``METHOD@grpc-relay``, ``METHOD@grpc-aheadN-relay``:
+every tree and commit through the orchestrator). With
 ``--compare-unary`` each stack also gets an orchestrator that sends every
 step as a unary call (``METHOD@grpc-unary``): the session streams' gain,
 measured in the same run.
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from specdec import procs
-from specdec.bench.runner import (AHEAD_SUFFIX, DIRECT_SUFFIX, GRPC_SUFFIX, SELF_DRAFTED, SPECULATIVE, UNARY_SUFFIX, BenchConfig,
+from specdec.bench.runner import (AHEAD_SUFFIX, GRPC_SUFFIX, RELAY_SUFFIX, SELF_DRAFTED, SPECULATIVE, UNARY_SUFFIX, BenchConfig,
                                   Prompt, Sample, method_tree)
 from specdec.client import SpecdecClient, SpecdecClientError
 from specdec.request.errors import UsageError
@@ -107,14 +108,14 @@ def _threads_env(threads: int) -> Iterator[None]:
 def orchestrator_variants(cfg: BenchConfig) -> dict[str, list[str]]:
     """{method-name suffix: extra orchestrator flags}: the plain orchestrator
     (suffix ""), one per ``cfg.lookahead`` value, with ``cfg.compare_plane`` each
-    of those on the direct plane too, and with ``cfg.compare_unary`` one with
+    of those on the relay plane too, and with ``cfg.compare_unary`` one with
     unary steps."""
     variants = {"": []}
     for lookahead in cfg.lookahead:
         variants[f"{AHEAD_SUFFIX}{lookahead}"] = ["--lookahead", str(lookahead)]
-    if cfg.compare_plane:           # each of those again on the direct plane
+    if cfg.compare_plane:           # each of those again on the relay plane
         for suffix, flags in list(variants.items()):
-            variants[suffix + DIRECT_SUFFIX] = [*flags, "--plane", "direct"]
+            variants[suffix + RELAY_SUFFIX] = [*flags, "--plane", "relay"]
     if cfg.compare_unary:
         variants[UNARY_SUFFIX] = ["--unary-steps"]
     return variants

@@ -110,9 +110,10 @@ def add_parser(sub) -> None:
                         "of their own, one torch thread each) and the in-process methods on the verifier's core "
                         "(needs 2 CPUs; implies --threads 1)")
     p.add_argument("--compare-plane", action="store_true",
-                   help="with --grpc: also run each method through a twin of each orchestrator on the direct "
-                        "plane (the verifier runs the loop and calls the drafter itself), as METHOD@grpc-direct "
-                        "(and METHOD@grpc-aheadN-direct)")
+                   help="with --grpc: also run each method through a twin of each orchestrator on the relay "
+                        "plane (every tree and commit through the orchestrator; the default is the direct "
+                        "plane, where the verifier calls the drafter itself), as METHOD@grpc-relay (and "
+                        "METHOD@grpc-aheadN-relay)")
     p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, metavar="S",
                    help="with --grpc: seconds to wait for the services to be ready (a first start builds the "
                         "compiled graphs)")

@@ -28,7 +28,7 @@ from specdec.procs import STARTUP_TIMEOUT_S, feature_layer_flags
 from specdec.request.errors import UsageError
 from specdec.soak.run import DEFAULT_KILLS, Backend, Soak, SoakConfig, SoakError
 from specdec.soak.stack import ROLES, Models, SoakStack, StackError
-from orchestrator.plane import PLANES, RELAY
+from orchestrator.plane import DIRECT, PLANES
 
 
 def _kills(text: str) -> tuple[str, ...]:
@@ -46,9 +46,9 @@ def add_parser(sub) -> None:
     w.add_argument("--state", metavar="FILE", help="with --server: `specdec up --state` file (backends, pids)")
     w.add_argument("--verifiers", type=int, default=1, metavar="M")
     w.add_argument("--drafters", type=int, default=1, metavar="N")
-    w.add_argument("--plane", choices=PLANES, default=RELAY,
-                   help="the orchestrator's data plane (default relay; direct: each verifier calls its "
-                        "paired drafter itself)")
+    w.add_argument("--plane", choices=PLANES, default=DIRECT,
+                   help="the orchestrator's data plane (default direct: each verifier calls its paired "
+                        "drafter itself; relay: through the orchestrator)")
     add_model_flags(p)
     p.add_argument("--clients", type=int, default=16, metavar="C", help="concurrent clients (default 16)")
     p.add_argument("--duration", type=float, default=600.0, metavar="S", help="seconds of load (default 600)")

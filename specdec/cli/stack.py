@@ -37,7 +37,7 @@ from specdec.request.params import TREE_METHODS, TreeParams
 from specdec.serving.server import ClientTls, configure_logging, install_signal_drain, start_server
 from orchestrator.chat_template import MessageRenderer
 from orchestrator.http_server import start_http
-from orchestrator.plane import PLANES, RELAY
+from orchestrator.plane import DIRECT, PLANES, RELAY
 from orchestrator.routing import parse_addresses, split_address
 from orchestrator.service import OrchestratorConfig, OrchestratorService
 from orchestrator.text import TextTokenizer
@@ -100,10 +100,11 @@ def add_orchestrator_parser(sub) -> None:
                         "N / sessions (at least 4) under load (0 = off; env SPECDEC_VERIFY_TOKEN_BUDGET)")
     t.add_argument("--max-new-tokens-limit", type=int, default=2048, help="larger requests: INVALID_ARGUMENT")
     b = p.add_argument_group("calls to the backends")
-    b.add_argument("--plane", choices=PLANES, default=env("SPECDEC_PLANE", RELAY),
-                   help="relay (default): the orchestrator carries every tree and commit between drafter and "
-                        "verifier; direct: the verifier runs each request's loop and talks to the paired drafter "
-                        "itself, the orchestrator managing it off the critical path (env SPECDEC_PLANE)")
+    b.add_argument("--plane", choices=PLANES, default=env("SPECDEC_PLANE", None),
+                   help="direct (default): the verifier runs each request's loop and talks to the paired "
+                        "drafter itself, the orchestrator managing it off the critical path; relay: the "
+                        "orchestrator carries every tree and commit between drafter and verifier (the default "
+                        "with --unary-steps; for verifiers that may not reach the drafters) (env SPECDEC_PLANE)")
     b.add_argument("--unary-steps", action="store_true",
                    help="send each per-cycle step as a unary call instead of on one stream per session "
                         "(slower; for comparison)")
@@ -146,7 +147,8 @@ def orchestrator_config(args):
                               backend_token=args.backend_token, verify_token_budget=args.verify_token_budget,
                               min_tau=args.min_tau, lookahead=args.lookahead,
                               session_streams=not args.unary_steps,
-                              lookahead_budget=not args.lookahead_unbudgeted, plane=args.plane)
+                              lookahead_budget=not args.lookahead_unbudgeted,
+                              plane=args.plane or (RELAY if args.unary_steps else DIRECT))
 
 
 def tokenizer_location(path: str) -> Path:

@@ -152,3 +152,21 @@ def test_backend_flag_errors(monkeypatch, argv, needle):
     monkeypatch.delenv("SPECDEC_VERIFIER_DNS", raising=False)
     with pytest.raises(UsageError, match=needle):
         parse(*argv)
+
+
+def test_the_plane_is_direct_unless_steps_are_unary_or_relay_is_asked(monkeypatch):
+    monkeypatch.delenv("SPECDEC_PLANE", raising=False)
+    monkeypatch.delenv("SPECDEC_VERIFIER", raising=False)
+    assert parse("--verifier", "a:1").plane == "direct"
+    assert parse("--verifier", "a:1", "--unary-steps").plane == "relay"       # unary steps go through it
+    assert parse("--verifier", "a:1", "--plane", "relay").plane == "relay"
+    monkeypatch.setenv("SPECDEC_PLANE", "relay")
+    assert parse("--verifier", "a:1").plane == "relay"
+
+
+def test_unary_steps_on_the_direct_plane_are_refused():
+    from orchestrator.service import OrchestratorConfig
+
+    with pytest.raises(ValueError, match="relay plane"):
+        OrchestratorConfig(verifier="127.0.0.1:1", session_streams=False, plane="direct")
+    assert OrchestratorConfig(verifier="127.0.0.1:1", session_streams=False, plane="relay").plane == "relay"

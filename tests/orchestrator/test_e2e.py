@@ -130,7 +130,8 @@ def test_greedy_sessions_of_one_pair_share_its_pace(stack, local):
     (``specdec.request.pace``): a greedy session joining a pair where drafting
     lost starts paused (same output, no draft tokens); a seeded sampled one drafts
     the cycles the in-process loop does, whatever the pair measured."""
-    stack.add_orchestrator("paced", drafter="drafter-eagle", min_tau=1.5)
+    # the relay's pace lives in the orchestrator (the direct plane's in the verifier: test_direct_plane.py)
+    stack.add_orchestrator("paced", drafter="drafter-eagle", min_tau=1.5, plane="relay")
     try:
         with SpecdecClient(stack.address("paced")) as client:
             first = client.complete(PROMPTS[0], max_new_tokens=N, method="eagle2")

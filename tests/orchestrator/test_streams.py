@@ -53,8 +53,9 @@ def stack(tiny_family):
     s = Stack(tiny_family)
     s.add_verifier("verifier")
     s.add_drafter("drafter", "eagle")
-    s.add_orchestrator("streams", drafter="drafter")
-    s.add_orchestrator("unary", drafter="drafter", session_streams=False)
+    # the relay plane's steps (the direct plane's own streams: test_direct_plane.py)
+    s.add_orchestrator("streams", drafter="drafter", plane="relay")
+    s.add_orchestrator("unary", drafter="drafter", session_streams=False, plane="relay")
     yield s
     s.close()
 
