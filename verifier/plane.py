@@ -186,7 +186,9 @@ class PlaneLoop(SpeculativeLoop):
         nodes, accepted, ahead, hops = self.cycle or (0, 0, False, 0)
         self.cycle = None
         t = self.times
-        spent = (t["draft"] + t["commit"] + t["network"], t["prefill"] + t["verify"])
+        # the drafter's compute and this verifier's: the orchestrator counts the rest of a commit's
+        # time (the transport to the drafter and back, and its own) as network, as the relay's does
+        spent = (t["draft"] + t["commit"], t["prefill"] + t["verify"])
         msg = verifier_pb2.RunCommit(tokens=final, accepted=accepted, nodes=nodes, ahead=ahead, hops=hops,
                                      draft_s=spent[0] - self.spent[0], verify_s=spent[1] - self.spent[1])
         self.spent = spent

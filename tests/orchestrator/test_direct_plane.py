@@ -270,6 +270,31 @@ def test_run_stream_reports_each_commit_and_its_hops(stack, reference):
     assert stack.wait_sessions_closed("verifier", "drafter-draft-lm") == {"verifier": 0, "drafter-draft-lm": 0}
 
 
+def test_waiting_on_the_drafter_splits_into_its_compute_and_the_transport(stack, reference, monkeypatch):
+    """A commit's draft time is the drafter's compute; the rest of the wait on
+    it (here 50 ms more before every tree goes back) is network time in the
+    request's split, as on the relay plane."""
+    from drafter.service import DrafterService
+
+    delay, answered = 0.05, []
+    draft = DrafterService.Draft
+
+    async def slow(self, request, context):
+        answer = await draft(self, request, context)
+        await asyncio.sleep(delay)
+        answered.append(answer.compute_s)
+        return answer
+
+    monkeypatch.setattr(DrafterService, "Draft", slow)
+    with SpecdecClient(stack.address("draft-lm")) as client:
+        got = client.complete(PROMPTS[0], max_new_tokens=N, method="chain")
+    assert got.token_ids == reference.run(PROMPTS[0]).tokens
+    s = got.stats
+    assert len(answered) >= 2
+    assert s.network_s >= delay * len(answered)
+    assert sum(answered) <= s.draft_s < sum(answered) + delay        # compute, and the prefill's own step
+
+
 def test_drafting_ahead_hits_skip_the_drafter(stack, reference):
     """Greedy, drafting ahead on the direct plane with a drafter that is always
     right: every cycle after the first finds its tree ready (no hop), the output
