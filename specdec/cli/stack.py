@@ -107,7 +107,7 @@ def add_orchestrator_parser(sub) -> None:
                         "with --unary-steps; for verifiers that may not reach the drafters) (env SPECDEC_PLANE)")
     b.add_argument("--unary-steps", action="store_true",
                    help="send each per-cycle step as a unary call instead of on one stream per session "
-                        "(slower; for comparison)")
+                        "(on the relay plane, which it implies; slower; for comparison)")
     b.add_argument("--backend-ca", default=env("SPECDEC_BACKEND_CA"), help="CA of the backends' certificates (TLS)")
     b.add_argument("--backend-cert", default=env("SPECDEC_BACKEND_CERT"), help="client certificate (mutual TLS)")
     b.add_argument("--backend-key", default=env("SPECDEC_BACKEND_KEY"), help="client key (mutual TLS)")
