@@ -124,7 +124,6 @@ class Forest:
         self.slot: dict[int, int] = {}        # forest index -> draft KV slot (after the committed ones)
         self.seen: dict[int, list[int]] = {}  # forest index -> the draft slots it sees: its ancestors' and its own
         self.outputs = [root_hidden[None]]
-        self.joined: torch.Tensor | None = None
         self.key_positions = list(range(committed))
 
     def add(self, token: int, parent: int, depth: int, value: float) -> int:
@@ -139,14 +138,13 @@ class Forest:
         return node
 
     def output_rows(self, nodes: list[int]) -> list[int]:
-        """Each node's row in the outputs (-1 where it never ran; the root's for -1)."""
+        """Each node's row in the outputs: the current root's (0) for -1, the last
+        row for a node that never ran (``draft_forest``'s table ends with a zero row)."""
         return [0 if n < 0 else self.slot[n] + 1 if n in self.slot else -1 for n in nodes]
 
     def outputs_at(self, nodes: list[int]) -> torch.Tensor:
-        """[len(nodes), H] the drafter's outputs at ``nodes`` (each ran; -1: the current root)."""
-        if self.joined is None or self.joined.shape[0] != len(self.slot) + 1:
-            self.joined = torch.cat(self.outputs)
-        return self.joined[self.output_rows(nodes)]
+        """[len(nodes), H] the drafter's outputs at ``nodes``, each of which ran (-1: the current root)."""
+        return torch.cat(self.outputs)[self.output_rows(nodes)]
 
     def run(self, step: StepFn, nodes: list[int], parent_hidden: torch.Tensor) -> torch.Tensor:
         """One forward over ``nodes`` (topological order; each sees the prefix, its

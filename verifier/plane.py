@@ -62,8 +62,7 @@ class ServedVerifier:
         self.session_id = prefill.session_id
         self.opened = False
         self.last = 0                        # the last committed token (a root-only tree's root)
-        self.verify_s = 0.0                  # the last verify's compute
-        self.verify_wall_s = 0.0             # and its wall time here (the handler's checks and hand-overs too)
+        self.verify_wall_s = 0.0             # the last verify's wall time here (forward, checks and hand-overs)
         self.self_drafts = 0                 # cycles whose tree this verifier drafted (lookahead decoding)
         # every feature row sent, while a drafter that needs them may be paired again (``PlaneLoop.pair``)
         self.feature_log: FeatureLog | None = None
@@ -91,7 +90,7 @@ class ServedVerifier:
         start = time.perf_counter()
         response = await self.service.Verify(verifier_pb2.VerifyRequest(
             session_id=self.session_id, tree=tree, return_features=features, lookahead_depth=depth), self.context)
-        self.last, self.verify_s = response.tokens[-1], response.compute_s
+        self.last = response.tokens[-1]
         self.verify_wall_s = time.perf_counter() - start
         self.self_drafts += depth > 0
         self.keep(response.features if features else None)

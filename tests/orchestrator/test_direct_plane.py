@@ -317,9 +317,19 @@ def test_drafting_ahead_is_budgeted_to_the_verify_as_the_loop_waits_for_it(stack
     verify, draft_ahead = plane.ServedVerifier.verify, paired.PairedDrafter.draft_ahead
 
     async def timed_verify(self, draft, features):
-        start = time.perf_counter()
-        got = await verify(self, draft, features)
-        verifies.append((self.verify_s, time.perf_counter() - start))
+        handler, computed = self.service.Verify, []
+
+        async def computing(request, context):
+            answer = await handler(request, context)
+            computed.append(answer.compute_s)
+            return answer
+
+        self.service.Verify, start = computing, time.perf_counter()
+        try:
+            got = await verify(self, draft, features)
+        finally:
+            del self.service.Verify                    # the class's handler again
+        verifies.append((computed[0], time.perf_counter() - start))
         return got
 
     async def budgeted(self, *args, **kwargs):
