@@ -92,11 +92,13 @@ class DirectRun:
         stream = v.endpoint.stub.Run(timeout=v.deadline.remaining())
         stopped = False
         try:
-            await stream.write(verifier_pb2.RunRequest(start=start))
-            self.wire_bytes += start.ByteSize()
+            # the span opens before the start goes out: the verifier's first step may begin before
+            # the write returns, and its compute must lie inside the span it is taken from
             self.span_s = self.compute_s = 0.0
             self.network_before = dec.stats.time_s["network"]
             last = time.perf_counter()
+            await stream.write(verifier_pb2.RunRequest(start=start))
+            self.wire_bytes += start.ByteSize()
             while True:
                 event = await stream.read()
                 if event == grpc.aio.EOF:
