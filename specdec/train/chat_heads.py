@@ -17,7 +17,6 @@ The steps, each resumable from ``workdir``:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from specdec.train.eagle import EagleLoss, calibration_record, feature_losses, h
 from specdec.train.eagle3 import Eagle3Options, build_head, chosen_layers
 from specdec.train.features import FeatureCache, cache_dir, extract
 from specdec.train.loop import TrainConfig, train
-from specdec.train.regenerate import GenerateOptions, regenerate
+from specdec.train.regenerate import GenerateOptions, autocast, regenerate
 from specdec.train.ttt import TttBatch, unrolled_losses
 
 EVAL_CHATS = 16         # held-out conversations in an eval
@@ -62,16 +61,6 @@ def conversations(target, tokenizer, data: ChatData, workdir: Path, progress: bo
                               progress)
         out.append(chats)
     return out[0], out[1]
-
-
-def autocast(precision: str, device: str = "cpu"):
-    """The context a training forward runs in: bf16 autocast (matrix products in
-    bf16, reductions and the weights fp32) or nothing for fp32."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    if precision != "bf16":
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    return torch.autocast(device, dtype=torch.bfloat16)
 
 
 def cached(target, target_dir: Path, tokens: list[ChatTokens], workdir: Path, max_len: int,

@@ -17,6 +17,11 @@ not seen before: exact and near-exact repeats count once. The kept prompts
 are split by a hash of that normalised text into a training file and a
 held-out file, never the same prompt in both.
 
+Prompts of earlier runs (``excluded_prompts``: every user turn of the
+conversations given) count as seen from the start, so a dataset grows by
+runs with new seeds without repeating a prompt it holds, held-out ones
+included; a rerun must name the same files to replay its journal alike.
+
 Every sample drawn is appended to a journal (``journal_path``) batch by
 batch; a rerun replays it through the filter and draws on from there, its
 random stream seeded by the draws already made, so a long run stopped
@@ -49,6 +54,7 @@ class MagpieOptions:
     heldout_frac: float = 0.05
     max_draws: int = 0             # 0: 4 * n
     seed: int = 0
+    precision: str = "fp32"        # or "bf16" (GenerateOptions)
 
 
 def user_header(tokenizer) -> tuple[str, str]:
@@ -84,8 +90,8 @@ def is_heldout(text: str, frac: float) -> bool:
 class PromptFilter:
     """Keeps finished, non-degenerate, not-yet-seen prompts (module doc) and counts why others went."""
 
-    def __init__(self):
-        self.seen: set[str] = set()
+    def __init__(self, excluded: frozenset[str] = frozenset()):
+        self.seen: set[str] = set(excluded)
         self.kept: list[str] = []
         self.dropped = {"unfinished": 0, "degenerate": 0, "duplicate": 0}
         self.drawn = 0              # samples drawn
@@ -102,6 +108,14 @@ class PromptFilter:
         self.seen.add(normalised(text))
         self.kept.append(text)
         return True
+
+
+def excluded_prompts(paths: list[str]) -> frozenset[str]:
+    """The normalised user turns of the conversations in ``paths`` (JSONL of messages, gzipped or not)."""
+    from specdec.train.chat import read_chats
+
+    return frozenset(normalised(m["content"]) for path in paths for chat in read_chats(path, need_assistant=False)
+                     for m in chat if m["role"] == "user")
 
 
 def journal_path(out: Path) -> Path:
@@ -127,17 +141,18 @@ def replay(journal: Path, kept: PromptFilter, n: int) -> None:
 
 
 def sample_prompts(target, tokenizer, opts: MagpieOptions, progress: bool = True,
-                   journal: Path | None = None) -> PromptFilter:
+                   journal: Path | None = None, excluded: frozenset[str] = frozenset()) -> PromptFilter:
     """Draw user turns from the target's user header until ``opts.n`` are kept,
-    going on from ``journal``'s draws and adding to it (module doc)."""
+    none of them ``excluded``, going on from ``journal``'s draws and adding to it (module doc)."""
     import torch
     from tqdm import tqdm
 
     head, tail = user_header(tokenizer)
     header_ids = list(tokenizer(head, add_special_tokens=False)["input_ids"])
     stops = end_of_turn_ids(tokenizer, target, tail)
-    gen = GenerateOptions(max_new_tokens=opts.max_new_tokens, batch=opts.batch, temperature=opts.temperature)
-    kept = PromptFilter()
+    gen = GenerateOptions(max_new_tokens=opts.max_new_tokens, batch=opts.batch, temperature=opts.temperature,
+                          precision=opts.precision)
+    kept = PromptFilter(excluded)
     if journal is not None:
         replay(journal, kept, opts.n)
     max_draws = opts.max_draws or 4 * opts.n

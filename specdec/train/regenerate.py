@@ -7,6 +7,11 @@ order, becomes the target's answer to the conversation so far (earlier turns
 already regenerated), and a conversation that ends with a user turn gets one
 more, answered. Answers are greedy unless a temperature is given, at most
 ``max_new_tokens`` long, and end at the target's end-of-turn (its EOS ids).
+At ``precision`` "bf16" the forwards run under bf16 autocast (``autocast``):
+the answers are then those of the target's bf16 arithmetic, which can part
+from its fp32 answers at near-ties (self-distillation data either way), at
+about 2.3x the tokens a second on a CPU with bf16 (SmolLM2-135M, batch 64,
+one thread; docs/training.md).
 
 Generation is batched: ``batch`` conversations at a time, left-padded with an
 attention mask, one KV cache, finished rows leaving the batch. Conversations
@@ -17,6 +22,7 @@ and generates only the rest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +40,20 @@ class GenerateOptions:
     batch: int = 16
     temperature: float = 0.0       # 0: greedy
     seed: int = 0
+    precision: str = "fp32"        # or "bf16": the forwards under bf16 autocast
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(precision: str, device: str = "cpu"):
+    """The context a forward runs in: bf16 autocast (matrix products in bf16,
+    reductions fp32; the weights as they are) or nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision != "bf16":
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return torch.autocast(device, dtype=torch.bfloat16)
 
 
 def stop_ids(tokenizer, target) -> list[int]:
@@ -63,13 +83,18 @@ def next_tokens(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1)[:, 0]
 
 
-@torch.no_grad()
 def generate_batch(target, prompts: list[list[int]], stops: list[int], opts: GenerateOptions,
                    pad: int) -> list[tuple[list[int], bool]]:
     """Each prompt's continuation up to (not including) its first stop id, and
     whether it stopped (False: cut at ``max_new_tokens``). One batch with a KV
     cache; a row that stops leaves the batch (its cache rows dropped), so the
     steps cost what the unfinished rows cost."""
+    with torch.no_grad(), autocast(opts.precision, target.device.type):
+        return _generate(target, prompts, stops, opts, pad)
+
+
+def _generate(target, prompts: list[list[int]], stops: list[int], opts: GenerateOptions,
+              pad: int) -> list[tuple[list[int], bool]]:
     from transformers import DynamicCache
 
     ids, mask = left_padded(prompts, pad)                                  # [B, L]

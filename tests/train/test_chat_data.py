@@ -217,3 +217,46 @@ def test_rows_that_stop_leave_the_batch_and_the_rest_still_decode_greedily(targe
         want = greedy(model, p, 9, stops)
         assert ids == want and finished == (len(want) < 9)
     assert sum(f for _, f in got) >= 2 and len({len(i) for i, _ in got}) >= 2
+
+
+def test_bf16_generation_is_greedy_decoding_of_the_bf16_forwards(targets, tmp_path):
+    """At precision bf16 the forwards run in bf16 (the logits come out bf16) and
+    each row is still plain greedy decoding of those forwards; the command casts
+    the weights and writes what the in-process regeneration writes."""
+    target_dir = targets["chatml"]
+    model, tok = load_causal_lm(ModelSpec(str(target_dir))), load_tokenizer(target_dir)
+    prompts = [tok(t)["input_ids"] for t in ("def add(a, b):", "import os\nimport sys", "x", "class Point:")]
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    got = generate_batch(model, prompts, [], GenerateOptions(max_new_tokens=9, precision="bf16"), pad=0)
+    hook.remove()
+    assert set(seen) == {torch.bfloat16}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert [ids for ids, _ in got] == [greedy(model, p, 9, []) for p in prompts]
+    chats = [[{"role": "user", "content": "import os"}], [{"role": "user", "content": "class Point:"}]]
+    data, out = tmp_path / "c.jsonl", tmp_path / "r.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    assert main(["train", "chat-regenerate", "--target", str(target_dir), "--chat", str(data), "--out", str(out),
+                 "--max-new-tokens", "7", "--precision", "bf16", "--threads", "1"]) == 0
+    want, _, _ = regenerate(model.to(torch.bfloat16), tok, chats, tmp_path / "w.jsonl",
+                            GenerateOptions(max_new_tokens=7, precision="bf16"), progress=False)
+    assert [json.loads(line)["messages"] for line in out.read_text().splitlines()] == want
+
+
+def test_chat_prompts_leave_out_the_prompts_they_are_told_to(tmp_path, capsys):
+    """A second run with the same seed draws the same samples: told to exclude the
+    first run's prompts it keeps none of them (they drop as duplicates)."""
+    target = build_chat_target(tmp_path, "chatml", zero_lm_head=True)
+
+    def run(out, *extra):
+        args = ["train", "chat-prompts", "--target", str(target), "--n", "6", "--out", str(out), "--heldout-frac",
+                "0", "--max-new-tokens", "40", "--batch", "8", "--max-draws", "400", "--threads", "1", *extra]
+        assert main(args) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        return summary, {normalised(json.loads(line)["messages"][0]["content"])
+                         for line in out.read_text().splitlines()}
+
+    first, before = run(tmp_path / "a" / "p.jsonl")
+    second, after = run(tmp_path / "b" / "p.jsonl", "--exclude", str(tmp_path / "a" / "p.jsonl"))
+    assert len(before) == len(after) == 6 and not before & after
+    assert second["excluded"] == 6 and second["dropped"]["duplicate"] >= 6 > first["dropped"]["duplicate"]
