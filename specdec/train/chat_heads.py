@@ -98,11 +98,18 @@ def eagle_batch_losses(head, io: TargetHead, b: dict, loss_cfg: EagleLoss, noise
 
 
 def ttt_batch(io: TargetHead, b: dict, t2d: torch.Tensor) -> TttBatch:
-    """A cached batch as the unrolled head reads it (``eagle3.target_batch``, from the cache)."""
+    """A cached batch as the unrolled head reads it (``eagle3.target_batch``, from
+    the cache). The target's logits are taken only where the batch trains (its
+    assistant positions); elsewhere the target is zeros and nothing counts."""
+    weight = b["mask"][:, 1:]                                                         # [B, S]
     with torch.no_grad():
-        logits = io.logits(b["final"][:, 1:])                                         # [B, S, V]
-    return TttBatch(features=b["layers"][:, :-1], tokens=b["tokens"], target=logits[..., t2d],
-                    in_draft=t2d[logits.argmax(-1)], weight=b["mask"][:, 1:])
+        logits = io.logits(b["final"][:, 1:][weight])                                 # [M, V]
+        target = logits.new_zeros(*weight.shape, int(t2d.sum()))
+        target[weight] = logits[:, t2d]
+        in_draft = torch.zeros_like(weight)
+        in_draft[weight] = t2d[logits.argmax(-1)]
+    return TttBatch(features=b["layers"][:, :-1], tokens=b["tokens"], target=target, in_draft=in_draft,
+                    weight=weight)
 
 
 def eagle3_batch_losses(head, io: TargetHead, b: dict, ttt_steps: int):

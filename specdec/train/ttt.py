@@ -103,20 +103,26 @@ def unrolled_losses(head, embed_tokens, batch: TttBatch, steps: int) -> tuple[to
     """The weighted training-time-test loss of ``head`` on ``batch`` and, per
     step k, its loss ``loss_k`` and top-1 agreement ``top1_k`` with the target
     (over positions with a target whose argmax the draft vocabulary holds).
-    ``head`` also has ``draft_logits(hidden)``."""
-    target_p = torch.softmax(batch.target.float(), -1)                      # [B, S, N]
-    target_top = batch.target.argmax(-1)                                    # [B, S]
+    ``head`` also has ``draft_logits(hidden)``.
+
+    Only the positions that count go through the draft vocabulary's projection
+    and softmax (a chat batch's prompts and padding are ~40% of it): step k's
+    head position t counts where the target's position t+k does, so each step
+    gathers those rows; the loss is still the sum over them divided by all B*S."""
+    bsz, seq_len = batch.counted().shape
+    rows = batch.counted().flatten().nonzero()[:, 0]                       # [M] flat positions with a target
+    target = batch.target.flatten(0, 1)[rows].float()                      # [M, N]
+    target_p, target_top = torch.softmax(target, -1), target.argmax(-1)
+    at = rows % seq_len                                                     # each row's position in its window
     total = target_p.new_zeros(())
     metrics: dict[str, float] = {}
     weights = step_weights(steps)
     for k, hidden in enumerate(unrolled_hidden(head, embed_tokens, batch, steps)):
-        logp = torch.log_softmax(head.draft_logits(hidden).float(), -1)    # [B, S, N]
-        # The target at t+1+k: the step-0 targets shifted left by k; none past the window.
-        p_k, top_k = shifted(target_p, k), shifted(target_top, k)
-        valid = shifted(batch.counted(), k, False)                          # [B, S]
-        loss_k = -(valid.float() * (p_k * logp).sum(-1)).mean()
+        keep = at >= k                                                      # the target at t+k: a head row at t
+        logp = torch.log_softmax(head.draft_logits(hidden.flatten(0, 1)[rows[keep] - k]).float(), -1)
+        loss_k = -(target_p[keep] * logp).sum() / (bsz * seq_len)
         total = total + weights[k] * loss_k
-        hits = (logp.argmax(-1) == top_k) & valid
+        hits = int((logp.argmax(-1) == target_top[keep]).sum())
         metrics[f"loss_{k}"] = float(loss_k.detach())
-        metrics[f"top1_{k}"] = float(hits.sum()) / max(1, int(valid.sum()))
+        metrics[f"top1_{k}"] = hits / max(1, int(keep.sum()))
     return total, metrics

@@ -112,6 +112,35 @@ def test_only_assistant_positions_move_the_loss(chat):
         assert (loss == pytest.approx(base, abs=1e-6)) == same
 
 
+def test_an_eagle3_chat_batch_takes_the_targets_logits_where_it_trains(chat):
+    """``ttt_batch`` asks the target's output head only at the assistant
+    positions: there its draft-vocabulary logits and in-draft flags are those of
+    the whole batch's logits, elsewhere nothing counts."""
+    from drafter.eagle.eagle2_head import TargetHead
+    from specdec.train.chat_heads import ttt_batch
+
+    target, tok = load_causal_lm(ModelSpec(str(chat["target"]))), load_tokenizer(chat["target"])
+    cts = [chat_tokens(tok, c) for c in conversations(2)]
+    width = min(len(c.ids) for c in cts)
+    ids = torch.tensor([c.ids[:width] for c in cts])
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    mask = torch.stack([c.loss_mask()[:width] for c in cts])
+    t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    t2d[::3] = True
+    io = TargetHead.of_model(target)
+    b = {"tokens": ids, "final": out.hidden_states[-1], "layers": out.hidden_states[-1].repeat(1, 1, 3),
+         "mask": mask}
+    got = ttt_batch(io, b, t2d)
+    weight = mask[:, 1:]
+    assert 0 < int(weight.sum()) < weight.numel() and torch.equal(got.weight, weight)
+    with torch.no_grad():
+        full = io.logits(b["final"][:, 1:])
+    torch.testing.assert_close(got.target[weight], full[..., t2d][weight], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.in_draft[weight], t2d[full.argmax(-1)][weight])
+    assert not got.counted()[~weight].any() and not got.target[~weight].any()
+
+
 def test_regenerate_inside_a_training_run(chat, tmp_path):
     data = tmp_path / "users.jsonl"
     data.write_text("".join(json.dumps({"messages": c[:1]}) + "\n" for c in conversations(6)))

@@ -153,6 +153,44 @@ def test_loss_is_the_decayed_sum_of_soft_cross_entropies(family, target):
     assert metrics["loss_0"] == pytest.approx(float(by_hand.detach()), rel=1e-4)
 
 
+def dense_losses(head, batch, steps: int):
+    """The loss over every B*S position with the uncounted ones multiplied by 0
+    (the training-time test's definition, without gathering the counted rows)."""
+    target_p, target_top = torch.softmax(batch.target.float(), -1), batch.target.argmax(-1)
+    total, tops = 0.0, []
+    for k, hidden in enumerate(unrolled_hidden(head, head.embed_tokens, batch, steps)):
+        logp = torch.log_softmax(head.draft_logits(hidden).float(), -1)
+        valid = shifted(batch.counted(), k, False)
+        total = total + step_weights(steps)[k] * -(valid.float() * (shifted(target_p, k) * logp).sum(-1)).mean()
+        tops.append(int(((logp.argmax(-1) == shifted(target_top, k)) & valid).sum()) / max(1, int(valid.sum())))
+    return total, tops
+
+
+def test_only_counted_rows_go_through_the_draft_vocabulary_and_the_loss_is_unchanged(family, target):
+    """A batch whose windows count only from some position on (a chat's
+    assistant tokens) and not at all in one window: the gathered loss, every
+    step's top-1 and the gradients equal the dense definition's."""
+    size = target.config.vocab_size
+    vocab = corpus_draft_vocab(torch.arange(size), size, size // 2, 0)        # about half the argmaxes count
+    head = new_head(target, vocab, training_feature_layers(2))
+    windows = torch.randint(1, size, (3, 13), generator=torch.Generator().manual_seed(6))
+    dense = target_batch(target, windows, head.layers, head.t2d)
+    weight = torch.zeros_like(dense.in_draft)
+    weight[0, 4:] = weight[2, 1:9] = True
+    batch = type(dense)(dense.features, dense.tokens, dense.target, dense.in_draft, weight)
+    assert 0 < int(batch.counted().sum()) < int(weight.sum()) < weight.numel()
+    loss, metrics = unrolled_losses(head, head.embed_tokens, batch, 4)
+    grads = torch.autograd.grad(loss, list(head.parameters()), allow_unused=True)
+    want, tops = dense_losses(head, batch, 4)
+    want_grads = torch.autograd.grad(want, list(head.parameters()), allow_unused=True)
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert [metrics[f"top1_{k}"] for k in range(4)] == tops
+    for g, w in zip(grads, want_grads):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+
+
 def test_loss_falls_on_a_repeated_batch(family, target):
     """The loss approaches its floor, the weighted entropy of the target's
     distributions (a random target's are broad): the KL part halves."""
