@@ -15,11 +15,13 @@ from specdec.request.errors import UsageError
 def add_chat_flags(p: argparse.ArgumentParser) -> None:
     """The chat-data flags of ``train eagle``."""
     g = p.add_argument_group("chat data (instead of --data)")
-    g.add_argument("--chat", metavar="JSONL",
-                   help="conversations, one {\"messages\": [{\"role\", \"content\"}, ...]} a line, rendered with "
-                        "the target's chat template; only assistant tokens are trained on")
-    g.add_argument("--heldout-chat", metavar="JSONL",
-                   help="held-out conversations for evals and calibration (default: ~5%% of --chat, by hash)")
+    g.add_argument("--chat", metavar="JSONL", nargs="+",
+                   help="conversations, one {\"messages\": [{\"role\", \"content\"}, ...]} a line (several "
+                        "files: one dataset, a conversation given twice kept once), rendered with the target's "
+                        "chat template; only assistant tokens are trained on")
+    g.add_argument("--heldout-chat", metavar="JSONL", nargs="+",
+                   help="held-out conversations for evals and calibration (default: ~5%% of --chat, by hash); "
+                        "a training conversation equal to one of them is left out of training")
     g.add_argument("--regenerate", action="store_true",
                    help="replace every assistant turn with the target's own answer (self-distillation; "
                         "written to <workdir>/regenerated-*.jsonl and reused on rerun)")
@@ -153,7 +155,7 @@ def run_chat_regenerate(args) -> int:
 
 def chat_data(args):
     """The ``ChatData`` of ``train eagle``'s chat flags."""
-    from specdec.train.chat import read_chats
+    from specdec.train.chat import chat_key, read_chat_files
     from specdec.train.chat_heads import ChatData
 
     if args.data:
@@ -163,8 +165,9 @@ def chat_data(args):
     need = not args.regenerate
     regen = _generation(args.regen_max_new_tokens, args.regen_batch, args.regen_temperature, args.seed,
                         args.precision) if args.regenerate else None
-    heldout = read_chats(args.heldout_chat, need) if args.heldout_chat else None
-    return ChatData(read_chats(args.chat, need), heldout, regen)
+    heldout = read_chat_files(args.heldout_chat, need) if args.heldout_chat else None
+    held_keys = {chat_key(c) for c in heldout or []}
+    return ChatData([c for c in read_chat_files(args.chat, need) if chat_key(c) not in held_keys], heldout, regen)
 
 
 def run_eagle_chat(args, out: str, cfg, loss=None, opts=None) -> dict:

@@ -92,6 +92,18 @@ def read_chats(path: str | Path, need_assistant: bool = True) -> list[list[dict]
     return chats
 
 
+def read_chat_files(paths: list[str | Path], need_assistant: bool = True) -> list[list[dict]]:
+    """The conversations of several files (``read_chats``) as one dataset, in order, each
+    conversation once however many times the files hold it."""
+    chats, seen = [], set()
+    for path in paths:
+        for chat in read_chats(path, need_assistant):
+            if (key := chat_key(chat)) not in seen:
+                seen.add(key)
+                chats.append(chat)
+    return chats
+
+
 def write_chats(chats: list[list[dict]], path: Path) -> None:
     path.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in chats),
                     encoding="utf-8")

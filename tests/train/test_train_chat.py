@@ -141,6 +141,22 @@ def test_an_eagle3_chat_batch_takes_the_targets_logits_where_it_trains(chat):
     assert not got.counted()[~weight].any() and not got.target[~weight].any()
 
 
+def test_several_chat_files_are_one_dataset_without_the_held_out_ones(chat, tmp_path):
+    """Two --chat files that share conversations, one of them also held out:
+    each trains once, the held-out one not at all."""
+    convs = conversations(8)
+    files = {"a": convs[:5], "b": convs[3:8], "held": [convs[1], convs[7]]}
+    for name, part in files.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in part))
+    workdir = tmp_path / "w"
+    run = ["train", "eagle", *VERSIONS[2], "--target", str(chat["target"]), "--chat", str(tmp_path / "a.jsonl"),
+           str(tmp_path / "b.jsonl"), "--heldout-chat", str(tmp_path / "held.jsonl"), "--workdir", str(workdir),
+           "--out", str(tmp_path / "o"), *TINY]
+    assert main(run) == 0
+    log = json.loads((tmp_path / "o" / "training_log.json").read_text())
+    assert (log["chat_train"], log["chat_heldout"]) == (6, 2)         # 8 distinct, 2 of them held out
+
+
 def test_regenerate_inside_a_training_run(chat, tmp_path):
     data = tmp_path / "users.jsonl"
     data.write_text("".join(json.dumps({"messages": c[:1]}) + "\n" for c in conversations(6)))
