@@ -159,7 +159,8 @@ def test_several_chat_files_are_one_dataset_without_the_held_out_ones(chat, tmp_
 
 def test_regenerate_inside_a_training_run(chat, tmp_path):
     data = tmp_path / "users.jsonl"
-    data.write_text("".join(json.dumps({"messages": c[:1]}) + "\n" for c in conversations(6)))
+    users = [[{"role": "user", "content": f"{c[0]['content']} {i}"}] for i, c in enumerate(conversations(6))]
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in users))
     run = ["train", "eagle", "--version", "2", "--target", str(chat["target"]), "--chat", str(data),
            "--regenerate", "--regen-max-new-tokens", "8", "--regen-batch", "4", "--workdir", str(tmp_path / "w"),
            "--out", str(tmp_path / "o"), *TINY]
