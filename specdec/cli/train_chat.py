@@ -34,7 +34,7 @@ def add_chat_flags(p: argparse.ArgumentParser) -> None:
 
 def _precision_flag(t) -> None:
     t.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: the target's weights in bf16 and its forwards under bf16 autocast (~2.3x the "
+                   help="bf16: the target's weights in bf16 and its forwards under bf16 autocast (~1.8x the "
                         "tokens a second where the CPU has bf16; answers can part from fp32's at near-ties)")
 
 

@@ -10,8 +10,8 @@ more, answered. Answers are greedy unless a temperature is given, at most
 At ``precision`` "bf16" the forwards run under bf16 autocast (``autocast``):
 the answers are then those of the target's bf16 arithmetic, which can part
 from its fp32 answers at near-ties (self-distillation data either way), at
-about 2.3x the tokens a second on a CPU with bf16 (SmolLM2-135M, batch 64,
-one thread; docs/training.md).
+~1.8x the tokens a second on a CPU with bf16 (SmolLM2-135M, batch 64, one
+thread: docs/training.md).
 
 Generation is batched: ``batch`` conversations at a time, left-padded with an
 attention mask, one KV cache, finished rows leaving the batch. Conversations
