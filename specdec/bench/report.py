@@ -139,6 +139,7 @@ def markdown(result: dict) -> str:
         *(["- pinned: verifier and drafter processes on one core each, one torch thread each; in-process "
            "methods on the verifier's core"] if result.get("pinned") else []),
         *cache_lines(result.get("prefix_cache")),
+        *[f"- **{note}**" for note in result.get("notes", []) if note.startswith("WARNING")],
         "",
         "## Speed and acceptance length",
         "",

@@ -23,7 +23,8 @@ from specdec.bench.runner import (CALIBRATED, LLAMACPP_METHODS, OPENAI_METHOD, P
                                   method_tree,
                                   other_sizing, stderr_progress, summarize, with_references)
 from specdec.bench.services import grpc_methods
-from specdec.model.loading import ModelSpec, load_causal_lm, load_tokenizer
+from specdec.compile import aot
+from specdec.model.loading import AHEAD_ENV, ModelSpec, load_causal_lm, load_tokenizer
 from specdec.model.prompts import chat_text, prompt_ids
 from specdec.procs import pinned_cores
 from specdec.request.decoding import StopCriteria
@@ -183,8 +184,12 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
                 cfg.openai_url, cfg.max_new_tokens, cfg.temperature, cfg.openai_model, cfg.openai_key,
                 encode=lambda text: models.tokenizer(text, add_special_tokens=False)["input_ids"])
             stack.callback(peer.close)
+        built = aot.BUILT[0]
         totals = measure(methods, prompts, cfg.repeats, cfg.seed, on_warm=recorder.clear, progress=progress)
     points = recorder.points()
+    timed_builds = [built_while_timed(aot.BUILT[0] - built)] if aot.BUILT[0] > built else []
+    for note in timed_builds:
+        (progress or stderr_progress("bench"))(note)
     sizer = next((engine.sizer for engine in engines if engine.sizer is not None), None)
     return {
         "device": device_name(cfg.device),
@@ -211,7 +216,8 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "notes": ["tau counts the bonus token (tokens committed per draft/verify cycle; vanilla = 1)",
                   "accepted_per_position[j]: fraction of cycles accepting >= j+1 draft tokens",
                   "methods interleaved per prompt, order rotated per prompt; one warm-up per method excluded",
-                  "stop at EOS or max_new_tokens; tokens/s = generated tokens / generate wall time incl. prefill"],
+                  "stop at EOS or max_new_tokens; tokens/s = generated tokens / generate wall time incl. prefill",
+                  *timed_builds],
         "llamacpp": {"notes": llama_notes, "identical_to_vanilla": {
             n: identical_fraction(totals[n].outputs(), totals["vanilla"].outputs()) for n in llama}
             if cfg.params.greedy else None},
@@ -219,6 +225,13 @@ def run_bench(cfg: BenchConfig, texts: Sequence[str], progress: Callable[[str], 
         "calibration": ({"method": CALIBRATED, "evaluated_nodes": len(points), "bins": calibration_bins(points)}
                         if CALIBRATED in names else None),
     }
+
+
+def built_while_timed(count: int) -> str:
+    """The warning for compiled graphs this process built inside the timed runs."""
+    return (f"WARNING: {count} compiled graph{'s' if count > 1 else ''} built inside the timed runs (a shape "
+            f"first needed there: with {AHEAD_ENV}=ready graphs are built on demand); the build time is in "
+            f"these figures: rerun (the packages are on disk now) or leave {AHEAD_ENV} at all")
 
 
 def prefix_record(cfg: BenchConfig, models: Models) -> dict | None:

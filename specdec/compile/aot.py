@@ -88,6 +88,7 @@ _pruned: set[Path] = set()     # package roots this process has pruned (once eac
 _pruning = threading.Lock()
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # model -> ``model_fingerprint``
 # the files a model directory's identity is read from
+BUILT: list[int] = [0]         # packages this process built (``build_package``); the bench reads it around its timing
 MODEL_FILES = ("*.json", "*.safetensors", "*.bin", "*.pt", "*.model", "*.txt")
 
 
@@ -204,6 +205,7 @@ def build_package(step: torch.nn.Module, example: tuple, path: Path, packed: boo
             torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
                                                       inductor_configs=PACKED_CONFIG if packed else SHARED_CONFIG)
         os.replace(tmp, path)
+        BUILT[0] += 1
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

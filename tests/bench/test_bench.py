@@ -93,6 +93,33 @@ def test_report_files(greedy_run):
     assert sum(b["nodes"] for b in cal["bins"]) == cal["evaluated_nodes"] > 0
 
 
+def test_a_graph_built_inside_the_timed_runs_is_a_warning(tiny_family, prompt_file, tmp_path, monkeypatch, capsys):
+    """A package built while the methods are timed (a shape first needed there)
+    puts a warning in the record's notes and on stderr; a run without one has none."""
+    from specdec.bench import suite
+    from specdec.compile import aot
+
+    real = suite.measure
+
+    def measure_with_a_build(*args, **kw):
+        aot.BUILT[0] += 1                  # what build_package does when a forward needs a new graph
+        return real(*args, **kw)
+
+    monkeypatch.setattr(suite, "measure", measure_with_a_build)
+    out = tmp_path / "b.json"
+    args = ["bench", *model_flags(tiny_family), "--prompts", str(prompt_file), "--limit-prompts", "1",
+            "--max-new-tokens", "4", "--methods", "vanilla", "--json", str(out), "--report", str(tmp_path / "r")]
+    assert main(args) == 0
+    warnings = [n for n in json.loads(out.read_text())["notes"] if n.startswith("WARNING")]
+    assert len(warnings) == 1 and "1 compiled graph built inside the timed runs" in warnings[0]
+    assert warnings[0] in capsys.readouterr().err
+    assert f"- **{warnings[0]}**" in (tmp_path / "r" / "results.md").read_text()
+
+
+def test_no_build_inside_the_timed_runs_no_warning(greedy_run):
+    assert not [n for n in greedy_run[0]["notes"] if n.startswith("WARNING")]
+
+
 def test_sampling_run_has_no_output_check(tiny_family, prompt_file, tmp_path):
     out = tmp_path / "t1.json"
     args = ["bench", *model_flags(tiny_family), "--prompts", str(prompt_file), "--limit-prompts", "1",

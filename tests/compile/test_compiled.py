@@ -352,3 +352,25 @@ def test_starts_needing_one_package_build_it_once(tmp_path, monkeypatch):
     for t in starts:
         t.join()
     assert len(built) == 1 and len(set(paths)) == 1 and paths[0].read_bytes() == b"package"
+
+
+def test_built_packages_are_counted_and_a_failed_build_is_not(monkeypatch, tmp_path):
+    """``aot.BUILT`` counts the packages this process wrote (the bench warns when
+    the count moves inside its timed runs); a build that fails writes and counts nothing."""
+    from pathlib import Path
+
+    def compile_ok(exported, package_path, inductor_configs):
+        Path(package_path).write_bytes(b"package")
+
+    def compile_fails(exported, package_path, inductor_configs):
+        raise RuntimeError("inductor failed")
+
+    step, example = torch.nn.Linear(3, 2), (torch.ones(1, 3),)
+    before = aot.BUILT[0]
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_ok)
+    aot.build_package(step, example, tmp_path / "a.pt2", packed=True)
+    assert aot.BUILT[0] == before + 1 and (tmp_path / "a.pt2").read_bytes() == b"package"
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_fails)
+    with pytest.raises(RuntimeError, match="inductor failed"):
+        aot.build_package(step, example, tmp_path / "b.pt2", packed=True)
+    assert aot.BUILT[0] == before + 1 and not (tmp_path / "b.pt2").exists()
