@@ -296,6 +296,7 @@ class EngineServicer:
                 task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.stats.close()
+        self.prefix_stats.close()
 
 
 

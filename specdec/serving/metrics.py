@@ -103,14 +103,26 @@ PREFIX_TOKENS = Gauge("specdec_prefix_cache_tokens", "Tokens held by the prefix 
 
 class PrefixStats:
     """One server's prefix cache into the per-role series: ``update`` adds what
-    its counters gained since the last call and sets the gauge."""
+    its counters gained since the last call; the tokens gauge is the sum over
+    the role's live servers (as ``SessionStats``: several servers of one role
+    in a process each hold their own cache, and a gauge one of them set would
+    read another's)."""
 
     COUNTERS = ((PREFIX_LOOKUPS, "lookups"), (PREFIX_HITS, "hits"), (PREFIX_HIT_TOKENS, "hit_tokens"),
                 (PREFIX_SAVED_TOKENS, "saved_tokens"), (PREFIX_EVICTIONS, "evictions"))
+    _live: dict[str, weakref.WeakSet] = {}
+    _lock = threading.Lock()
 
     def __init__(self, role: str):
         self.role = role
+        self.tokens = 0
         self._seen: dict[str, int] = {}
+        with self._lock:
+            if role not in self._live:
+                self._live[role] = weakref.WeakSet()
+                peers = self._live[role]
+                PREFIX_TOKENS.labels(role).set_function(lambda: sum(s.tokens for s in list(peers)))
+            self._live[role].add(self)
 
     def update(self, stats, tokens: int) -> None:
         """``stats``: the cache's ``CacheStats``; ``tokens``: what it holds now."""
@@ -120,7 +132,13 @@ class PrefixStats:
             if gained > 0:
                 counter.labels(self.role).inc(gained)
             self._seen[name] = now
-        PREFIX_TOKENS.labels(self.role).set(tokens)
+        self.tokens = tokens
+
+    def close(self) -> None:
+        """The server stopped: its cache no longer counts in the gauge."""
+        self.tokens = 0
+        with self._lock:
+            self._live[self.role].discard(self)
 
 
 class SessionStats:

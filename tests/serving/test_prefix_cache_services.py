@@ -69,3 +69,22 @@ def test_salts_are_digests_of_tenant_and_request_salt():
     salts = {backend_salt("alice"), backend_salt("bob"), backend_salt("alice", "x"), backend_salt("", "x"),
              backend_salt("alic", "ex")}
     assert len(salts) == 5 and all(len(s) == 32 and "alice" not in s for s in salts)
+
+
+def test_the_tokens_gauge_sums_the_roles_live_servers():
+    """Two servers of one role in a process: the gauge is what both caches hold
+    (the last one to update no longer hides the other), and a stopped one drops out."""
+    from specdec.model.prefix_cache import CacheStats
+    from specdec.serving.metrics import PrefixStats
+
+    def held():
+        return REGISTRY.get_sample_value("specdec_prefix_cache_tokens", {"role": "test-role"})
+
+    a, b = PrefixStats("test-role"), PrefixStats("test-role")
+    a.update(CacheStats(), 96)
+    b.update(CacheStats(), 0)
+    assert held() == 96
+    b.update(CacheStats(), 32)
+    assert held() == 128
+    a.close()
+    assert held() == 32
