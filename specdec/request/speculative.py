@@ -311,9 +311,13 @@ class SpeculativeLoop:
         size = result.nodes or (draft.size if draft is not None else 1)
         self.dec.stats.record_cycle(size, len(result.accepted))
         self.dec.stats.ahead_committed += len(result.tokens) if self.hit else 0
-        # timed as what it cost: a drafted tree the verifier cut to its root is neither kind of cycle
+        # timed as what it cost: a drafted tree the verifier cut to its root is neither kind of cycle;
+        # counted as what it was, a drafted cycle (the draft was paid) that committed its one token,
+        # so a session whose trees the verifier keeps cutting (cost sizing where wide verifies are
+        # dear, a verify budget under load) pauses its drafting instead of paying for it every cycle
         timed = (draft is None) == (size == 1)
-        self.dec.gate.record(size > 1, len(result.tokens), time.perf_counter() - self.cycle_start if timed else None)
+        self.dec.gate.record(draft is not None, len(result.tokens),
+                             time.perf_counter() - self.cycle_start if timed else None)
         self.last = tuple(result.tokens)
         await self.add(result.tokens, result.logprobs)
         if self.drafter is not None and not self.dec.done:

@@ -254,6 +254,28 @@ def test_gate_pauses_and_the_pending_commits_arrive_joined():
     assert dec.gate.paused_cycles == 12
 
 
+class CuttingVerifier(FakeVerifier):
+    """Cuts every drafted tree to its root (a cost sizer where wide verifies cost
+    more than they commit): each cycle commits the bonus token alone."""
+
+    async def verify(self, draft, features):
+        result = await super().verify(None, features)
+        self.calls[-1] = (draft.tree if draft is not None else None, features)
+        return Committed(result.tokens, result.accepted, result.features, nodes=1)
+
+
+def test_trees_cut_to_their_root_pause_the_drafting_they_waste():
+    """Drafted trees the verifier keeps cutting to the root count as drafted cycles
+    committing one token: the gate pauses drafting as for trees that commit one,
+    instead of paying the draft every cycle."""
+    verifier, drafter = CuttingVerifier(), FakeDrafter(needs_features=True)
+    dec = run(verifier, drafter, 21, min_tau=1.5)
+    assert dec.tokens == plain(PROMPT, 21)
+    drafted = [tree is not None for tree, _ in verifier.calls]
+    assert drafted == [True] * 4 + [False] * 4 + [True] * 4 + [False] * 8
+    assert len(drafter.drafts) == 8 and dec.gate.paused_cycles == 12
+
+
 def test_a_drafter_gone_mid_request_leaves_plain_decoding():
     verifier, drafter = FakeVerifier(), FakeDrafter(needs_features=True, gone_after=2)
     dec = run(verifier, drafter, 30)
