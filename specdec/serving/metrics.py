@@ -101,28 +101,48 @@ PREFIX_EVICTIONS = Counter("specdec_prefix_cache_evictions_total",
 PREFIX_TOKENS = Gauge("specdec_prefix_cache_tokens", "Tokens held by the prefix cache.", ["role"], registry=REGISTRY)
 
 
-class PrefixStats:
-    """One server's prefix cache into the per-role series: ``update`` adds what
-    its counters gained since the last call; the tokens gauge is the sum over
-    the role's live servers (as ``SessionStats``: several servers of one role
-    in a process each hold their own cache, and a gauge one of them set would
-    read another's)."""
+class RoleSummed:
+    """A server's figures that gauges sum over the role's live servers: several
+    servers of one role in a process each hold their own, and a gauge one of
+    them set would read another's. ``GAUGES``: (gauge, attribute) pairs; the
+    owner sets the attributes, scrapes read the last values and never touch an
+    engine; ``close`` takes the server out of the sums."""
 
-    COUNTERS = ((PREFIX_LOOKUPS, "lookups"), (PREFIX_HITS, "hits"), (PREFIX_HIT_TOKENS, "hit_tokens"),
-                (PREFIX_SAVED_TOKENS, "saved_tokens"), (PREFIX_EVICTIONS, "evictions"))
-    _live: dict[str, weakref.WeakSet] = {}
+    GAUGES: tuple = ()
+    _live: dict[tuple[type, str], weakref.WeakSet] = {}
     _lock = threading.Lock()
 
     def __init__(self, role: str):
         self.role = role
-        self.tokens = 0
-        self._seen: dict[str, int] = {}
+        for _, attr in self.GAUGES:
+            setattr(self, attr, 0)
+        key = (type(self), role)
         with self._lock:
-            if role not in self._live:
-                self._live[role] = weakref.WeakSet()
-                peers = self._live[role]
-                PREFIX_TOKENS.labels(role).set_function(lambda: sum(s.tokens for s in list(peers)))
-            self._live[role].add(self)
+            if key not in self._live:
+                peers = self._live[key] = weakref.WeakSet()
+                for gauge, attr in self.GAUGES:
+                    gauge.labels(role).set_function(lambda attr=attr: sum(getattr(s, attr) for s in list(peers)))
+            self._live[key].add(self)
+
+    def close(self) -> None:
+        for _, attr in self.GAUGES:
+            setattr(self, attr, 0)
+        with self._lock:
+            self._live[(type(self), self.role)].discard(self)
+
+
+class PrefixStats(RoleSummed):
+    """One server's prefix cache into the per-role series: ``update`` adds what
+    its counters gained since the last call and holds what the cache holds
+    (the tokens gauge, summed over the role's live servers)."""
+
+    COUNTERS = ((PREFIX_LOOKUPS, "lookups"), (PREFIX_HITS, "hits"), (PREFIX_HIT_TOKENS, "hit_tokens"),
+                (PREFIX_SAVED_TOKENS, "saved_tokens"), (PREFIX_EVICTIONS, "evictions"))
+    GAUGES = ((PREFIX_TOKENS, "tokens"),)
+
+    def __init__(self, role: str):
+        super().__init__(role)
+        self._seen: dict[str, int] = {}
 
     def update(self, stats, tokens: int) -> None:
         """``stats``: the cache's ``CacheStats``; ``tokens``: what it holds now."""
@@ -134,41 +154,15 @@ class PrefixStats:
             self._seen[name] = now
         self.tokens = tokens
 
-    def close(self) -> None:
-        """The server stopped: its cache no longer counts in the gauge."""
-        self.tokens = 0
-        with self._lock:
-            self._live[self.role].discard(self)
 
+class SessionStats(RoleSummed):
+    """Session figures of one server, summed per role into the gauges (the
+    owner updates them after each engine call, from its worker thread)."""
 
-class SessionStats:
-    """Session figures of one server, summed per role into the gauges.
-
-    The owner updates them after each engine call (from its worker thread);
-    scrapes read the last values and never touch an engine."""
-
-    _live: dict[str, weakref.WeakSet] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, role: str):
-        self.role = role
-        self.active = 0
-        self.kv_bytes = 0
-        with self._lock:
-            if role not in self._live:
-                self._live[role] = weakref.WeakSet()
-                peers = self._live[role]
-                ACTIVE_SESSIONS.labels(role).set_function(lambda: sum(s.active for s in list(peers)))
-                KV_CACHE_BYTES.labels(role).set_function(lambda: sum(s.kv_bytes for s in list(peers)))
-            self._live[role].add(self)
+    GAUGES = ((ACTIVE_SESSIONS, "active"), (KV_CACHE_BYTES, "kv_bytes"))
 
     def update(self, active: int, kv_bytes: int = 0) -> None:
         self.active, self.kv_bytes = active, kv_bytes
-
-    def close(self) -> None:
-        self.update(0, 0)
-        with self._lock:
-            self._live[self.role].discard(self)
 
 
 def start_metrics_server(port: int, host: str):

@@ -109,8 +109,9 @@ def unrolled_losses(head, embed_tokens, batch: TttBatch, steps: int) -> tuple[to
     and softmax (a chat batch's prompts and padding are ~40% of it): step k's
     head position t counts where the target's position t+k does, so each step
     gathers those rows; the loss is still the sum over them divided by all B*S."""
-    bsz, seq_len = batch.counted().shape
-    rows = batch.counted().flatten().nonzero()[:, 0]                       # [M] flat positions with a target
+    counted = batch.counted()                                               # [B, S]
+    bsz, seq_len = counted.shape
+    rows = counted.flatten().nonzero()[:, 0]                                # [M] flat positions with a target
     target = batch.target.flatten(0, 1)[rows].float()                      # [M, N]
     target_p, target_top = torch.softmax(target, -1), target.argmax(-1)
     at = rows % seq_len                                                     # each row's position in its window
