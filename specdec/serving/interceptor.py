@@ -132,7 +132,12 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             metrics.RPCS.labels(service, name, code_name).inc()
             log.log(logging.DEBUG if code_name == "OK" else logging.INFO, "rpc",
                     extra={"method": f"{service}/{name}", "code": code_name, "ms": round(elapsed * 1e3, 3)})
-            request_id_var.reset(token)
+            try:
+                request_id_var.reset(token)
+            except ValueError:
+                # a stream closed from elsewhere (an abandoned response generator is closed by the
+                # loop's finalizer, in a context of its own, at shutdown): it was never set there
+                pass
 
 
 # -- errors as statuses ----------------------------------------------------------------------------------
