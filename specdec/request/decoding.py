@@ -10,12 +10,16 @@ tau = mean tokens committed per draft/verify cycle, bonus included (vLLM's
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from specdec.request.pace import Pace
+
+PROBE_LOSS = 0.05       # paced: the most a losing window of drafted cycles may cost, as a share of the pause after it
+MAX_COST_PAUSE = 1024   # paced: the longest pause a window's measured loss may ask for
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,14 @@ class SpeculationGate:
     a 16-node verify costs four one-token steps (int4 weights on a CPU) a
     fixed ``min_tau`` of 2 keeps drafting at a loss; paced, the first pause
     times the plain cycles and the session stays paused, probing a window of
-    drafted cycles now and then. A session that never pauses never times a
-    plain cycle and keeps ``min_tau``. With ``prior`` (``--min-tau auto``)
+    drafted cycles now and then. A paced pause is also long enough that the
+    window which caused it cost at most ``PROBE_LOSS`` of the pause's time
+    (``cost_pause``): where a drafted cycle costs six plain ones and commits
+    2.5 tokens, a window of 4 loses 14 plain cycles' time, so the pause is 280
+    cycles, not the 64 of the doubling alone, which cost such a pair ~25% of
+    plain decoding's rate in probes. A session that never pauses still times
+    a root-only cycle now and then (``Pace.root_due``), so the break-even is
+    measured wherever drafting runs. With ``prior`` (``--min-tau auto``)
     ``min_tau`` only stands in until the break-even is measured, which then
     decides alone: in bf16 or on a GPU a 16-node cycle costs ~1.2–1.5 one-token
     steps, and windows committing 1.5–2 tokens still pay. The times and the mean τ live in a
@@ -116,7 +126,11 @@ class SpeculationGate:
         self.pace = Pace()          # cycle times and τ (paced); a pair's shared one after ``share``
 
     def speculate(self) -> bool:
-        return self.min_tau <= 0 or self.pause_left == 0
+        """Whether the next cycle drafts: not while paused, nor (paced) when the
+        pair's root-only cycles are due to be timed (``Pace.root_due``)."""
+        if self.min_tau <= 0:
+            return True
+        return self.pause_left == 0 and not (self.paced and self.pace.root_due())
 
     @property
     def threshold(self) -> float:
@@ -136,8 +150,9 @@ class SpeculationGate:
             self.pause(max(pace.pause, self.recent.maxlen))
 
     def pause(self, cycles: int) -> None:
-        """Pause for ``cycles`` (at most ``max_pause``); the next pause is twice as long."""
-        self.pause_left = min(cycles, self.max_pause)
+        """Pause for ``cycles`` (at most ``max_pause``, or paced ``MAX_COST_PAUSE``
+        where that is longer); the next pause is twice as long, up to ``max_pause``."""
+        self.pause_left = min(cycles, max(self.max_pause, MAX_COST_PAUSE) if self.paced else self.max_pause)
         self.pause_len = min(2 * self.pause_left, self.max_pause)
         self.recent.clear()
         if self.paced:
@@ -158,10 +173,23 @@ class SpeculationGate:
         self.recent.append(committed)
         if len(self.recent) < self.recent.maxlen:
             return
-        if sum(self.recent) / len(self.recent) < self.threshold:
-            self.pause(self.pause_len)
+        tokens = sum(self.recent) / len(self.recent)
+        if tokens < self.threshold:
+            self.pause(max(self.pause_len, self.cost_pause(tokens)))
         else:
             self.pause_len = self.recent.maxlen
+
+    def cost_pause(self, tokens: float) -> int:
+        """Paced: the root-only cycles after a window of drafted cycles that
+        committed ``tokens`` each that make the window's loss at most
+        ``PROBE_LOSS`` of their time. A drafted cycle of d seconds committing
+        τ tokens loses d − τ·r against root-only cycles of r seconds, so a
+        window of W loses W·r·(break-even − τ): the pause is W·(break-even −
+        τ) / PROBE_LOSS cycles (0 unpaced, unmeasured, or not losing time)."""
+        break_even = self.pace.break_even if self.paced else None
+        if break_even is None or break_even <= tokens:
+            return 0
+        return math.ceil(round(self.recent.maxlen * (break_even - tokens) / PROBE_LOSS, 6))
 
 
 class Decoding:

@@ -31,6 +31,8 @@ from typing import Hashable
 PACE_SMOOTHING = 0.25        # weight of the newest cycle in the mean cycle times
 TOKENS_SMOOTHING = 0.05      # weight of the newest drafted cycle in the pair's mean τ (the last ~20 cycles)
 MAX_PAIRS = 1024             # pairs remembered by one ``Paces`` (the least recently used go first)
+SPIKE = 3.0                  # a cycle's time counts as at most this many times the mean it updates
+ROOT_TIMING = (4, 256)       # drafted cycles after which a paced session times a root-only one: never timed, since
 
 
 class Pace:
@@ -41,14 +43,31 @@ class Pace:
         self.seconds: dict[bool, float | None] = {True: None, False: None}
         self.tokens: float | None = None
         self.pause = 0
+        self.drafted_since_root = 0     # drafted cycles recorded since the last root-only one
+
+    def root_due(self) -> bool:
+        """Whether the next cycle should be root-only to time one: after the
+        first ``ROOT_TIMING[0]`` drafted cycles while none was ever timed,
+        then every ``ROOT_TIMING[1]``. A session that never pauses would
+        otherwise never measure the break-even, and keep drafting where its τ
+        clears ``min_tau`` but not the time a drafted cycle costs (τ 2.5 from
+        16-node cycles that cost six plain ones, int8 weights on a CPU)."""
+        return self.drafted_since_root >= ROOT_TIMING[self.seconds[False] is not None]
 
     def record(self, drafted: bool, committed: int, seconds: float | None) -> None:
         """One cycle of a paced session: ``seconds`` None or 0 is not timed (a
-        drafted tree cut to its root is neither kind of cycle)."""
+        drafted tree cut to its root is neither kind of cycle). A cycle slower
+        than ``SPIKE`` times its kind's mean (a graph built mid-run, a stall)
+        counts as ``SPIKE`` times: the gate's pauses grow with the break-even."""
         if seconds is not None and seconds > 0:
-            self.seconds[drafted] = smoothed(self.seconds[drafted], seconds, PACE_SMOOTHING)
+            mean = self.seconds[drafted]
+            self.seconds[drafted] = smoothed(mean, seconds if mean is None else min(seconds, SPIKE * mean),
+                                             PACE_SMOOTHING)
         if drafted:
             self.tokens = smoothed(self.tokens, committed, TOKENS_SMOOTHING)
+            self.drafted_since_root += 1
+        else:
+            self.drafted_since_root = 0
 
     @property
     def break_even(self) -> float | None:

@@ -353,7 +353,10 @@ class Up:
         self.log = open(tmp / "up.err", "w+")
         cmd = [sys.executable, "-m", "specdec.cli.main", "up", "--port", "0", "--target", str(family["target"]),
                "--eagle", str(family["eagle"]), "--drafters", "2", "--verifiers", "2",
-               "--state", str(self.state_file)]
+               "--state", str(self.state_file),
+               # every cycle drafts: a session the gate paused (the random family's trees lose to its
+               # steps on a busy machine) would not call its drafter before the generation ends
+               "--min-tau", "0"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         deadline = time.monotonic() + 240

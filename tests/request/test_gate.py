@@ -135,10 +135,11 @@ def test_a_session_joining_a_losing_pair_starts_paused_for_the_pairs_last_pause(
     gate = SpeculationGate(2.0, window=4, max_pause=64)
     gate.paced = True
     gate.share(pace)
-    pattern = run(gate, [3] * 60, 60, (0.04, 0.01))
-    # paused 16, a probe window of 4 (3 < 4: lost), paused 32, ...
-    assert pattern == [False] * 16 + [True] * 4 + [False] * 32 + [True] * 4 + [False] * 4
-    assert pace.pause == 64                           # the pair now pauses its next sessions longer
+    pattern = run(gate, [3] * 120, 120, (0.04, 0.01))
+    # paused 16, a probe window of 4 (3 < 4: lost one plain cycle's time each), then paused for as
+    # long as makes that loss 5% of the pause: 4 * (4 - 3) / 0.05 = 80 cycles, then a probe again
+    assert pattern == [False] * 16 + [True] * 4 + [False] * 80 + [True] * 4 + [False] * 16
+    assert pace.pause == 80                           # the pair now pauses its next sessions longer
 
 
 def test_a_session_joining_a_paying_pair_drafts_at_once_and_a_good_prompt_wins_its_cycles_back():
@@ -196,3 +197,71 @@ def test_with_an_auto_threshold_the_measured_break_even_decides_alone():
     assert not all(auto[4:8])                       # the first window (below 2.0) paused both
     assert prior.threshold == pytest.approx(1.3) and floor.threshold == 2.0
     assert all(auto[8:]) and sum(fixed[8:]) <= len(fixed[8:]) // 4     # windows of 4 between pauses of 8–16
+
+
+def rate(pattern, counts, seconds):
+    """Tokens a second of a run's ``pattern``: a drafted cycle commits its count in
+    ``seconds[0]``, a root-only one commits 1 in ``seconds[1]``."""
+    tokens = sum(c if d else 1 for d, c in zip(pattern, counts))
+    return tokens / sum(seconds[0] if d else seconds[1] for d in pattern)
+
+
+@pytest.mark.parametrize("cost, tau", [(6.0, 2.5), (4.0, 3.0), (12.0, 3.0)])
+def test_a_losing_pairs_probes_cost_it_at_most_a_few_percent(cost, tau):
+    """Drafted cycles costing ``cost`` plain ones and committing ``tau`` tokens
+    (SmolLM2 at int8 on a CPU: a 16-node cycle ~6 steps, tau ~2.5): over a
+    long greedy run the paced gate keeps within ~6% of plain decoding's rate,
+    the first windows included (with pauses that only doubled, up to 64
+    cycles, the probes cost such a pair 18-40%)."""
+    gate = SpeculationGate(2.0, window=4, max_pause=64)
+    gate.paced = True
+    counts = [tau] * 4000
+    seconds = (0.01 * cost, 0.01)
+    pattern = run(gate, counts, 4000, seconds)
+    assert rate(pattern, counts, seconds) >= 0.94 * 100.0
+    assert gate.pause_left <= 1024
+
+
+def test_a_window_that_loses_less_than_its_pause_can_repay_keeps_the_doubling():
+    """Drafted cycles just below the break-even (1.9 tokens at a cost of 2): the
+    window's loss asks for 8 cycles, less than the doubling's, which decides."""
+    gate = SpeculationGate(2.0, window=4, max_pause=16, prior=True)
+    gate.paced = True
+    gate.recent.extend([1, 1, 1])
+    counts = [2, 2, 2, 1.6] * 50
+    pattern = run(gate, counts, 60, (0.02, 0.01))
+    assert gate.cost_pause(1.9) == 8
+    # a window of 4, paused 4 (nothing timed yet), a window, paused 8, a window, paused 16
+    assert pattern[:1] == [True] and pattern[1:5] == [False] * 4
+    assert pattern[5:9] == [True] * 4 and pattern[9:17] == [False] * 8
+    assert pattern[17:21] == [True] * 4 and pattern[21:37] == [False] * 16
+
+
+def test_a_paced_session_that_never_pauses_still_times_root_only_cycles():
+    """τ 2.5 clears ``min_tau`` 2 in every window, so nothing would ever time a
+    plain cycle: after 4 drafted cycles one root-only cycle is timed, the
+    break-even (6) is known and the session pauses; where drafting pays (a
+    drafted cycle 1.5 plain ones) it costs one root-only cycle in 256."""
+    losing = SpeculationGate(2.0, window=4)
+    losing.paced = True
+    pattern = run(losing, [2.5] * 20, 20, (0.06, 0.01))
+    assert pattern[:5] == [True] * 4 + [False]
+    assert losing.threshold == pytest.approx(6.0)
+    # the next drafted cycle judges the last four against 6: paused for 4 * (6 - 2.5) / 0.05 cycles
+    assert pattern[5] and not any(pattern[6:]) and losing.pause_left == 280 - 14
+    paying = SpeculationGate(2.0, window=4)
+    paying.paced = True
+    pattern = run(paying, [2.5] * 1000, 1000, (0.015, 0.01))
+    assert pattern[4] is False and pattern.count(False) == 4 and paying.paused_cycles == 0
+
+
+def test_a_slow_cycle_moves_the_pairs_break_even_by_a_bounded_step():
+    """A drafted cycle 100 times the usual (a graph built mid-run) counts as 3
+    times: the break-even moves by half, not fiftyfold, so the pauses it sizes
+    stay bounded."""
+    pace = Pace()
+    for _ in range(8):
+        pace.record(True, 2, 0.02)
+        pace.record(False, 1, 0.01)
+    pace.record(True, 2, 2.0)
+    assert pace.break_even == pytest.approx(2.0 * (1 + 0.25 * 2))
