@@ -44,6 +44,7 @@ class Pace:
         self.tokens: float | None = None
         self.pause = 0
         self.drafted_since_root = 0     # drafted cycles recorded since the last root-only one
+        self.timed = {True: 0, False: 0}   # cycles of each kind offered to the means
 
     def root_due(self) -> bool:
         """Whether the next cycle should be root-only to time one: after the
@@ -56,13 +57,17 @@ class Pace:
 
     def record(self, drafted: bool, committed: int, seconds: float | None) -> None:
         """One cycle of a paced session: ``seconds`` None or 0 is not timed (a
-        drafted tree cut to its root is neither kind of cycle). A cycle slower
-        than ``SPIKE`` times its kind's mean (a graph built mid-run, a stall)
-        counts as ``SPIKE`` times: the gate's pauses grow with the break-even."""
+        drafted tree cut to its root is neither kind of cycle). The gate's pauses
+        grow with the break-even, so one slow cycle must not blow it up: a
+        pair's first cycle of each kind is not counted (it may have opened or
+        built a compiled graph), and a later one slower than ``SPIKE`` times
+        its kind's mean (a graph built mid-run, a stall) counts as ``SPIKE`` times."""
         if seconds is not None and seconds > 0:
+            self.timed[drafted] += 1
             mean = self.seconds[drafted]
-            self.seconds[drafted] = smoothed(mean, seconds if mean is None else min(seconds, SPIKE * mean),
-                                             PACE_SMOOTHING)
+            if self.timed[drafted] > 1:
+                self.seconds[drafted] = smoothed(mean, seconds if mean is None else min(seconds, SPIKE * mean),
+                                                 PACE_SMOOTHING)
         if drafted:
             self.tokens = smoothed(self.tokens, committed, TOKENS_SMOOTHING)
             self.drafted_since_root += 1

@@ -206,19 +206,23 @@ def rate(pattern, counts, seconds):
     return tokens / sum(seconds[0] if d else seconds[1] for d in pattern)
 
 
-@pytest.mark.parametrize("cost, tau", [(6.0, 2.5), (4.0, 3.0), (12.0, 3.0)])
-def test_a_losing_pairs_probes_cost_it_at_most_a_few_percent(cost, tau):
+@pytest.mark.parametrize("cost, tau, share", [(6.0, 2.5, 0.93), (4.0, 3.0, 0.93), (12.0, 3.0, 0.93),
+                                             (1.5, 2.5, 0.99)])
+def test_a_pairs_gate_costs_it_a_few_percent_of_its_best_rate(cost, tau, share):
     """Drafted cycles costing ``cost`` plain ones and committing ``tau`` tokens
     (SmolLM2 at int8 on a CPU: a 16-node cycle ~6 steps, tau ~2.5): over a
-    long greedy run the paced gate keeps within ~6% of plain decoding's rate,
-    the first windows included (with pauses that only doubled, up to 64
-    cycles, the probes cost such a pair 18-40%)."""
+    long greedy run the paced gate keeps within ~7% of the better of plain
+    decoding and drafting every cycle, its first windows and its root-only
+    timings included (with pauses that only doubled, up to 64 cycles, and no
+    root-only cycle ever timed while tau cleared 2, a losing pair ran at
+    25-75% of plain decoding's rate); where drafting pays (1.5 steps for 2.5
+    tokens) the root-only timings cost under 1%."""
     gate = SpeculationGate(2.0, window=4, max_pause=64)
     gate.paced = True
     counts = [tau] * 4000
     seconds = (0.01 * cost, 0.01)
     pattern = run(gate, counts, 4000, seconds)
-    assert rate(pattern, counts, seconds) >= 0.94 * 100.0
+    assert rate(pattern, counts, seconds) >= share * 100.0 * max(1.0, tau / cost)
     assert gate.pause_left <= 1024
 
 
@@ -239,20 +243,22 @@ def test_a_window_that_loses_less_than_its_pause_can_repay_keeps_the_doubling():
 
 def test_a_paced_session_that_never_pauses_still_times_root_only_cycles():
     """τ 2.5 clears ``min_tau`` 2 in every window, so nothing would ever time a
-    plain cycle: after 4 drafted cycles one root-only cycle is timed, the
-    break-even (6) is known and the session pauses; where drafting pays (a
-    drafted cycle 1.5 plain ones) it costs one root-only cycle in 256."""
+    plain cycle: after 4 drafted cycles one root-only cycle runs (a pair's
+    first of a kind is not timed: it may have built a graph), after 4 more a
+    second, the break-even (6) is known and the session pauses; where drafting
+    pays (a drafted cycle 1.5 plain ones) it then costs one root-only cycle in 256."""
     losing = SpeculationGate(2.0, window=4)
     losing.paced = True
-    pattern = run(losing, [2.5] * 20, 20, (0.06, 0.01))
-    assert pattern[:5] == [True] * 4 + [False]
+    pattern = run(losing, [2.5] * 30, 30, (0.06, 0.01))
+    assert pattern[:10] == ([True] * 4 + [False]) * 2
     assert losing.threshold == pytest.approx(6.0)
     # the next drafted cycle judges the last four against 6: paused for 4 * (6 - 2.5) / 0.05 cycles
-    assert pattern[5] and not any(pattern[6:]) and losing.pause_left == 280 - 14
+    assert pattern[10] and not any(pattern[11:]) and losing.pause_left == 280 - 19
     paying = SpeculationGate(2.0, window=4)
     paying.paced = True
     pattern = run(paying, [2.5] * 1000, 1000, (0.015, 0.01))
-    assert pattern[4] is False and pattern.count(False) == 4 and paying.paused_cycles == 0
+    assert [i for i, drafted in enumerate(pattern) if not drafted] == [4, 9, 266, 523, 780]
+    assert paying.paused_cycles == 0
 
 
 def test_a_slow_cycle_moves_the_pairs_break_even_by_a_bounded_step():
@@ -260,7 +266,7 @@ def test_a_slow_cycle_moves_the_pairs_break_even_by_a_bounded_step():
     times: the break-even moves by half, not fiftyfold, so the pauses it sizes
     stay bounded."""
     pace = Pace()
-    for _ in range(8):
+    for _ in range(8):                                # (the first of each kind is not timed)
         pace.record(True, 2, 0.02)
         pace.record(False, 1, 0.01)
     pace.record(True, 2, 2.0)

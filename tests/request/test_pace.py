@@ -59,8 +59,11 @@ def test_an_in_process_pairs_pace_is_forgotten_with_its_engines():
 
 def test_a_pace_is_losing_only_once_both_kinds_of_cycle_were_timed():
     pace = Pace()
+    pace.record(True, 2, 0.5)                      # a pair's first cycle of a kind is not timed (a graph build)
     pace.record(True, 2, 0.04)
     assert pace.break_even is None and not pace.losing(2.0)
+    pace.record(False, 1, 0.3)
+    assert pace.break_even is None
     pace.record(False, 1, 0.01)
     assert pace.break_even == pytest.approx(4.0) and pace.losing(2.0)
     pace.record(True, 3, 0.0)                      # untimed: the time is kept, the tokens counted
