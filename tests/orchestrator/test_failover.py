@@ -353,12 +353,11 @@ class Up:
         self.log = open(tmp / "up.err", "w+")
         cmd = [sys.executable, "-m", "specdec.cli.main", "up", "--port", "0", "--target", str(family["target"]),
                "--eagle", str(family["eagle"]), "--drafters", "2", "--verifiers", "2",
-               "--state", str(self.state_file),
-               # every cycle drafts: a session the gate paused (the random family's trees lose to its
-               # steps on a busy machine) would not call its drafter before the generation ends
-               "--min-tau", "0"]
+               "--state", str(self.state_file)]
+        # SPECDEC_MIN_TAU 0: every cycle drafts (a session the gate paused, the random family's trees
+        # losing to its steps on a busy machine, would not call its drafter before the generation ends)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "SPECDEC_MIN_TAU": "0"})
         deadline = time.monotonic() + 240
         while not self.state_file.exists():
             assert self.proc.poll() is None, self.stderr()
