@@ -345,8 +345,6 @@ def active(addr: str, role: str) -> int:
             return 0
 
 
-
-
 class Up:
     def __init__(self, family, tmp):
         self.state_file = tmp / "state.json"
@@ -354,8 +352,7 @@ class Up:
         cmd = [sys.executable, "-m", "specdec.cli.main", "up", "--port", "0", "--target", str(family["target"]),
                "--eagle", str(family["eagle"]), "--drafters", "2", "--verifiers", "2",
                "--state", str(self.state_file)]
-        # SPECDEC_MIN_TAU 0: every cycle drafts (a session the gate paused, the random family's trees
-        # losing to its steps on a busy machine, would not call its drafter before the generation ends)
+        # SPECDEC_MIN_TAU 0: every cycle drafts (a paused session would not call a killed drafter)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", "SPECDEC_MIN_TAU": "0"})
         deadline = time.monotonic() + 240
