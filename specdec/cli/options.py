@@ -94,11 +94,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_weights_flag(p, what: str = "the target's (and a draft LM's)") -> None:
-    """``--weights``: linear layers as loaded or weight-only quantized (``specdec.model.quantize``)."""
+    """``--weights``: linear layers as loaded, weight-only quantized (``specdec.model.quantize``)
+    or int8 times int8 (``specdec.model.w8a8``)."""
     p.add_argument("--weights", default="dtype", choices=WEIGHTS,
                    help=f"{what} linear layers and output head: dtype (default: as loaded, in --dtype), int8 "
-                        "(per-channel) or int4 (groups of 32, scale and minimum), weight-only, CPU only; "
-                        "speculation stays greedy-identical to plain decoding of the same quantized weights")
+                        "(per-channel) or int4 (groups of 32, scale and minimum), weight-only, or w8a8 (int8 "
+                        "weights times int8 activations per block of 32, exact int32 sums: a k-row verify costs "
+                        "little more than one row), CPU only; speculation stays greedy-identical to plain "
+                        "decoding of the same quantized weights")
 
 
 def add_lookahead_flag(p) -> None:

@@ -57,6 +57,7 @@ from transformers import AttentionInterface
 
 from specdec.model import attention
 from specdec.model.quantize import Int8Linear
+from specdec.model.w8a8 import W8A8Linear
 
 HALF = (torch.bfloat16, torch.float16)
 CHUNK = 4096                    # the longest sum inductor's CPU loops take without their cascade helper
@@ -163,7 +164,9 @@ ROW_FORWARDS = {torch.nn.Linear: ("forward", row_product_forward), Int8Linear: (
 
 def install(module: torch.nn.Module) -> int:
     """Give every linear layer of ``module`` that ``takes`` the streaming
-    one-row forward (once: a layer that has it keeps it); how many layers have it."""
+    one-row forward (once: a layer that has it keeps it); how many layers have it.
+    The attention of a module with such layers, or with w8a8 ones (whose kernel
+    streams a row as it is, ``specdec.model.w8a8``), is marked for the one-row loops."""
     count = 0
     for layer in module.modules():
         if not takes(layer):
@@ -172,7 +175,7 @@ def install(module: torch.nn.Module) -> int:
         if getattr(layer.__dict__.get(name), "__func__", None) is not forward:
             setattr(layer, name, types.MethodType(forward, layer))
         count += 1
-    if count:
+    if count or any(isinstance(layer, W8A8Linear) for layer in module.modules()):
         if AttentionInterface._global_mapping.get(attention.IMPLEMENTATION) is not one_row_attention:
             AttentionInterface.register(attention.IMPLEMENTATION, one_row_attention)
         for layer in module.modules():

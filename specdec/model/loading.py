@@ -35,8 +35,9 @@ AHEAD_ENV, AHEAD_MODES = "SPECDEC_COMPILE_AHEAD", ("all", "ready")
 CUDA_GRAPHS_ENV, CUDA_GRAPHS_MODES = "SPECDEC_CUDA_GRAPHS", ("on", "off")
 # auto (default: input-major on CPU) or off: how linear weights lie in memory (``input_major_linears``)
 LINEAR_LAYOUT_ENV, LINEAR_LAYOUT_MODES = "SPECDEC_LINEAR_LAYOUT", ("auto", "off")
-# --weights: the linear layers as loaded (dtype) or weight-only quantized on CPU (``specdec.model.quantize``)
-WEIGHTS = ("dtype", "int8", "int4")
+# --weights: the linear layers as loaded (dtype), weight-only quantized on CPU (``specdec.model.quantize``)
+# or int8 weights times int8 activations on CPU (w8a8, ``specdec.model.w8a8``)
+WEIGHTS = ("dtype", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def check_weights(weights: str, device: str) -> None:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     if weights != "dtype" and device.split(":")[0] != "cpu":
-        raise ValueError(f"--weights {weights} runs on CPU only (torch's weight-only {weights} kernels used here "
+        raise ValueError(f"--weights {weights} runs on CPU only (the {weights} kernels used here "
                          f"are CPU kernels), got device {device}; use --weights dtype there")
 
 

@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers on CPU (``--weights int8|int4``).
+"""Weight-only quantized linear layers on CPU (``--weights int8|int4``; ``w8a8``: ``specdec.model.w8a8``).
 
 A model loaded with ``ModelSpec.weights`` other than ``dtype`` has every
 ``nn.Linear`` (the decoder's projections and the output head; a tied head gets
@@ -46,10 +46,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.model import w8a8
+from specdec.model.quantized_linear import COMPUTE, QuantizedLinear
+
 log = logging.getLogger(__name__)
 
 GROUP = 32                              # int4 group along the input (GGUF Q4_1's block)
-COMPUTE = torch.bfloat16                # the dtype the kernels multiply in
 PROMPT_ROWS = 32                        # a prompt this long or longer: int8 products as dense bf16 ones
 _PROMPT = contextvars.ContextVar("specdec_prompt_products", default=False)
 
@@ -68,28 +70,6 @@ def prompt_products():
 def has_int8(model: nn.Module) -> bool:
     """Whether ``model`` holds int8 layers (whose prompts ``prompt_products`` speeds up)."""
     return any(type(m) is Int8Linear for m in model.modules())
-
-
-class QuantizedLinear(nn.Module):
-    """``y = x W^T (+ b)`` over a weight-only quantized ``W``, output in ``x``'s dtype."""
-
-    kind = ""
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE)
-        y = self.product(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights={self.kind}"
 
 
 class Int8Linear(QuantizedLinear):
@@ -164,14 +144,15 @@ def quantize_linears(model: nn.Module, weights: str) -> dict[str, str]:
             full = f"{name}.{child_name}" if name else child_name
             if id(child) not in done:
                 done[id(child)] = quantized(child, weights)
-                if weights == "int4" and done[id(child)].kind == "int8":
+                if weights != "int8" and done[id(child)].kind == "int8":
                     fallback.append(f"{full} [{child.out_features}x{child.in_features}]")
             setattr(module, child_name, done[id(child)])
             kinds[full] = done[id(child)].kind
     if fallback:
-        log.warning("int4 weights: %d layer(s) held in int8 instead (torch's int4 packing needs the output width a "
-                    "multiple of 16 and the input width a multiple of %d): %s", len(fallback), GROUP,
-                    ", ".join(fallback))
+        need = ("torch's int4 packing needs the output width a multiple of 16 and the input width a multiple of "
+                f"{GROUP}" if weights == "int4" else f"the w8a8 kernel needs the input width a multiple of {GROUP}")
+        log.warning("%s weights: %d layer(s) held in int8 (weight-only) instead (%s): %s", weights, len(fallback),
+                    need, ", ".join(fallback))
     log.info("weights: %d linear layers quantized (%s)", len(kinds), weights)
     return kinds
 
@@ -179,19 +160,25 @@ def quantize_linears(model: nn.Module, weights: str) -> dict[str, str]:
 def quantized(linear: nn.Linear, weights: str) -> QuantizedLinear:
     if weights == "int4" and int4_fits(linear.out_features, linear.in_features):
         return Int4Linear(linear.weight, linear.bias)
+    if weights == "w8a8":
+        if w8a8.fits(linear.in_features):
+            return w8a8.W8A8Linear(linear.weight, linear.bias)
     return Int8Linear(linear.weight, linear.bias)
 
 
 def compute_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``model``'s linear layers multiply in: ``COMPUTE`` once quantized, else ``dtype``."""
+    """The dtype ``model``'s linear layers multiply in: ``COMPUTE`` once quantized, else
+    ``dtype`` (w8a8 layers too: rounding their activations to int8 codes moves an output
+    as far as bfloat16 does, so they are checked with its tolerances)."""
     return COMPUTE if any(isinstance(m, QuantizedLinear) for m in model.modules()) else dtype
 
 
 def weights_key(model: nn.Module) -> str:
-    """The quantized layers of ``model`` by name and kind, and this module's
-    code ('' for none): part of a compiled package's key."""
+    """The quantized layers of ``model`` by name and kind, and the code of this module
+    and of w8a8 ('' for none): part of a compiled package's key."""
     kinds = ";".join(f"{name}:{m.kind}" for name, m in model.named_modules() if isinstance(m, QuantizedLinear))
-    return kinds and hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8] + kinds
+    code = b"".join(Path(f).read_bytes() for f in (__file__, w8a8.__file__, w8a8.SOURCE))
+    return kinds and hashlib.sha256(code).hexdigest()[:8] + kinds
 
 
 @contextmanager

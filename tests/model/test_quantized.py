@@ -3,8 +3,8 @@
 tied head is quantized while the embedding stays; a layer int4 cannot pack is
 held in int8 with one log line; speculation (eagle2, chain, n-gram, a draft LM)
 is greedy-identical to plain decoding of the same quantized target, eager and
-compiled; sampled speculation at int8 is distributed as the int8 target
-(chi-square); impossible combinations are refused in one line."""
+compiled; sampled speculation at int8 and w8a8 is distributed as that
+target (chi-square); impossible combinations are refused in one line."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_int4_packs_what_it_can_and_a_tied_head_keeps_its_embedding(caplog):
     assert kinds["model.layers.0.self_attn.q_proj"] == "int4" and kinds["model.layers.1.mlp.down_proj"] == "int4"
     assert kinds["lm_head"] == "int8"                               # 300 outputs: not a multiple of 16
     assert [r.getMessage() for r in caplog.records if "held in int8" in r.getMessage()] == [
-        f"int4 weights: 1 layer(s) held in int8 instead (torch's int4 packing needs the output width a multiple "
+        f"int4 weights: 1 layer(s) held in int8 (weight-only) instead (torch's int4 packing needs the output width a multiple "
         f"of 16 and the input width a multiple of {GROUP}): lm_head [300x64]"]
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert torch.equal(model.model.embed_tokens.weight, embed)
@@ -135,7 +135,7 @@ def test_impossible_combinations_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^--weights int4 runs on CPU only .* got device cuda:0; use --weights "
                                          r"dtype there$"):
         ModelSpec("unused", device="cuda:0", weights="int4")
-    with pytest.raises(ValueError, match=r"^weights must be one of dtype, int8, int4, got 'int2'$"):
+    with pytest.raises(ValueError, match=r"^weights must be one of dtype, int8, int4, w8a8, got 'int2'$"):
         ModelSpec("unused", weights="int2")
 
 
@@ -149,9 +149,8 @@ def test_up_hands_the_weights_to_its_services_and_a_gpu_is_refused_in_one_line(t
     assert build_parser().parse_args(["verifier", "serve", *verifier]).weights == "int4"
     assert build_parser().parse_args(["drafter", "serve", *drafter]).weights == "int4"
     assert main(["generate", "--local", "--target", target, "--weights", "int8", "--device", "cuda:0", "x"]) == 2
-    assert capsys.readouterr().err == ("specdec: error: --weights int8 runs on CPU only (torch's weight-only int8 "
-                                       "kernels used here are CPU kernels), got device cuda:0; use --weights dtype "
-                                       "there\n")
+    assert capsys.readouterr().err == ("specdec: error: --weights int8 runs on CPU only (the int8 kernels used "
+                                       "here are CPU kernels), got device cuda:0; use --weights dtype there\n")
 
 
 def _tokens(verifier, drafter, prompt, tree=None):
@@ -159,7 +158,7 @@ def _tokens(verifier, drafter, prompt, tree=None):
     return generate(verifier, drafter, prompt, SamplingParams(), stop, tree).tokens
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
 def test_speculation_is_plain_greedy_decoding_of_the_same_quantized_weights(family, weights):
     spec = ModelSpec(str(family["target"]), weights=weights)
     stack = build_local(spec, DrafterChoice("eagle", str(family["eagle"])))
@@ -196,7 +195,7 @@ def _first_difference_is_a_tie(target, prompt, got, want) -> bool:
 # ``make bench`` (the suite keeps the packages' key check below and the eager quantized checks above)
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
 def test_the_compiled_quantized_target_is_its_eager_plain_greedy_decoding(family, weights):
     from drafter.eagle.eagle2 import EagleDrafter
 
@@ -221,18 +220,19 @@ V, STEPS = 5, 3
 PROMPT = [1, 3, 2]
 
 
-def test_sampled_speculation_at_int8_is_distributed_as_the_int8_target():
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+def test_sampled_speculation_is_distributed_as_the_quantized_target(weights):
     from tiny import tiny_llama
 
     target, draft = tiny_llama(V, seed=5, hidden=32), tiny_llama(V, seed=6, hidden=32)
     for m in (target, draft):
         for p in m.parameters():
             p.data.mul_(3.0)
-        quantize_linears(m, "int8")
+        assert set(quantize_linears(m, weights).values()) == {weights}
     params = SamplingParams(temperature=1.0)
     joint, seqs = torch.ones(()), torch.tensor([PROMPT])
     with torch.no_grad():
-        for _ in range(STEPS):                    # the int8 target's exact joint of the first 3 tokens
+        for _ in range(STEPS):                    # the quantized target's exact joint of the first 3 tokens
             p = target_probs(target(seqs).logits[:, -1], params)
             joint = (joint.reshape(-1, 1) * p).reshape(-1)
             seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
@@ -260,8 +260,8 @@ def test_compiled_packages_are_keyed_by_the_quantized_layers(family):
     from specdec.compile import aot
 
     keys = {aot.model_fingerprint(load_causal_lm(ModelSpec(str(family["target"]), weights=w)))
-            for w in ("dtype", "int8", "int4")}
-    assert len(keys) == 3
+            for w in ("dtype", "int8", "int4", "w8a8")}
+    assert len(keys) == 4
 
 
 def test_bench_profile_times_int8_prompts_both_ways(family):
