@@ -59,7 +59,8 @@ def build_local(target: ModelSpec, choice: DrafterChoice, tokenizer_dir: str | N
     if choice.kind == "eagle":             # EAGLE-1/2 or EAGLE-3, told apart by the head's config
         from drafter.eagle.eagle3 import load_eagle_drafter
 
-        drafter = load_eagle_drafter(choice.path, target.path, device=target.device, compile=target.compile)
+        drafter = load_eagle_drafter(choice.path, target.path, device=target.device, compile=target.compile,
+                                     weights=target.weights)
         if getattr(drafter, "feature_layers", ()):      # EAGLE-3: its verifies return feature layers
             verifier.target.compile_feature_layers()
     elif choice.kind == "medusa":

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from specdec.model.loading import torch_device
+from specdec.model.quantize import quantize_linears
 from specdec.request.errors import InvalidArgument
 from drafter.base import DraftSession, on_device, read_value_temperature
 from drafter.cached import CachedTreeDrafter
@@ -45,13 +46,15 @@ class Eagle3Drafter(FeatureHeadDrafter):
 
     def __init__(self, head_dir: str | Path, target_dir: str | Path, dtype=torch.float32,
                  max_sessions: int = 64, ttl_s: float = 600.0, head: Eagle3Head | None = None,
-                 device: str = "cpu", compile: str = "off"):
+                 device: str = "cpu", compile: str = "off", weights: str = "dtype"):
         text = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config(decoder=True)
         vocab, target_hidden, depth = int(text.vocab_size), int(text.hidden_size), int(text.num_hidden_layers)
         if head is None:
             head = load_head3(head_dir, dtype, target_layers=depth)
         if head.embedding is None:
             head.set_embedding(load_target_head(target_dir, dtype).embed)
+        if weights == "w8a8":       # its layer and draft head read int8 per level; fc (once a commit) stays
+            quantize_linears(head, weights, keep=("fc",))
         where = head_dir or "the EAGLE-3 head"
         if head.t2d.numel() != vocab:
             raise InvalidArgument(f"{where}: vocabulary of {head.t2d.numel()} tokens, the target has {vocab}")
@@ -121,8 +124,11 @@ def is_eagle3_head(directory: str | Path) -> bool:
     return False
 
 
-def load_eagle_drafter(head_dir: str | Path, target_dir: str | Path, **kwargs) -> CachedTreeDrafter:
-    """The drafter for an EAGLE head directory of any version: EAGLE-3 or EAGLE-1/2."""
+def load_eagle_drafter(head_dir: str | Path, target_dir: str | Path, weights: str = "dtype",
+                       **kwargs) -> CachedTreeDrafter:
+    """The drafter for an EAGLE head directory of any version: EAGLE-3 or EAGLE-1/2;
+    ``weights`` (``--weights``): w8a8 quantizes an EAGLE-3 head's layer and draft
+    head (an EAGLE-1/2 head drafts through the target's output matrix: as loaded)."""
     if is_eagle3_head(head_dir):
-        return Eagle3Drafter(head_dir, target_dir, **kwargs)
+        return Eagle3Drafter(head_dir, target_dir, weights=weights, **kwargs)
     return EagleDrafter(head_dir, target_dir, **kwargs)

@@ -215,7 +215,7 @@ def run_profile(args, target_dir: str, eagle_dir: str | None) -> dict:
         TargetModel(ModelSpec(path=target_dir, dtype=args.dtype, device=args.device, compile=args.compile,
                               compile_layers=layers, weights=args.weights))
         target_s = time.perf_counter() - t
-        load_eagle_drafter(eagle_dir, target_dir, device=args.device, compile=args.compile)
+        load_eagle_drafter(eagle_dir, target_dir, device=args.device, compile=args.compile, weights=args.weights)
         total = time.perf_counter() - t
         return {"startup_s": round(total, 3), "target_s": round(target_s, 3), "drafter_s": round(total - target_s, 3),
                 "feature_layers": layers}

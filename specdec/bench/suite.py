@@ -90,7 +90,8 @@ class Models:
                                                     device=self.cfg.device, compile=self.cfg.compile)
             elif kind == "eagle3":
                 self._drafters[kind] = Eagle3Drafter(self._need(self.cfg.eagle3, "EAGLE-3 head"), self.cfg.target,
-                                                     device=self.cfg.device, compile=self.cfg.compile)
+                                                     device=self.cfg.device, compile=self.cfg.compile,
+                                                     weights=self.cfg.weights)
                 self.target.compile_feature_layers()       # its verifies return feature layers
             elif kind == "medusa":
                 from drafter.medusa import load_medusa_drafter

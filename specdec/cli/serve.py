@@ -171,7 +171,7 @@ def add_parsers(sub) -> None:
                                        "(default: the --target or --draft-lm directory when it holds one, else "
                                        "such drafts are unmasked, still exact)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    add_weights_flag(p, "a draft LM's")
+    add_weights_flag(p, "a draft LM's (at w8a8 also an EAGLE-3 head's)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     add_compile_flag(p, "EAGLE heads' draft levels over a fixed-shape KV buffer (drafter.compiled.head_levels) "
                         "and a draft LM's steps (specdec.compile.forwards)")
@@ -328,7 +328,8 @@ def _drafter_builder(args, default: TreeParams):
         from drafter.compiled.whole_draft import use_budget
         from drafter.eagle.eagle3 import load_eagle_drafter
 
-        drafter = load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile, **sessions)
+        drafter = load_eagle_drafter(head, target, dtype=dtype, device=args.device, compile=args.compile,
+                                     weights=args.weights, **sessions)
         use_budget(drafter, default)
         drafter.use_prefix_cache(args.prefix_cache_tokens, args.prefix_cache_exact)
         return drafter

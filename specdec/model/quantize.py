@@ -127,11 +127,11 @@ def int4_fits(out_features: int, in_features: int, group: int = GROUP) -> bool:
     return out_features % 16 == 0 and in_features % group == 0
 
 
-def quantize_linears(model: nn.Module, weights: str) -> dict[str, str]:
-    """Replace every ``nn.Linear`` of ``model`` by its ``weights`` (int8|int4)
-    quantized form, in place; returns each replaced layer's name -> kind. A
-    tied output head is quantized from the shared weight, which the input
-    embedding keeps."""
+def quantize_linears(model: nn.Module, weights: str, keep: tuple[str, ...] = ()) -> dict[str, str]:
+    """Replace every ``nn.Linear`` of ``model`` (but those named in ``keep``) by its
+    ``weights`` (int8|int4|w8a8) quantized form, in place; returns each replaced
+    layer's name -> kind. A tied output head is quantized from the shared weight,
+    which the input embedding keeps."""
     if weights == "dtype":
         return {}
     done: dict[int, QuantizedLinear] = {}
@@ -139,9 +139,9 @@ def quantize_linears(model: nn.Module, weights: str) -> dict[str, str]:
     fallback: list[str] = []
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if type(child) is not nn.Linear:
-                continue
             full = f"{name}.{child_name}" if name else child_name
+            if type(child) is not nn.Linear or full in keep:
+                continue
             if id(child) not in done:
                 done[id(child)] = quantized(child, weights)
                 if weights != "int8" and done[id(child)].kind == "int8":
