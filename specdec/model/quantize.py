@@ -175,9 +175,10 @@ def compute_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
 
 def weights_key(model: nn.Module) -> str:
     """The quantized layers of ``model`` by name and kind, and the code of this module
-    and of w8a8 ('' for none): part of a compiled package's key."""
+    (and of w8a8's, where it holds such layers) ('' for none): part of a compiled package's key."""
     kinds = ";".join(f"{name}:{m.kind}" for name, m in model.named_modules() if isinstance(m, QuantizedLinear))
-    code = b"".join(Path(f).read_bytes() for f in (__file__, w8a8.__file__, w8a8.SOURCE))
+    sources = (__file__, w8a8.__file__, w8a8.SOURCE) if ":w8a8" in kinds else (__file__,)
+    code = b"".join(Path(f).read_bytes() for f in sources)
     return kinds and hashlib.sha256(code).hexdigest()[:8] + kinds
 
 

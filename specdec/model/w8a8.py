@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -64,6 +65,10 @@ def load_kernel() -> None:
             return
         from torch.utils.cpp_extension import load_inline
 
+        if shutil.which("ninja") is None:       # the ninja wheel's (a dependency), outside an activated venv
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         source = SOURCE.read_text()
         name = "specdec_w8a8_" + hashlib.sha256(source.encode()).hexdigest()[:12]
         log.info("w8a8: loading the int8 kernel (built on first use, ~25 s)")

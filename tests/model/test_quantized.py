@@ -195,7 +195,7 @@ def _first_difference_is_a_tie(target, prompt, got, want) -> bool:
 # ``make bench`` (the suite keeps the packages' key check below and the eager quantized checks above)
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("weights", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_the_compiled_quantized_target_is_its_eager_plain_greedy_decoding(family, weights):
     from drafter.eagle.eagle2 import EagleDrafter
 
