@@ -150,7 +150,7 @@ def quantize_linears(model: nn.Module, weights: str, keep: tuple[str, ...] = ())
             kinds[full] = done[id(child)].kind
     if fallback:
         need = ("torch's int4 packing needs the output width a multiple of 16 and the input width a multiple of "
-                f"{GROUP}" if weights == "int4" else f"the w8a8 kernel needs the input width a multiple of {GROUP}")
+                f"{GROUP}" if weights == "int4" else f"the w8a8 kernel needs the input width a multiple of {w8a8.BLOCK}")
         log.warning("%s weights: %d layer(s) held in int8 (weight-only) instead (%s): %s", weights, len(fallback),
                     need, ", ".join(fallback))
     log.info("weights: %d linear layers quantized (%s)", len(kinds), weights)
@@ -160,9 +160,8 @@ def quantize_linears(model: nn.Module, weights: str, keep: tuple[str, ...] = ())
 def quantized(linear: nn.Linear, weights: str) -> QuantizedLinear:
     if weights == "int4" and int4_fits(linear.out_features, linear.in_features):
         return Int4Linear(linear.weight, linear.bias)
-    if weights == "w8a8":
-        if w8a8.fits(linear.in_features):
-            return w8a8.W8A8Linear(linear.weight, linear.bias)
+    if weights == "w8a8" and w8a8.fits(linear.in_features):
+        return w8a8.W8A8Linear(linear.weight, linear.bias)
     return Int8Linear(linear.weight, linear.bias)
 
 
