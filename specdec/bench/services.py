@@ -78,9 +78,8 @@ def drafter_argv(cfg: BenchConfig, kind: str) -> list[str]:
                   "--expand-k", str(tree.expand_k)]
         # no --dtype: the head drafts in float32 whatever the target's, as in process and under `specdec up`
         # (whose head layers follow --weights w8a8 too)
-        weights = ["--weights", cfg.weights] if cfg.weights == "w8a8" else []
         return ["--eagle", eagle_head(cfg, kind), "--target", cfg.target, "--device", cfg.device,
-                "--compile", cfg.compile, *weights, *limits, *budget]     # (its default tree: the one drafted whole)
+                "--weights", cfg.weights, "--compile", cfg.compile, *limits, *budget]     # (its default tree: the one drafted whole)
     if kind == "medusa":
         return ["--medusa", cfg.medusa, "--target", cfg.target, "--dtype", cfg.dtype, "--device", cfg.device, *limits]
     if kind == "hydra":

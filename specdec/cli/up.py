@@ -133,9 +133,7 @@ def _model_argv(args) -> tuple[list[str], list[str] | None, str]:
         # an EAGLE head drafts in float32 whatever the target's dtype, as in process: on CPU its float32
         # products take the faster layout, and the draft's precision never touches what is committed
         # (docs/models.md, "Precision"); at --weights w8a8 an EAGLE-3 head's layer and draft head are w8a8 too
-        drafter = ["--eagle", eagle, "--target", target, "--compile", args.compile]
-        if args.weights == "w8a8":
-            drafter += ["--weights", args.weights]
+        drafter = ["--eagle", eagle, "--target", target, "--weights", args.weights, "--compile", args.compile]
         verifier += feature_layer_flags(eagle, args.compile)
     verifier += ["--tokenizer", target]              # structured output: the grammar's tokens
     if drafter is not None:

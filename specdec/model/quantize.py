@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from specdec.model import w8a8
-from specdec.model.quantized_linear import COMPUTE, QuantizedLinear
+from specdec.model.quantized_linear import COMPUTE, QuantizedLinear, int8_codes
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,8 @@ class Int8Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        qweight, scale = int8_codes(weight)
+        self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scale.to(COMPUTE))
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
