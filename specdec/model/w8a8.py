@@ -78,7 +78,7 @@ def load_kernel() -> None:
         _loaded = True
 
 
-def _fake(x, packed, corr, scales, n, vnni):
+def _fake(x, packed, scales, n, vnni):
     return x.new_empty(x.shape[0], n)
 
 
@@ -94,19 +94,18 @@ def fits(in_features: int) -> bool:
     return in_features % BLOCK == 0
 
 
-def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(qweight: torch.Tensor) -> torch.Tensor:
     """int8 weights [out, in] as the kernel reads them: [ceil(out/16), in/4, 16, 4]
-    (16 outputs' four consecutive inputs a 64-byte row), and the corrections
-    [ceil(out/16), in/32, 16]: 128 × each block's weight sum (the kernel
-    multiplies unsigned codes, the activation codes plus 128)."""
+    (16 outputs' four consecutive inputs a 64-byte row), each code stored as the
+    unsigned byte ``w + 128`` (VNNI multiplies unsigned bytes by signed ones:
+    the kernel takes the activations' codes as the signed side and subtracts
+    128 × their block sum, ``w8a8.cpp``)."""
     out_features, in_features = qweight.shape
     blocks = -(-out_features // COLS)
-    padded = torch.zeros(blocks * COLS, in_features, dtype=torch.int8)
+    padded = torch.zeros(blocks * COLS, in_features, dtype=torch.int16)
     padded[:out_features] = qweight
-    packed = padded.view(blocks, COLS, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
-    sums = padded.view(blocks * COLS, in_features // BLOCK, BLOCK).sum(-1, dtype=torch.int32) * 128
-    corr = sums.view(blocks, COLS, in_features // BLOCK).permute(0, 2, 1).contiguous()
-    return packed, corr
+    unsigned = (padded + 128).to(torch.uint8).view(torch.int8)       # the bytes w + 128
+    return unsigned.view(blocks, COLS, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 class W8A8Linear(QuantizedLinear):
@@ -123,19 +122,18 @@ class W8A8Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         load_kernel()
         qweight, scale = int8_codes(weight)
-        packed, corr = pack(qweight)
+        packed = pack(qweight)
         self.register_buffer("packed", packed)
-        self.register_buffer("corr", corr)
         padded = torch.zeros(packed.shape[0] * COLS)
         padded[:out_features] = scale
         self.register_buffer("scales", padded)
         self.vnni = use_vnni()
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.specdec.w8a8_linear(rows, self.packed, self.corr, self.scales, self.out_features, self.vnni)
+        return torch.ops.specdec.w8a8_linear(rows, self.packed, self.scales, self.out_features, self.vnni)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [out, in] in fp32 (codes times scales)."""
         blocks = self.packed.shape[0]
-        codes = self.packed.permute(0, 2, 1, 3).reshape(blocks * COLS, self.in_features)
-        return (codes.float() * self.scales[:, None])[:self.out_features]
+        unsigned = self.packed.view(torch.uint8).permute(0, 2, 1, 3).reshape(blocks * COLS, self.in_features)
+        return ((unsigned.float() - 128) * self.scales[:, None])[:self.out_features]
