@@ -151,29 +151,24 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor out = at::empty({M, n}, xc.options());
   if (M == 0 || n == 0) return out;
   const bool fast = vnni && has_vnni();
-  // the codes row by row, then interleaved per chunk of ROWS rows
-  at::Tensor q = at::empty({2, M, K}, xc.options().dtype(at::kChar));
-  at::Tensor sa = at::empty({2, M, blocks}, xc.options());
-  at::Tensor st = at::empty({2, M, blocks}, xc.options().dtype(at::kInt));
+  // each row's codes, scales and accumulator starts, written straight into its chunk's interleaved layout
+  at::Tensor q = at::empty({M, K}, xc.options().dtype(at::kChar));
+  at::Tensor sa = at::empty({M, blocks}, xc.options());
+  at::Tensor st = at::empty({M, blocks}, xc.options().dtype(at::kInt));
   const float* xp = xc.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = sa.data_ptr<float>();
-  int32_t* tp = st.data_ptr<int32_t>();
-  for (int64_t i = 0; i < M * blocks; ++i)
-    sp[i] = fast ? quantize_block_avx512(xp + i * BLOCK, qp + i * BLOCK, tp + i)
-                 : quantize_block_scalar(xp + i * BLOCK, qp + i * BLOCK, tp + i);
-  const int32_t* q4 = reinterpret_cast<const int32_t*>(qp);
-  int32_t* k4 = reinterpret_cast<int32_t*>(qp + M * K);
-  float* ks = sp + M * blocks;
-  int32_t* kt = tp + M * blocks;
+  int32_t* k4 = reinterpret_cast<int32_t*>(q.data_ptr<int8_t>());
+  float* ks = sa.data_ptr<float>();
+  int32_t* kt = st.data_ptr<int32_t>();
   for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
     const int64_t nr = std::min(ROWS, M - r0);
-    for (int64_t g = 0; g < K / 4; ++g)
-      for (int64_t r = 0; r < nr; ++r) k4[r0 * K / 4 + g * nr + r] = q4[(r0 + r) * K / 4 + g];
-    for (int64_t b = 0; b < blocks; ++b)
-      for (int64_t r = 0; r < nr; ++r) {
-        ks[r0 * blocks + b * nr + r] = sp[(r0 + r) * blocks + b];
-        kt[r0 * blocks + b * nr + r] = tp[(r0 + r) * blocks + b];
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* x = xp + (r0 + r) * K + b * BLOCK;
+        const int64_t at = r0 * blocks + b * nr + r;
+        int32_t codes[GROUPS];
+        int8_t* q8 = reinterpret_cast<int8_t*>(codes);
+        ks[at] = fast ? quantize_block_avx512(x, q8, kt + at) : quantize_block_scalar(x, q8, kt + at);
+        for (int64_t g = 0; g < GROUPS; ++g) k4[r0 * K / 4 + (b * GROUPS + g) * nr + r] = codes[g];
       }
   }
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
